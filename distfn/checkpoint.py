@@ -861,3 +861,297 @@ def _decode(node: Any, reader: Any, device: torch.device | None = None) -> Any:
         if tag == "__dict__":
             return {_decode(k, reader, device): _decode(v, reader, device) for k, v in value}
     return {k: _decode(v, reader, device) for k, v in node.items()}
+
+
+def _tree(header: _Header) -> Any:
+    """The saved object's JSON tree; a foreign file (no distfn metadata) reads as a flat name -> tensor map."""
+    raw = header.metadata.get(_KEY_TREE)
+    if raw is None:
+        return {name: {"__tensor__": name} for name in header.tensors}
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {exc}") from None
+
+
+def _ref(node: Any) -> str | None:
+    """The stored tensor name if ``node`` is a tensor reference."""
+    if isinstance(node, dict) and len(node) == 1 and "__tensor__" in node:
+        return str(node["__tensor__"])
+    return None
+
+
+def _as_plain_dict(node: Any) -> dict[Any, Any] | None:
+    """A tree node that encodes a mapping, as a dict of (encoded) children keyed by decoded keys."""
+    if not isinstance(node, dict):
+        return None
+    if len(node) == 1:
+        (tag, value), = node.items()
+        if tag == "__dict__":
+            return {_decode(k, _NoTensors()): v for k, v in value}
+        if tag in _TAGS:
+            return None
+    return node
+
+
+def _child(node: dict[Any, Any], key: Any) -> Any:
+    """``node[key]``, or for flat files the entries under ``key.`` gathered into a sub-mapping."""
+    if key in node:
+        return node[key]
+    prefix = f"{key}."
+    sub = {k[len(prefix):]: v for k, v in node.items() if isinstance(k, str) and k.startswith(prefix)}
+    return sub or None
+
+
+_WRAPPER_SEGMENTS: Final = ("module", "_orig_mod")
+
+
+def _strip_wrappers(key: str) -> str:
+    parts = key.split(".")
+    while len(parts) > 1 and parts[0] in _WRAPPER_SEGMENTS:
+        parts = parts[1:]
+    return ".".join(p for i, p in enumerate(parts) if p != "_orig_mod" or i == len(parts) - 1)
+
+
+def _describe(keys: Sequence[str], limit: int = 8) -> str:
+    keys = list(keys)
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+@attrs.define
+class _Step:
+    """One validated restore, applied after every target has been checked."""
+
+    where: str
+    apply: Any  # Callable[[], None]
+
+
+class _Restorer:
+    def __init__(self, reader: _Reader, device: torch.device, strict: bool) -> None:
+        self.reader = reader
+        self.device = device
+        self.strict = strict
+        self.steps: list[_Step] = []
+        self.file = reader.header.path
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def plan(self, target: Any, node: Any, path: tuple[Any, ...]) -> Any:
+        """Validate restoring ``target`` from ``node``; queue the work; return leftovers (for mappings)."""
+        where = _path_str(path)
+        if isinstance(target, nn.Module):
+            self._module(target, node, where)
+        elif isinstance(target, torch.optim.Optimizer):
+            self._optimizer(target, node, where)
+        elif isinstance(target, torch.Tensor):
+            self._tensor(target, node, where)
+        elif isinstance(target, Mapping):
+            return self.mapping(target, node, path)
+        elif _is_stateful(target):
+            self.steps.append(_Step(where, lambda: target.load_state_dict(_decode(node, self.reader, self.device))))
+        else:
+            raise CheckpointError(
+                f"cannot restore into {type(target).__qualname__} at '{where}': into= takes modules, optimizers, "
+                "schedulers, GradScalers, tensors, objects with load_state_dict() and mappings of those. Plain "
+                "values (step, epoch, ...) are not restored in place; load_into returns them."
+            )
+        return None
+
+    def mapping(self, into: Mapping[Any, Any], node: Any, path: tuple[Any, ...]) -> dict[Any, Any]:
+        where = _path_str(path)
+        children = _as_plain_dict(node)
+        if children is None:
+            raise CheckpointError(f"'{self.file}': expected a mapping at '{where}' to restore "
+                                  f"{_describe([str(k) for k in into])} into, found {_kind(node)}")
+        missing = []
+        used: set[Any] = set()
+        for key, target in into.items():
+            if target is None:
+                continue
+            child = _child(children, key)
+            if child is None:
+                missing.append(key)
+                continue
+            used.add(key)
+            if key not in children:  # gathered from "key.*" names
+                used.update(k for k in children if isinstance(k, str) and k.startswith(f"{key}."))
+            self.plan(target, child, (*path, key))
+        if missing:
+            holds = _describe([str(k) for k in children])
+            hint = ""
+            if all(_ref(v) is not None for v in children.values()):
+                hint = " The file holds a bare state dict; to load a module from it pass into=model."
+            msg = f"'{self.file}' has no entry for {_describe([str(k) for k in missing])} (it holds {holds}).{hint}"
+            if self.strict:
+                raise CheckpointError(msg)
+            logger.warning("{} (strict=False: left as they are)", msg)
+        return {k: v for k, v in children.items() if k not in used}
+
+    # -- kinds --------------------------------------------------------------------------------------
+    def _module(self, target: nn.Module, node: Any, where: str) -> None:
+        module = unwrap_module(target)
+        children = _as_plain_dict(node)
+        if children is None:
+            raise CheckpointError(f"'{self.file}': expected a module state dict at '{where}', found {_kind(node)}")
+        bad = [k for k, v in children.items() if _ref(v) is None and not str(k).endswith("_extra_state")]
+        if bad:
+            raise CheckpointError(
+                f"'{self.file}' holds a training state ({_describe([str(k) for k in children])}), not a module "
+                f"state dict at '{where}'; pass into={{'model': model, ...}} naming the entries to restore."
+            )
+        expected = module.state_dict()
+        file_keys = {str(k): k for k in children}
+        if not set(expected) <= set(file_keys) or not set(file_keys) <= set(expected):
+            # Files written from a wrapped module (by other tools): 'module.fc.weight', '_orig_mod.fc.weight'.
+            stripped = {_strip_wrappers(k): orig for k, orig in file_keys.items()}
+            if len(stripped) == len(file_keys) and len(set(stripped) & set(expected)) > len(
+                set(file_keys) & set(expected)
+            ):
+                file_keys = stripped
+        missing = [k for k in expected if k not in file_keys]
+        if missing:  # a tied weight the file stores once (e.g. files written by other tools) is not missing
+            by_memory: dict[tuple[Any, ...], list[str]] = {}
+            for k, t in expected.items():
+                if isinstance(t, torch.Tensor) and t.numel():
+                    by_memory.setdefault((t.device, t.untyped_storage().data_ptr(), t.storage_offset(),
+                                          tuple(t.shape)), []).append(k)
+            tied = {k for group in by_memory.values() if any(g in file_keys for g in group) for k in group}
+            missing = [k for k in missing if k not in tied]
+        unexpected = [k for k in file_keys if k not in expected]
+        prefix = "" if where == "<root>" else f"{where}."
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing from the file: {_describe([prefix + k for k in missing])}")
+            if unexpected:
+                parts.append(f"unexpected in the file: {_describe([prefix + k for k in unexpected])}")
+            msg = f"'{self.file}' does not match the module at '{where}': " + "; ".join(parts)
+            if self.strict:
+                raise CheckpointError(msg + " (pass strict=False to load the matching keys only)")
+            logger.warning("{} (strict=False: loading the matching keys)", msg)
+        for key, value in expected.items():
+            if key not in file_keys or not isinstance(value, torch.Tensor):
+                continue
+            name = _ref(children[file_keys[key]])
+            shape = list(self.reader.header.tensors.get(name, {}).get("shape", []))
+            if shape != list(value.shape):
+                raise CheckpointError(
+                    f"'{self.file}': shape mismatch at '{prefix}{key}': the file has {shape}, the model has "
+                    f"{list(value.shape)}"
+                )
+        del expected
+
+        def apply() -> None:
+            # Read on the CPU: load_state_dict copies each tensor straight into the parameter, on its device.
+            state = {k: _decode(children[orig], self.reader, torch.device("cpu")) for k, orig in file_keys.items()
+                     if k not in unexpected}
+            result = module.load_state_dict(state, strict=False)
+            if result.missing_keys and self.strict:  # hooks may add requirements; report them the same way
+                still = [k for k in result.missing_keys if k in missing]
+                if still:
+                    raise CheckpointError(f"'{self.file}': keys missing for '{where}': {_describe(still)}")
+
+        self.steps.append(_Step(where, apply))
+
+    def _optimizer(self, target: torch.optim.Optimizer, node: Any, where: str) -> None:
+        children = _as_plain_dict(node)
+        groups = children.get("param_groups") if children else None
+        if children is None or "state" not in children or not isinstance(groups, list):
+            raise CheckpointError(f"'{self.file}': the entry at '{where}' is not an optimizer state "
+                                  f"(found {_kind(node)})")
+        saved = [len(_as_plain_dict(g).get("params", [])) if _as_plain_dict(g) else 0 for g in groups]
+        live = [len(g["params"]) for g in target.param_groups]
+        if saved != live:
+            raise CheckpointError(
+                f"'{self.file}': the optimizer at '{where}' does not match: the file has {len(saved)} param "
+                f"group(s) with {saved} parameters, the optimizer has {len(live)} with {live}"
+            )
+
+        def apply() -> None:
+            # CPU tensors: Optimizer.load_state_dict moves each to its parameter's device and dtype
+            # (and keeps 'step' where the optimizer wants it).
+            state = _decode(node, self.reader, torch.device("cpu"))
+            try:
+                target.load_state_dict(state)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise CheckpointError(f"'{self.file}': cannot restore the optimizer at '{where}': {exc}") from exc
+
+        self.steps.append(_Step(where, apply))
+
+    def _tensor(self, target: torch.Tensor, node: Any, where: str) -> None:
+        name = _ref(node)
+        if name is None:
+            raise CheckpointError(f"'{self.file}': expected a tensor at '{where}', found {_kind(node)}")
+        shape = list(self.reader.header.tensors.get(name, {}).get("shape", []))
+        if shape != list(target.shape):
+            raise CheckpointError(f"'{self.file}': shape mismatch at '{where}': the file has {shape}, the "
+                                  f"tensor has {list(target.shape)}")
+
+        def apply() -> None:
+            with torch.no_grad():
+                target.copy_(self.reader.get(name, torch.device("cpu")))
+
+        self.steps.append(_Step(where, apply))
+
+
+def _kind(node: Any) -> str:
+    if _ref(node) is not None:
+        return "a tensor"
+    if isinstance(node, dict) and len(node) == 1 and next(iter(node)) in _TAGS:
+        return f"a {next(iter(node)).strip('_')}"
+    if isinstance(node, dict):
+        return f"a mapping with keys {_describe([str(k) for k in node])}"
+    if isinstance(node, list):
+        return "a list"
+    return f"the value {node!r}"
+
+
+def load_into(
+    path: PathLike,
+    into: Mapping[str, Any] | nn.Module,
+    *,
+    device: str | torch.device = "cpu",
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Restore objects in place from a checkpoint and return the values that were not restored in place.
+
+    Every target is validated first (keys, shapes, optimizer structure) and only then restored, so a mismatch
+    leaves all targets untouched.
+
+    Args:
+        path: a ``.safetensors`` file (written by :func:`save` or by other tools).
+        into: a module (possibly wrapped) for a module file, or a mapping naming the entries of a training
+            state to restore, e.g. ``{"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler,
+            "rng": RNG}``. Values may be modules, optimizers, schedulers, ``GradScaler``\\ s, tensors, objects
+            with ``load_state_dict()``, nested mappings of those, or ``None`` (skipped). Module entries accept
+            keys prefixed by ``module.`` / ``_orig_mod.``.
+        device: where returned tensors (and the state of generic stateful objects) are placed. Module and
+            optimizer tensors go to their parameters' devices.
+        strict: when true (default) a missing entry, a missing or unexpected module key is an error; when
+            false it is logged as a warning and the matching part is restored.
+
+    Returns:
+        The file's top-level entries that ``into`` did not name (``step``, ``epoch``, ``best``, ...), decoded:
+        tensors on ``device``, other values as saved. ``{}`` when ``into`` is a module.
+
+    Raises:
+        CheckpointError: unreadable or pickle file, missing/unexpected keys (strict), the first shape mismatch
+            (naming the key and both shapes), an optimizer with another parameter layout.
+    """
+    dev = torch.device(device)
+    with _open(path, dev) as reader:
+        tree = _tree(reader.header)
+        restorer = _Restorer(reader, dev, strict)
+        if isinstance(into, nn.Module):
+            restorer.plan(into, tree, ())
+            leftovers: dict[Any, Any] = {}
+        elif isinstance(into, Mapping):
+            leftovers = restorer.mapping(into, tree, ())
+        else:
+            raise CheckpointError(f"into= must be a module or a mapping of objects to restore, got "
+                                  f"{type(into).__qualname__}")
+        for step in restorer.steps:
+            step.apply()
+        result = {k: _decode(v, reader, dev) for k, v in leftovers.items()}
+    logger.debug("loaded {} into {}", reader.header.path, _describe([s.where for s in restorer.steps]))
+    return result
