@@ -17,3 +17,34 @@ class ConfigError(DistfnError, ValueError):
 
 class CheckpointError(DistfnError):
     """A checkpoint cannot be written or read as asked."""
+
+
+class NestedLaunchError(ConfigError):
+    """A decorated function was called from inside a running distfn worker."""
+
+
+class WorkerError(DistfnError):
+    """One or more self-spawned workers failed.
+
+    The message leads with the *first* failure (rank, host, pid, exception type and message and the
+    worker's traceback) and lists any later ones after it. ``failures`` holds them all, first first.
+    """
+
+    def __init__(self, failures: list) -> None:  # list[distfn.spawn.Failure]; typed loosely to avoid a cycle
+        self.failures = list(failures)
+        super().__init__(self._render())
+
+    @property
+    def first(self):  # noqa: ANN201 - a distfn.spawn.Failure
+        """The failure that happened first (the likely root cause)."""
+        return self.failures[0]
+
+    def _render(self) -> str:
+        if not self.failures:
+            return "a worker failed without reporting why"
+        first = self.failures[0]
+        lines = [f"{first.headline()}", "", first.details().rstrip()]
+        if len(self.failures) > 1:
+            lines += ["", f"{len(self.failures) - 1} other rank(s) failed after it:"]
+            lines += [f"  - {f.headline()}" for f in self.failures[1:]]
+        return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Collectives that accept tensors and plain Python values, and are identities without a process group.
+
+Every function here takes the world explicitly through ``torch.distributed``'s default group; when no group
+is initialised (``mode="single"``/``"dp"``, or a world of one) each is an identity, so user code never needs
+an ``if distributed:`` branch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def active() -> bool:
+    """True when a default process group is initialised in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Block until every rank reaches this point (no-op without a process group)."""
+    if active():
+        dist.barrier()
+
+
+def _reduce_op(op: str) -> Any:
+    if op not in REDUCE_OPS:
+        raise ConfigError(f"all_reduce op={op!r} is not supported; use one of {', '.join(REDUCE_OPS)}")
+    return {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN}[op]
+
+
+def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None) -> T:
+    """Reduce ``value`` over all ranks and return the result; the input is not modified.
+
+    ``value`` is a tensor (any shape; integer tensors are promoted to float for ``"mean"``) or a Python
+    ``int``/``float``/``bool`` (returned as ``float`` for ``"mean"``, else as the input's type).
+    ``device`` is where a Python number travels (must be a CUDA device for NCCL); defaults to CPU.
+    """
+    torch_op = _reduce_op(op)
+    if isinstance(value, torch.Tensor):
+        out = value.detach().clone()
+        if op == "mean" and not (out.is_floating_point() or out.is_complex()):
+            out = out.to(torch.float64)
+        if active():
+            dist.all_reduce(out, op=torch_op)
+            if op == "mean":
+                out /= dist.get_world_size()
+        return out  # type: ignore[return-value]
+    if isinstance(value, (bool, int, float)):
+        t = torch.tensor(float(value), dtype=torch.float64, device=device or "cpu")
+        reduced = all_reduce(t, op)
+        if op == "mean":
+            return float(reduced.item())  # type: ignore[return-value]
+        return type(value)(reduced.item())  # type: ignore[return-value]
+    raise ConfigError(
+        f"all_reduce takes a tensor or a Python number, got {type(value).__name__}; "
+        "for arbitrary objects use gather_object"
+    )
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` as a list indexed by rank, on every rank (objects must be picklable)."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (other ranks' arguments are ignored)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,511 @@
+"""The launching process of a self-spawned job: start the workers, watch them, bring back a result or the first
+failure, and leave nothing behind.
+
+Shape (after ``torch/multiprocessing/spawn.py``, with its rough edges filed off):
+
+* a loopback socket is bound *before* the workers start, so the port is ours (no "pick a free port and hope"
+  race) and the rendezvous store is reachable from this machine only;
+* each worker reports exactly once through its own pipe: ``("ok", pickled_result_or_None)`` or
+  ``("error", Failure)``; a worker that dies without reporting is described from its exit code / signal;
+* the first failure (by the time it happened) stops the others within ``STOP_GRACE`` seconds, and becomes one
+  ``WorkerError``.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import datetime
+import io
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from loguru import logger
+
+from . import worker
+from .errors import ConfigError, WorkerError
+
+if TYPE_CHECKING:
+    from .decorator import Options
+
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
+
+#: Seconds the other workers get to exit after a failure or Ctrl-C before they are killed.
+STOP_GRACE = 5.0
+
+# Set in the environment of a worker being started with spawn/forkserver, which re-imports the user's script
+# before distfn's entry point runs: a decorated call during that import is a nested launch.
+_CHILD_ENV = "_DISTFN_STARTING_WORKER"
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+# Threads of this process right after torch (and distfn) were imported: more than this at launch time means an
+# OpenMP pool or user threads exist, and GNU OpenMP's pool does not survive fork (the children hang at their
+# first parallel op, measured). Taken at import, when nothing has run yet.
+_BASELINE_THREADS = _thread_count()
+
+
+def choose_start_method(requested: str) -> tuple[str, str]:
+    """Return ``(method, reason)``. ``"auto"`` forks when provably safe (fastest: torch is not re-imported),
+    and falls back to ``spawn`` otherwise."""
+    available = mp.get_all_start_methods()
+    if requested != "auto":
+        if requested not in available:
+            raise ConfigError(
+                f"start_method={requested!r} is not available on {sys.platform}; use one of {available}"
+            )
+        if requested == "fork" and torch.cuda.is_initialized():
+            raise ConfigError(
+                "start_method='fork' but CUDA is already initialised in this process: forked workers cannot "
+                "use CUDA. Use start_method='spawn' or 'auto', or do not touch CUDA before the call."
+            )
+        return requested, f"start_method={requested!r} was asked for"
+    if "fork" not in available or sys.platform == "darwin":
+        return "spawn", f"fork is not safe on {sys.platform}"
+    if torch.cuda.is_initialized():
+        return "spawn", "CUDA is already initialised in this process, and forked workers could not use it"
+    threads = _thread_count()
+    if threads > _BASELINE_THREADS:
+        return "spawn", (
+            f"this process runs {threads} threads, {threads - _BASELINE_THREADS} more than right after "
+            "`import torch` (an OpenMP pool from an earlier torch op, or threads of your own), and forking a "
+            "multi-threaded process can hang"
+        )
+    return "fork", "no CUDA context and no extra threads in this process, so forking is safe"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checks that run before any worker starts
+# --------------------------------------------------------------------------------------------------------------
+def _is_main_guard(node: ast.AST) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    test = node.test
+    parts = [test.left, *test.comparators]
+    names = [p for p in parts if isinstance(p, ast.Name) and p.id == "__name__"]
+    mains = [p for p in parts if isinstance(p, ast.Constant) and p.value == "__main__"]
+    return bool(names and mains and isinstance(test.ops[0], ast.Eq))
+
+
+def check_main_guard(fn_name: str) -> None:
+    """Refuse a launch from the top level of a script that lacks ``if __name__ == "__main__":``.
+
+    Workers started with spawn/forkserver re-import the script; without the guard, each would launch again.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not os.path.isfile(path):
+        return  # interactive session, `python -c`, notebook: nothing is re-imported
+    frame = sys._getframe()
+    while frame is not None and frame.f_globals is not vars(main):
+        frame = frame.f_back
+    while frame is not None and frame.f_code.co_name != "<module>":
+        frame = frame.f_back  # the call may be inside functions the script calls at top level
+        if frame is not None and frame.f_globals is not vars(main):
+            return
+    if frame is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return
+    line = frame.f_lineno
+    for node in tree.body:
+        if _is_main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return
+    raise ConfigError(
+        f"{fn_name}() is called at the top level of {path} (line {line}) without an "
+        "`if __name__ == \"__main__\":` guard. Worker processes may import this script again, and each would "
+        f"start the job again. Put the call under the guard:\n\n    if __name__ == \"__main__\":\n        {fn_name}(cfg)\n"
+    )
+
+
+def _describe(obj: Any) -> str:
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        kind = "a lambda" if getattr(obj, "__name__", "") == "<lambda>" else f"function {obj.__qualname__}"
+        return f"{kind} defined at {code.co_filename}:{code.co_firstlineno}"
+    if isinstance(obj, io.IOBase):
+        return f"an open file object ({getattr(obj, 'name', '?')!r})"
+    return f"a {type(obj).__module__}.{type(obj).__qualname__} object"
+
+
+def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(obj, Mapping):
+        return [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    if attrs.has(type(obj)):
+        return [(f"{path}.{a.name}", getattr(obj, a.name, None)) for a in attrs.fields(type(obj))]
+    if hasattr(obj, "__dict__") and not callable(obj):
+        return [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    return []
+
+
+def find_unpicklable(obj: Any, path: str, _depth: int = 0) -> tuple[str, Any, BaseException] | None:
+    """The deepest ``(path, object, error)`` inside ``obj`` that cannot be pickled, or ``None``."""
+    try:
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return None
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is what we look for
+        error: BaseException = exc
+    if _depth < 20:
+        for child_path, child in _children(obj, path):
+            found = find_unpicklable(child, child_path, _depth + 1)
+            if found is not None:
+                return found
+    return path, obj, error
+
+
+def unpicklable_message(found: tuple[str, Any, BaseException], purpose: str, fix: str) -> str:
+    """A user-facing sentence for ``find_unpicklable``'s result."""
+    path, obj, error = found
+    return f"{path} ({_describe(obj)}) cannot be pickled, which {purpose}: {type(error).__name__}: {error}. {fix}"
+
+
+def check_picklable(fn: Callable[..., Any], cfg: Any, method: str) -> None:
+    """Under spawn/forkserver the function and cfg travel to the workers by pickle: check that now."""
+    fix = (
+        "Define functions at module level (functools.partial of one is fine), pass paths rather than open "
+        "files, or use start_method='fork'."
+    )
+    found = find_unpicklable(fn, getattr(fn, "__qualname__", "the function"))
+    if found is not None:
+        raise ConfigError(unpicklable_message(found, f"start_method={method!r} needs to send it to the workers", fix))
+    found = find_unpicklable(cfg, "cfg")
+    if found is not None:
+        raise ConfigError(unpicklable_message(found, f"start_method={method!r} needs to send it to the workers", fix))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Failure records
+# --------------------------------------------------------------------------------------------------------------
+_SIGNAL_HINTS = {
+    "SIGKILL": "often the out-of-memory killer; see `dmesg` or the job's memory limit",
+    "SIGSEGV": "a crash in native code (a CUDA/NCCL/extension bug or a corrupted tensor)",
+    "SIGBUS": "often /dev/shm is too small for DataLoader workers (docker: --shm-size)",
+    "SIGABRT": "native code aborted (see the worker's stderr above)",
+    "SIGTERM": "terminated from outside (a scheduler time limit or preemption, or `kill`)",
+    "SIGINT": "interrupted (Ctrl-C)",
+}
+
+
+@attrs.frozen
+class Failure:
+    """One worker's failure: where it happened and why."""
+
+    rank: int
+    host: str
+    pid: int
+    exc_type: str
+    message: str
+    traceback: str = ""
+    time: float = attrs.field(factory=time.time)
+    signal: str | None = None
+    exitcode: int | None = None
+
+    def headline(self) -> str:
+        where = f"rank {self.rank} (pid {self.pid} on {self.host})"
+        if self.signal is not None:
+            return f"{where} was killed by {self.signal}: {_SIGNAL_HINTS.get(self.signal, 'see its stderr')}"
+        return f"{where} failed with {self.exc_type}: {self.message}"
+
+    def details(self) -> str:
+        return self.traceback or f"(no Python traceback: exit code {self.exitcode})"
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> Failure:
+        return cls(
+            rank=rank,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            exc_type=type(exc).__qualname__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+
+    @classmethod
+    def from_exit(cls, rank: int, pid: int, exitcode: int) -> Failure:
+        if exitcode < 0:
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
+            return cls(rank, socket.gethostname(), pid, "Signal", name, signal=name, exitcode=exitcode)
+        return cls(
+            rank, socket.gethostname(), pid, "ExitCode",
+            f"exited with code {exitcode} without reporting a result (sys.exit / os._exit in the function?)",
+            exitcode=exitcode,
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------------------------
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this worker when the launching process dies, even by SIGKILL (no orphans)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples) detached and on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu(v)) for k, v in value.items()) if type(value) is dict else {
+            k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_cpu(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(to_cpu(v) for v in value)
+    return value
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    cfg: Any,
+    opts: Options,
+    conn: Connection,
+    parent_pid: int,
+    listen_fd: int,
+) -> None:
+    """The first code a worker runs (module-level so spawn can find it)."""
+    os.environ.pop(_CHILD_ENV, None)
+    _die_with_parent(parent_pid)
+    try:
+        os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches the launcher, which forwards it once
+    except OSError:
+        pass
+    if listen_fd >= 0:
+        try:
+            os.close(listen_fd)  # forked copy of the launcher's rendezvous socket; only the launcher listens
+        except OSError:
+            pass
+    worker.mark_active(True)
+    from .topology import Topology
+
+    # Visible to code that reads the torchrun-style variables (libraries, user code).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+    topology = Topology(
+        launcher="spawn", rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+        node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=port,
+        reason=f"self-spawned {world_size} workers",
+    )
+    failure: Failure | None = None
+    payload: bytes | None = None
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, opts.timeout)
+        result = worker.run(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store)
+        if rank == 0:
+            payload = _pickle_result(result)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            failure = Failure.from_exception(rank, exc)
+    except BaseException as exc:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
+        failure = Failure.from_exception(rank, exc)
+    try:
+        conn.send(("error", failure) if failure is not None else ("ok", payload))
+        conn.close()
+    except (OSError, ValueError):
+        pass  # the launcher is gone; PDEATHSIG ends us
+    if failure is not None:
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _pickle_result(result: Any) -> bytes:
+    result = to_cpu(result)
+    try:
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001
+        found = find_unpicklable(result, "return value") or ("return value", result, RuntimeError("?"))
+        raise ConfigError(unpicklable_message(
+            found, "it must be to reach the caller",
+            "Return plain data (numbers, strings, tensors, dicts/lists of them), not models or open resources.",
+        )) from None
+
+
+def _loopback_ifname() -> str:
+    """The name of the loopback interface (gloo otherwise binds the interface the hostname resolves to)."""
+    try:
+        for _, name in socket.if_nameindex():
+            if name == "lo" or name.startswith("lo"):
+                return name
+    except OSError:
+        pass
+    return "lo"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launcher side
+# --------------------------------------------------------------------------------------------------------------
+@attrs.define
+class _Worker:
+    rank: int
+    process: Any
+    conn: Connection | None
+    reported: bool = False
+    result: bytes | None = None
+
+
+def _collect(workers: list[_Worker], failures: list[Failure], timeout: float) -> None:
+    """Read what is ready (waiting at most ``timeout``), and describe workers that died without reporting.
+
+    Failures are kept in the order they were seen; within one round, deaths without a report (a signal: the
+    likely root cause) come before errors the surviving ranks report about losing their peer.
+    """
+    conns = {w.conn: w for w in workers if w.conn is not None}
+    sentinels = [w.process.sentinel for w in workers if w.process.exitcode is None]
+    ready = wait(list(conns) + sentinels, timeout=timeout)
+    deaths: list[Failure] = []
+    reported: list[Failure] = []
+    for w in workers:
+        if w.process.exitcode is not None and not w.reported:
+            if w.conn is not None and w.conn.poll():
+                _receive(w, reported)
+            if not w.reported:
+                w.reported = True
+                deaths.append(Failure.from_exit(w.rank, w.process.pid, w.process.exitcode))
+    for obj in ready:
+        w = conns.get(obj)  # type: ignore[arg-type]
+        if w is not None and w.conn is not None:
+            _receive(w, reported)
+    failures.extend(deaths)
+    failures.extend(sorted(reported, key=lambda f: f.time))
+
+
+def _receive(w: _Worker, failures: list[Failure]) -> None:
+    assert w.conn is not None
+    try:
+        kind, data = w.conn.recv()
+    except (EOFError, OSError):
+        w.conn.close()
+        w.conn = None
+        return
+    w.reported = True
+    if kind == "ok":
+        w.result = data
+    else:
+        failures.append(data)
+    w.conn.close()
+    w.conn = None
+
+
+def _stop(workers: list[_Worker], sig: int, grace: float) -> None:
+    """Send ``sig`` to the live workers, give them ``grace`` seconds, then SIGKILL what is left."""
+    for w in workers:
+        if w.process.exitcode is None:
+            try:
+                os.kill(w.process.pid, sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for w in workers:
+        w.process.join(max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        if w.process.exitcode is None:
+            w.process.kill()
+            w.process.join(5)
+
+
+def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
+    """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``)."""
+    method, reason = choose_start_method(opts.start_method)
+    if method == "fork":
+        logger.trace("starting {} workers with fork: {}", nprocs, reason)
+    else:
+        logger.info("starting {} workers with {}: {}", nprocs, method, reason)
+        check_picklable(fn, cfg, method)
+    context = mp.get_context(method)
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))  # loopback only: nothing outside this machine can reach the store
+    listener.listen(max(128, nprocs))
+    port = listener.getsockname()[1]
+    workers: list[_Worker] = []
+    failures: list[Failure] = []
+    store = None
+    interrupted = False
+    try:
+        for rank in range(nprocs):
+            reader, writer = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_entry,
+                args=(rank, nprocs, port, fn, cfg, opts, writer, os.getpid(),
+                      listener.fileno() if method == "fork" else -1),
+                name=f"distfn-rank{rank}",
+                daemon=False,  # daemonic processes may not have children: DataLoader workers need them
+            )
+            os.environ[_CHILD_ENV] = "1"
+            try:
+                process.start()
+            finally:
+                os.environ.pop(_CHILD_ENV, None)
+            writer.close()
+            workers.append(_Worker(rank, process, reader))
+        # The store is started after the forks so no worker inherits its threads; until it accepts, the
+        # kernel queues the workers' connections on the listening socket.
+        store = dist.TCPStore("127.0.0.1", port, None, True, opts.timeout, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the socket now and closes it when it is destroyed
+        while not failures and not all(w.reported for w in workers):
+            try:
+                _collect(workers, failures, timeout=1.0)
+            except KeyboardInterrupt:
+                interrupted = True
+                break
+    finally:
+        if interrupted:
+            logger.warning("interrupted: stopping {} workers (Ctrl-C again to kill them at once)", nprocs)
+            try:
+                _stop(workers, signal.SIGINT, STOP_GRACE)
+            except KeyboardInterrupt:
+                _stop(workers, signal.SIGKILL, 0)
+        elif failures or any(w.process.exitcode is None for w in workers):
+            _stop(workers, signal.SIGTERM, STOP_GRACE if not failures else 2.0)
+        # Errors the other ranks reported while being stopped come after the first one.
+        for w in workers:
+            if w.conn is not None and not w.reported and w.conn.poll():
+                _receive(w, failures)
+            if w.conn is not None:
+                w.conn.close()
+            w.process.join(1)
+        del store
+        listener.close()
+    if interrupted:
+        raise KeyboardInterrupt
+    if failures:
+        raise WorkerError(failures)
+    payload = workers[0].result
+    return None if payload is None else pickle.loads(payload)

@@ -1,0 +1,193 @@
+"""What every rank does around the user's function, whoever started the process.
+
+Both paths end here: a self-spawned worker (``spawn.py``) and a process started by torchrun / srun / mpirun (run
+in place by ``decorator.py``). In order: pick and pin the device, size the CPU thread pool, seed, set up logging,
+start the process group, build the ``Context``, call the function, and always destroy the process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from . import logs
+from .context import Context
+from .errors import ConfigError, LauncherError
+
+if TYPE_CHECKING:
+    from .decorator import Options
+    from .topology import Topology
+
+# True while a distfn-decorated function runs in this process: calling another decorated function then would
+# start a second job from inside a rank (a fork bomb under self-spawn), so the decorator refuses it.
+_ACTIVE = False
+
+
+def in_worker() -> bool:
+    """True inside a running distfn function (or a distfn worker that is starting up)."""
+    return _ACTIVE
+
+
+def mark_active(value: bool) -> None:
+    """Set the nested-launch guard (used by the spawn entry point before the user's module is imported)."""
+    global _ACTIVE
+    _ACTIVE = value
+
+
+def apply_visible_devices(devices: tuple[int, ...] | None) -> None:
+    """Restrict CUDA to ``devices`` through ``CUDA_VISIBLE_DEVICES`` (before CUDA is initialised).
+
+    The mapping is CUDA's own: with ``devices=(0, 5)`` the program sees ``cuda:0`` = physical GPU 0 and
+    ``cuda:1`` = physical GPU 5. Raises ``ConfigError`` when CUDA is missing, already initialised with
+    another mapping, or fewer GPUs are visible than requested.
+    """
+    if devices is None:
+        return
+    wanted = ",".join(str(d) for d in devices)
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_initialized() and current != wanted:
+        raise ConfigError(
+            f"devices={wanted!r} was given but CUDA is already initialised in this process "
+            f"(CUDA_VISIBLE_DEVICES={current!r}); the mapping can only change before the first CUDA call. "
+            "Call the decorated function before touching CUDA, or set CUDA_VISIBLE_DEVICES in the shell."
+        )
+    if current is not None and current != wanted:
+        logger.warning("devices={} replaces CUDA_VISIBLE_DEVICES={}", wanted, current)
+    os.environ["CUDA_VISIBLE_DEVICES"] = wanted
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"devices={wanted!r} asks for GPUs but torch sees no CUDA device (torch.cuda.is_available() is "
+            f"False, torch {torch.__version__}); drop devices= to run on the CPU"
+        )
+    visible = torch.cuda.device_count()
+    if visible < len(devices):
+        raise ConfigError(
+            f"devices={wanted!r} asks for {len(devices)} GPUs but only {visible} of them exist on this machine; "
+            "check the ids with nvidia-smi"
+        )
+
+
+def select_device(mode: str, local_rank: int, local_world_size: int, backend: str | None) -> torch.device:
+    """The device for this rank: ``cuda:(local_rank % device_count)`` when CUDA is there, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if mode == "dp":
+        return torch.device("cuda", 0)  # DataParallel scatters from device 0 over all visible GPUs
+    if backend is not None and "nccl" in backend and local_world_size > count:
+        raise LauncherError(
+            f"{local_world_size} processes on this node but only {count} visible GPU(s): NCCL cannot share one "
+            "GPU between ranks. Start at most one process per GPU (nprocs / --nproc_per_node / "
+            "--ntasks-per-node) or use backend='gloo'."
+        )
+    return torch.device("cuda", local_rank % count)
+
+
+def default_backend(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed ``random``, NumPy (when installed) and torch (CPU and every CUDA device) with ``seed``."""
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device, lazily
+
+
+def size_thread_pool(local_world_size: int) -> None:
+    """Give each of the node's processes ``cpus // local_world_size`` threads unless OMP_NUM_THREADS is set,
+    so N processes on one machine do not oversubscribe its cores."""
+    if local_world_size <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cpus // local_world_size)
+    torch.set_num_threads(threads)
+    logger.trace("{} CPU threads per process ({} CPUs / {} local processes)", threads, cpus, local_world_size)
+
+
+def _init_method(topology: Topology, init_method: str | None) -> str:
+    if init_method is not None:
+        return init_method
+    if topology.launcher == "torchrun" or topology.master_addr is None:
+        # torchrun's agent already holds a store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE): only env://
+        # knows to join it as a client; tcp:// would try to listen on the same port.
+        return "env://"
+    host = topology.master_addr
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"tcp://{host}:{topology.master_port}"
+
+
+def init_process_group(
+    topology: Topology,
+    backend: str,
+    timeout: datetime.timedelta,
+    *,
+    store: Any = None,
+    init_method: str | None = None,
+) -> None:
+    """Join the job's default process group (rendezvous through ``store`` when the launcher made one)."""
+    kwargs: dict[str, Any] = dict(
+        backend=backend, rank=topology.rank, world_size=topology.world_size, timeout=timeout
+    )
+    if store is not None and init_method is None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = _init_method(topology, init_method)
+    dist.init_process_group(**kwargs)
+
+
+def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None) -> Any:
+    """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always destroyed."""
+    mark_active(True)
+    log = logs.setup(topology.rank, topology.world_size)
+    started_group = False
+    try:
+        device = select_device(opts.mode, topology.local_rank, topology.local_world_size, opts.backend)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before the process group, so NCCL binds the right GPU
+        size_thread_pool(topology.local_world_size)
+        if opts.seed is not None:
+            seed_everything(opts.seed)
+        backend: str | None = None
+        if opts.mode != "single" and opts.mode != "dp":
+            backend = opts.backend or default_backend(device)
+            if store is None and topology.launcher == "local" and opts.init_method is None:
+                store = dist.HashStore()  # a world of one needs no network at all
+            init_process_group(topology, backend, opts.timeout, store=store, init_method=opts.init_method)
+            started_group = True
+        if topology.rank == 0:
+            log.info("launcher: {} ({}); world size {}, device {}, backend {}", topology.launcher,
+                     topology.reason, topology.world_size, device, backend)
+        ctx = Context(
+            rank=topology.rank,
+            local_rank=topology.local_rank,
+            world_size=topology.world_size,
+            local_world_size=topology.local_world_size,
+            node_rank=topology.node_rank,
+            num_nodes=topology.num_nodes,
+            device=device,
+            backend=backend,
+            mode=opts.mode,
+            launcher=topology.launcher,
+            seed=opts.seed,
+            log=log,
+        )
+        return fn(cfg, ctx)
+    finally:
+        if started_group and dist.is_initialized():
+            dist.destroy_process_group()
+        logs.teardown()
+        mark_active(False)
