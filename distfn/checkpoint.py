@@ -695,17 +695,17 @@ def _read_header(path: pathlib.Path) -> _Header:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"'{path}' is too short ({size} bytes) to be a safetensors file")
-            if head[:4] == b"PK\x03\x04" or head[0] == 0x80:
-                raise _refuse_pickle(path, "it starts with a zip/pickle signature")
-            n = int.from_bytes(head, "little")
-            if n < 2 or n > _MAX_HEADER or 8 + n > size:
+            head = f.read(9)
+            n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+            if not (2 <= n <= _MAX_HEADER and 8 + n <= size and head[8:9] == b"{"):
+                if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04",
+                                                                                      b"\x05")):
+                    raise _refuse_pickle(path, "it starts with a zip/pickle signature")
                 if path.suffix.lower() in _PICKLE_SUFFIXES:
                     raise _refuse_pickle(path, "its first bytes are not a safetensors header")
-                raise CheckpointError(f"'{path}' is not a complete safetensors file (header length {n}, file size "
-                                      f"{size}); it may be truncated or of another format")
+                raise CheckpointError(f"'{path}' is not a complete safetensors file ({size} bytes, header length "
+                                      f"{n}); it may be truncated or of another format")
+            f.seek(8)
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at '{path}'") from None
