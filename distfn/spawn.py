@@ -140,6 +140,7 @@ def check_main_guard(fn_name: str) -> None:
 
 
 def _describe(obj: Any) -> str:
+    obj = getattr(obj, "__wrapped__", obj)  # a decorated function: point at the user's code
     code = getattr(obj, "__code__", None)
     if code is not None:
         kind = "a lambda" if getattr(obj, "__name__", "") == "<lambda>" else f"function {obj.__qualname__}"

@@ -1,0 +1,35 @@
+"""Shared helpers: run a script in a fresh Python process (the way users run distfn) with a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without any launcher variables (a test may itself run under Slurm or torchrun)."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "GROUP_RANK", "DISTFN_NPROCS")
+    env = {k: v for k, v in os.environ.items()
+           if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))}
+    env.update(extra)
+    return env
+
+
+def run_python(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180,
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` with a clean launcher environment; fails the test (not hangs) past ``timeout``."""
+    return subprocess.run([sys.executable, *args], env=env or clean_env(), cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def run_script():
+    return run_python
