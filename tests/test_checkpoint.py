@@ -594,17 +594,26 @@ def test_keep_rotation_and_latest(tmp_path: pathlib.Path) -> None:
 
 _WRITER = textwrap.dedent(
     """
-    import sys, torch
+    # Imports torch once, then forks one writer per line on stdin so every round is killed mid-work quickly.
+    import os, sys, torch
     from distfn import checkpoint
-    target = sys.argv[1]
-    size = int(sys.argv[2])
+    target, size = sys.argv[1], int(sys.argv[2])
     version = 0
-    print("ready", flush=True)
-    while True:
-        version += 1
-        v = float(version)
-        checkpoint.save({"a": torch.full((size,), v), "b": torch.full((size // 2,), -v), "version": version},
-                        target)
+    for _ in sys.stdin:
+        version += 1000
+        pid = os.fork()
+        if pid == 0:
+            try:
+                v = version
+                while True:
+                    v += 1
+                    checkpoint.save({"a": torch.full((size,), float(v)), "b": torch.full((size // 2,), -float(v)),
+                                     "version": v}, target)
+            finally:
+                os._exit(1)
+        print(pid, flush=True)
+        os.waitpid(pid, 0)
+        print("reaped", flush=True)
     """
 )
 
@@ -616,23 +625,32 @@ def test_kill_9_at_random_moments_never_leaves_a_torn_file(tmp_path: pathlib.Pat
     size = 6 << 20  # 24 MiB + 12 MiB of float32 per version
     rng = random.Random(1234)
     seen: set[int] = set()
-    for _ in range(12):
-        proc = subprocess.Popen([sys.executable, str(script), str(target), str(size)], env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        time.sleep(rng.uniform(0.0, 1.2))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if not target.exists():
-            continue  # killed before the first rename: no file at all is also "the old version"
-        state = checkpoint.load_into(target, {})
-        version = state["version"]
-        flat = checkpoint.load(target)
-        assert torch.equal(flat["a"], torch.full((size,), float(version)))
-        assert torch.equal(flat["b"], torch.full((size // 2,), -float(version)))
-        assert load_file(target)["a"].shape == (size,)  # the stock library agrees
-        seen.add(version)
-    assert seen, "the writer never completed a save; make the sleeps longer"
+    killed_mid_write = 0
+    proc = subprocess.Popen([sys.executable, str(script), str(target), str(size)], env=_env(), text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        for _ in range(25):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            pid = int(proc.stdout.readline())
+            time.sleep(rng.uniform(0.05, 0.6))
+            os.kill(pid, signal.SIGKILL)
+            assert proc.stdout.readline().strip() == "reaped"
+            killed_mid_write += any(p.name.endswith(".distfn-tmp") for p in tmp_path.iterdir())
+            if not target.exists():
+                continue  # killed before the first rename: no file at all is the "old version" here
+            version = checkpoint.load_into(target, {})["version"]
+            flat = checkpoint.load(target)
+            assert torch.equal(flat["a"], torch.full((size,), float(version)))
+            assert torch.equal(flat["b"], torch.full((size // 2,), -float(version)))
+            assert load_file(target)["a"].shape == (size,)  # the stock library agrees
+            seen.add(version)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    assert len(seen) >= 10, "too few completed saves: make the sleeps longer"
+    assert killed_mid_write >= 5, "the kills never hit a save in progress: the test would prove nothing"
     # A normal save afterwards cleans up what the killed writers left.
     checkpoint.save({"a": torch.zeros(1)}, target)
     assert [p.name for p in tmp_path.iterdir() if p.name != "writer.py"] == ["big.safetensors"]
