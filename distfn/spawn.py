@@ -16,9 +16,13 @@ from __future__ import annotations
 import ast
 import ctypes
 import datetime
+import errno
+import faulthandler
 import io
+import json
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -35,7 +39,7 @@ import torch.multiprocessing as mp
 from loguru import logger
 
 from . import worker
-from .errors import ConfigError, WorkerError
+from .errors import ConfigError, Terminated, WorkerError
 
 if TYPE_CHECKING:
     from .decorator import Options
@@ -45,22 +49,35 @@ START_METHODS = ("auto", "fork", "forkserver", "spawn")
 #: Seconds the other workers get to exit after a failure or Ctrl-C before they are killed.
 STOP_GRACE = 5.0
 
+#: Seconds the workers get to finish (save a checkpoint, run ``finally`` blocks) after the launching process
+#: received SIGTERM and forwarded it, before they are killed. SLURM kills the whole step 30 s (``KillWait``)
+#: after its SIGTERM anyway; a second SIGTERM kills at once.
+TERM_GRACE = 30.0
+
+#: Asks a worker to write every thread's Python stack into its stack pipe (``faulthandler.register``).
+DUMP_SIGNAL = signal.SIGUSR1
+
+#: Seconds the launching process waits for the workers' stacks after asking for them.
+DUMP_WAIT = 2.0
+
 # Set in the environment of a worker being started with spawn/forkserver, which re-imports the user's script
 # before distfn's entry point runs: a decorated call during that import is a nested launch.
 _CHILD_ENV = "_DISTFN_STARTING_WORKER"
 
 
-def _thread_count() -> int:
+def _thread_ids() -> frozenset[str]:
     try:
-        return len(os.listdir("/proc/self/task"))
+        return frozenset(os.listdir("/proc/self/task"))
     except OSError:
-        return threading.active_count()
+        return frozenset(str(t.native_id) for t in threading.enumerate())
 
 
-# Threads of this process right after torch (and distfn) were imported: more than this at launch time means an
-# OpenMP pool or user threads exist, and GNU OpenMP's pool does not survive fork (the children hang at their
-# first parallel op, measured). Taken at import, when nothing has run yet.
-_BASELINE_THREADS = _thread_count()
+# Threads of this process when distfn was imported (right after torch, before the script ran any op). A thread
+# that is not among them at launch time (an OpenMP pool from an earlier torch op, a user's thread) makes fork
+# unsafe: GNU OpenMP's pool does not survive fork, and the children hang at their first parallel op (measured).
+# Thread ids, not a count: threads that torch starts during import may end later, and a count would then miss
+# an OpenMP thread that took their place.
+_BASELINE_THREADS = _thread_ids()
 
 
 def choose_start_method(requested: str) -> tuple[str, str]:
@@ -82,12 +99,11 @@ def choose_start_method(requested: str) -> tuple[str, str]:
         return "spawn", f"fork is not safe on {sys.platform}"
     if torch.cuda.is_initialized():
         return "spawn", "CUDA is already initialised in this process, and forked workers could not use it"
-    threads = _thread_count()
-    if threads > _BASELINE_THREADS:
+    new = _thread_ids() - _BASELINE_THREADS
+    if new:
         return "spawn", (
-            f"this process runs {threads} threads, {threads - _BASELINE_THREADS} more than right after "
-            "`import torch` (an OpenMP pool from an earlier torch op, or threads of your own), and forking a "
-            "multi-threaded process can hang"
+            f"this process started {len(new)} thread(s) since `import distfn` (an OpenMP pool from an earlier "
+            "torch op, or threads of your own), and forked workers can hang on them"
         )
     return "fork", "no CUDA context and no extra threads in this process, so forking is safe"
 
@@ -207,6 +223,8 @@ _SIGNAL_HINTS = {
     "SIGABRT": "native code aborted (see the worker's stderr above)",
     "SIGTERM": "terminated from outside (a scheduler time limit or preemption, or `kill`)",
     "SIGINT": "interrupted (Ctrl-C)",
+    "SIGFPE": "an arithmetic fault in native code (integer division by zero)",
+    "SIGILL": "an illegal instruction: a binary built for another CPU (check the wheels' CPU flags)",
 }
 
 
@@ -223,6 +241,10 @@ class Failure:
     time: float = attrs.field(factory=time.time)
     signal: str | None = None
     exitcode: int | None = None
+    #: What the launching process worked out about the failure (which ranks did not arrive, ...); first only.
+    diagnosis: str = ""
+    #: The Python stacks of the other ranks when this failure was reported (for collective timeouts).
+    stacks: str = ""
 
     def headline(self) -> str:
         where = f"rank {self.rank} (pid {self.pid} on {self.host})"
@@ -231,7 +253,9 @@ class Failure:
         return f"{where} failed with {self.exc_type}: {self.message}"
 
     def details(self) -> str:
-        return self.traceback or f"(no Python traceback: exit code {self.exitcode})"
+        """The diagnosis, the rank's traceback (or crash stack) and the other ranks' stacks, as one text."""
+        parts = [self.diagnosis, self.traceback or f"(no Python traceback: exit code {self.exitcode})", self.stacks]
+        return "\n\n".join(p.rstrip() for p in parts if p)
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> Failure:
@@ -245,13 +269,15 @@ class Failure:
         )
 
     @classmethod
-    def from_exit(cls, rank: int, pid: int, exitcode: int) -> Failure:
+    def from_exit(cls, rank: int, pid: int, exitcode: int, crash: str = "") -> Failure:
+        """A worker that exited without reporting; ``crash`` is what its faulthandler wrote (if anything)."""
         if exitcode < 0:
             try:
                 name = signal.Signals(-exitcode).name
             except ValueError:
                 name = f"signal {-exitcode}"
-            return cls(rank, socket.gethostname(), pid, "Signal", name, signal=name, exitcode=exitcode)
+            return cls(rank, socket.gethostname(), pid, "Signal", name, traceback=crash, signal=name,
+                       exitcode=exitcode)
         return cls(
             rank, socket.gethostname(), pid, "ExitCode",
             f"exited with code {exitcode} without reporting a result (sys.exit / os._exit in the function?)",
@@ -259,9 +285,92 @@ class Failure:
         )
 
 
+def report_in_place(rank: int, exc: BaseException) -> None:
+    """Report a failing rank under torchrun / srun / mpirun, where no distfn parent collects it.
+
+    Logs the traceback tagged with the rank, and writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``, the
+    JSON of ``torch.distributed.elastic``'s ``ErrorHandler.record_exception``) so torchrun names this rank as
+    the root cause. The caller re-raises, so the process exits non-zero and the launcher tears the job down.
+    A stop from outside (SIGTERM, Ctrl-C) is not a root cause: one warning line, no error file.
+    """
+    if isinstance(exc, (Terminated, KeyboardInterrupt)) or (isinstance(exc, SystemExit) and not exc.code):
+        logger.warning("rank {} stopped: {}: {}", rank, type(exc).__name__, exc)
+        return
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    logger.error("rank {} failed with {}: {}\n{}", rank, type(exc).__qualname__, exc, text.rstrip())
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError as err:
+        logger.warning("could not write TORCHELASTIC_ERROR_FILE={}: {}", path, err)
+
+
+_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+", re.MULTILINE)
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
+_BOOTSTRAP = re.compile(r'distfn[/\\](?:worker\.py", line \d+ in run|spawn\.py", line \d+ in _entry)')
+
+
+def main_stack(dump: str) -> str:
+    """The main thread's part of a ``faulthandler`` dump, cut above distfn's own start-up frames.
+
+    A dump lists each thread ("most recent call first"); the worker's main thread is the one running
+    ``_entry``. A leading "Fatal Python error: ..." line (a crash) is kept.
+    """
+    starts = [m.start() for m in _THREAD_HEADER.finditer(dump)]
+    if not starts:
+        return dump.strip()
+    head = dump[:starts[0]].strip()
+    blocks = [dump[a:b] for a, b in zip(starts, [*starts[1:], len(dump)])]
+    block = next((b for b in blocks if " in _entry" in b), blocks[-1])
+    lines = []
+    for line in block.rstrip().splitlines():
+        if _BOOTSTRAP.search(line):
+            break
+        lines.append(line)
+    others = len(blocks) - 1
+    if others:
+        lines.append(f"  ({others} other thread(s) not shown)")
+    return "\n".join([head, ""] if head else []) + "\n".join(lines)
+
+
+def _innermost_user_frame(stack: str) -> str | None:
+    """``func (file:line)`` of the most recent frame outside torch, distfn and the standard library."""
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    stdlib = os.path.dirname(os.__file__)
+    for m in _FRAME.finditer(stack):
+        path = m["file"]
+        if path.startswith(ours) or (path.startswith(stdlib) and "-packages" not in path):
+            continue
+        return f"{m['func']} ({path}:{m['line']})"
+    return None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Worker side
 # --------------------------------------------------------------------------------------------------------------
+# The write end of this worker's stack pipe; faulthandler writes to its raw descriptor, which must stay open.
+_STACK_CONN: Connection | None = None
+
+
+def _arm_faulthandler(conn: Connection) -> None:
+    """Send this worker's Python stacks to the launching process on a crash and on ``DUMP_SIGNAL``.
+
+    faulthandler writes from its C signal handler, so it works while the main thread is blocked inside a
+    collective (where no Python code runs). The pipe is non-blocking: a full pipe loses a dump, never hangs.
+    """
+    global _STACK_CONN
+    _STACK_CONN = conn
+    fd = conn.fileno()
+    os.set_blocking(fd, False)
+    faulthandler.enable(file=fd, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=fd, all_threads=True)
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this worker when the launching process dies, even by SIGKILL (no orphans)."""
     if sys.platform.startswith("linux"):
@@ -296,6 +405,7 @@ def _entry(
     cfg: Any,
     opts: Options,
     conn: Connection,
+    stack_conn: Connection,
     parent_pid: int,
     listen_fd: int,
 ) -> None:
@@ -306,6 +416,7 @@ def _entry(
         os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches the launcher, which forwards it once
     except OSError:
         pass
+    _arm_faulthandler(stack_conn)
     if listen_fd >= 0:
         try:
             os.close(listen_fd)  # forked copy of the launcher's rendezvous socket; only the launcher listens
