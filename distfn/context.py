@@ -21,6 +21,8 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from torch.utils.data import Dataset, DistributedSampler
 
+    from .data import DistributedLoader
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare module under any DDP / DataParallel / FSDP-less / ``torch.compile`` wrappers."""
@@ -50,6 +52,8 @@ class Context:
         launcher: who started this process: ``"spawn"`` (distfn), ``"torchrun"``, ``"slurm"``, ``"mpi"``,
             or ``"local"`` (one process run in place, no launcher).
         seed: the seed every rank was seeded with, or ``None``.
+        precision: ``"32"``, ``"bf16"`` or ``"16"`` (``@distributed(precision=...)``): what ``ctx.autocast``,
+            ``ctx.backward`` and ``ctx.step`` use.
     """
 
     rank: int
@@ -64,6 +68,8 @@ class Context:
     launcher: str
     seed: int | None = None
     log: Any = attrs.field(default=None, repr=False)
+    precision: str = "32"
+    _loop: Any = attrs.field(default=None, init=False, repr=False)  # loop.LoopState, made on first use
 
     @property
     def is_main(self) -> bool:
@@ -96,22 +102,52 @@ class Context:
             drop_last=drop_last,
         )
 
+    def dataloader(
+        self, dataset: Dataset, batch_size: int, shuffle: bool = True, drop_last: bool = False, **kwargs: Any
+    ) -> DistributedLoader:
+        """A ``DataLoader`` over this rank's share of ``dataset`` that reshuffles every epoch by itself.
+
+        ``batch_size`` is **per rank**: one step sees ``batch_size * world_size`` samples (logged once, on
+        rank 0). Each ``for batch in loader`` starts a new epoch of the ``DistributedSampler`` (no
+        ``set_epoch`` to forget); ``loader.set_epoch(e)`` makes the next one epoch ``e`` for exact resume.
+        ``drop_last`` applies to the sampler (no padding) and to the last incomplete batch. ``pin_memory``
+        defaults to True on CUDA; DataLoader workers are seeded per rank, per worker and per epoch. Other
+        ``kwargs`` (``num_workers``, ``collate_fn``, ...) go to ``torch.utils.data.DataLoader``.
+        """
+        from . import data
+
+        sampler = self.sampler(dataset, shuffle=shuffle, drop_last=drop_last)
+        return data.dataloader(dataset, batch_size, sampler, rank=self.rank, seed=self.seed, device=self.device,
+                               drop_last=drop_last, **kwargs)
+
+    def gather_for_metrics(self, value: Any, loader: DistributedLoader | None = None) -> Any:
+        """Per-sample ``value`` (tensor, batch dimension first, or a dict/list/tuple of them) from every rank,
+        concatenated in the sampler's order without ``DistributedSampler``'s padding duplicates, so metrics over
+        the gathered results are exact. Call it on every rank for the current batch, or after the loop on
+        everything concatenated; ``loader`` defaults to the ``ctx.dataloader`` iterated last."""
+        from . import data
+
+        return data.gather_for_metrics(value, loader, device=self.device if self.backend == "nccl" else None)
+
     # -- models -------------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module, *, sync_batchnorm: bool = False, **ddp_kwargs: Any) -> nn.Module:
         """Move ``model`` to ``ctx.device`` and wrap it for the mode.
 
         ``"ddp"``: ``DistributedDataParallel`` (with ``device_ids`` on CUDA; ``find_unused_parameters`` and other
         DDP options pass through ``ddp_kwargs``); ``sync_batchnorm=True`` converts BatchNorm layers to
-        SyncBatchNorm first. ``"dp"``: ``nn.DataParallel`` over the visible GPUs. ``"single"``: no wrapper.
+        SyncBatchNorm first (on GPUs; on CPU, where torch's SyncBatchNorm cannot train, it warns and keeps
+        BatchNorm). ``"dp"``: ``nn.DataParallel`` over the visible GPUs. ``"single"``: no wrapper.
         """
         if not isinstance(model, nn.Module):
             raise ConfigError(f"ctx.wrap expects a torch.nn.Module, got {type(model).__name__}")
         if ddp_kwargs and self.mode != "ddp":
             raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={self.mode!r}")
+        from . import loop
+
         model = model.to(self.device)
         if self.mode == "ddp":
             if sync_batchnorm:
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+                model = loop.convert_sync_batchnorm(model, self.device, warn=self.is_main)
             if self.device.type == "cuda":
                 ddp_kwargs.setdefault("device_ids", [self.device.index])
                 ddp_kwargs.setdefault("output_device", self.device.index)
@@ -124,6 +160,70 @@ class Context:
     def unwrap(model: nn.Module) -> nn.Module:
         """The bare module (strips DDP, DataParallel and ``torch.compile`` wrappers)."""
         return unwrap(model)
+
+    # -- training loop (distfn/loop.py) ---------------------------------------------------------------------
+    def _loop_state(self) -> Any:
+        from . import loop
+
+        if self._loop is None:
+            self._loop = loop.LoopState(precision=self.precision, device=self.device)
+        return self._loop
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """Context manager skipping DDP's gradient all-reduce for the forward and backward inside it (a no-op
+        for unwrapped models). ``ctx.accumulate`` does the counting for you."""
+        from . import loop
+
+        return loop.no_sync(model)
+
+    def accumulate(self, model: nn.Module, every: int) -> Any:
+        """An accumulator for ``every`` micro-batches per optimizer step: ``with acc:`` around each micro-batch
+        skips the all-reduce on all but the last one; inside it ``ctx.backward`` divides the loss by ``every``
+        and ``ctx.step`` steps only when the window closes (also at the last batch of a ``ctx.dataloader``)."""
+        from . import loop
+
+        return loop.Accumulator(model, every, self._loop_state())
+
+    def autocast(self, *, enabled: bool | None = None, dtype: torch.dtype | None = None) -> Any:
+        """``torch.autocast`` for ``ctx.device`` with the run's precision (bf16 works on CPU too); a no-op for
+        ``precision="32"``. Put the forward pass and the loss inside it, not the backward."""
+        from . import loop
+
+        return loop.autocast(self._loop_state(), enabled=enabled, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled by the GradScaler for fp16 and divided by the window inside ``with acc:``."""
+        from . import loop
+
+        loop.backward(self._loop_state(), loss, **kwargs)
+
+    def step(self, *optimizers: Any, max_grad_norm: float | None = None, zero_grad: bool = True) -> bool:
+        """Step the optimizer(s) (through the GradScaler for fp16, clipping to ``max_grad_norm`` when given)
+        and zero their gradients, unless an accumulation window is still open; returns whether it stepped."""
+        from . import loop
+
+        return loop.step(self._loop_state(), *optimizers, max_grad_norm=max_grad_norm, zero_grad=zero_grad)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of the per-GPU losses ``nn.DataParallel`` returns when the loss is computed inside
+        ``forward`` (``mode="dp"``); a scalar loss is returned as is."""
+        from . import loop
+
+        return loop.reduce_loss(loss)
+
+    def progress(self, iterable: Any, desc: str | None = None, total: int | None = None, **tqdm_kwargs: Any) -> Any:
+        """Iterate ``iterable`` with a tqdm bar on rank 0 only; ``bar.log(loss=...)`` shows running means.
+        Silent when the output is not a terminal (one summary line is logged at the end instead)."""
+        from . import loop
+
+        return loop.Progress(iterable, enabled=self.is_main, desc=desc, total=total, **tqdm_kwargs)
+
+    def writer(self, log_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
+        """A TensorBoard ``SummaryWriter`` on rank 0 and a no-op object with the same methods on the other
+        ranks. Needs ``pip install 'distfn[tensorboard]'`` (an ImportError saying so otherwise)."""
+        from . import loop
+
+        return loop.writer(self.is_main, None if log_dir is None else os.fspath(log_dir), **kwargs)
 
     # -- collectives --------------------------------------------------------------------------------------
     def barrier(self) -> None:

@@ -22,6 +22,7 @@ from loguru import logger
 
 from . import spawn, worker
 from .errors import ConfigError, NestedLaunchError
+from .loop import check_precision
 
 MODES = ("ddp", "dp", "single")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -150,6 +151,7 @@ class Options:
     start_method: str = attrs.field(default="auto")
     launcher: str = attrs.field(default="auto")
     init_method: str | None = attrs.field(default=None, converter=_check_init_method)
+    precision: str = attrs.field(default="32", converter=check_precision)
 
     def __attrs_post_init__(self) -> None:
         _check_choice("start_method", self.start_method, spawn.START_METHODS)
@@ -251,6 +253,7 @@ def distributed(
     start_method: str = "auto",
     launcher: str = "auto",
     init_method: str | None = None,
+    precision: str | int = "32",
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -267,6 +270,7 @@ def distributed(
     start_method: str = "auto",
     launcher: str = "auto",
     init_method: str | None = None,
+    precision: str | int = "32",
 ) -> Any:
     """Make ``fn(cfg, ctx)`` a distributed job: ``fn(cfg)`` then runs it on every rank and returns a value.
 
@@ -288,6 +292,9 @@ def distributed(
             ``"mpi"`` force one (a forced launcher whose variables are missing is an error naming them).
         init_method: ``None`` (distfn's own rendezvous), ``"env://"``, ``"tcp://host:port"`` or
             ``"file:///shared/path"``.
+        precision: ``"32"`` (float32, the default), ``"bf16"`` (bfloat16 autocast; works on CPUs too) or
+            ``"16"`` (float16 autocast with a GradScaler). It applies where the code uses ``with ctx.autocast():``,
+            ``ctx.backward(loss)`` and ``ctx.step(optimizer)``; the model's weights stay float32.
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take
@@ -297,7 +304,7 @@ def distributed(
     external launcher every process gets its own. A failing worker raises ``distfn.WorkerError``.
     """
     opts = Options(mode=mode, nprocs=nprocs, backend=backend, seed=seed, timeout=timeout, devices=devices,
-                   start_method=start_method, launcher=launcher, init_method=init_method)
+                   start_method=start_method, launcher=launcher, init_method=init_method, precision=precision)
 
     def decorate(func: Callable[..., R]) -> Callable[..., R]:
         _check_signature(func)

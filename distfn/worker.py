@@ -184,6 +184,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             launcher=topology.launcher,
             seed=opts.seed,
             log=log,
+            precision=opts.precision,
         )
         return fn(cfg, ctx)
     finally:

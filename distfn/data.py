@@ -1,0 +1,273 @@
+"""Data loading across ranks: a ``DataLoader`` that shards, reshuffles every epoch by itself and seeds its
+workers per rank, and ``gather_for_metrics``, which collects per-sample results from every rank without the
+duplicates ``DistributedSampler`` pads the last batch with.
+
+Why a loader subclass: forgetting ``sampler.set_epoch(epoch)`` silently replays the same shuffle every epoch.
+``DistributedLoader`` calls it on every new iteration, so the loop needs nothing; ``loader.set_epoch(e)`` stays
+for exact resume. It also remembers which batch it is on, which is what lets ``gather_for_metrics`` tell padding
+rows from real ones.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterator
+
+import torch
+from loguru import logger
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from . import collectives
+from .errors import ConfigError
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-spread non-negative 63-bit seed from integers (splitmix64 rounds; stable across processes)."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = ((h ^ (part & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 29
+    return h & ((1 << 63) - 1)
+
+
+# The DistributedLoader whose batches were handed out most recently in this process: gather_for_metrics uses
+# it when no loader is named. A weak reference, so a finished loader (and its workers) can be freed.
+_current: weakref.ref[DistributedLoader] | None = None
+
+
+class DistributedLoader(DataLoader):
+    """A ``DataLoader`` over this rank's ``DistributedSampler`` that advances the sampler's epoch itself.
+
+    Every ``iter(loader)`` (each ``for batch in loader``) first calls ``sampler.set_epoch(loader.next_epoch)``
+    and then increments ``next_epoch``, so each epoch shuffles differently and identically on all ranks.
+    ``set_epoch(e)`` makes the next iteration use epoch ``e`` (for exact resume). When distfn owns the worker
+    seeding (no ``generator`` was passed), the DataLoader workers' seeds are re-derived from
+    ``(seed, rank, epoch)`` each epoch, so a resumed epoch sees the same random augmentations.
+
+    Attributes:
+        epoch: the epoch of the current (or last) iteration; ``None`` before the first one.
+        next_epoch: the epoch the next iteration will use.
+        global_batch_size: ``batch_size * num_replicas`` (samples per step over all ranks).
+    """
+
+    def __init__(self, *args: Any, seed_parts: tuple[int, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, DistributedSampler):
+            raise ConfigError("DistributedLoader needs a DistributedSampler; build it with ctx.dataloader")
+        self.epoch: int | None = None
+        self.next_epoch = 0
+        self._seed_parts = seed_parts  # (base seed, rank) when distfn seeds the workers, else None
+        self._batch = -1  # index of the batch most recently handed out in this epoch
+        self._done = False  # True once this epoch's iteration ran to its end
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all ranks: ``batch_size`` × number of ranks sharing the dataset."""
+        return int(self.batch_size or 0) * self.sampler.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (then ``epoch + 1``, ...). Use it to resume exactly."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"set_epoch expects a non-negative int, got {epoch!r}")
+        self.next_epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        # Everything that depends on the epoch happens here, before DataLoader creates its iterator: the
+        # iterator takes the sampler's order and draws the workers' base seed when it is created.
+        epoch = self.next_epoch
+        self.sampler.set_epoch(epoch)
+        if self._seed_parts is not None and self.generator is not None:
+            self.generator.manual_seed(mix_seed(*self._seed_parts, epoch))
+        self.epoch, self.next_epoch = epoch, epoch + 1
+        self._batch, self._done = -1, False
+        return self._track(super().__iter__())
+
+    def _track(self, batches: Iterator[Any]) -> Iterator[Any]:
+        global _current
+        for batch in batches:
+            self._batch += 1
+            _current = weakref.ref(self)
+            yield batch
+        self._done = True
+
+    # -- positions, for gather_for_metrics -------------------------------------------------------------------
+    def _batch_len(self, k: int) -> int:
+        bs = int(self.batch_size or 0)
+        return max(0, min(bs, len(self.sampler) - k * bs))
+
+    def at_last_batch(self) -> bool:
+        """True while the batch just handed out is this epoch's last one."""
+        return not self._done and self._batch >= 0 and self._batch == len(self) - 1
+
+    def positions(self, rows: int) -> torch.Tensor:
+        """Global sampler positions (``local_index * num_replicas + rank``) of ``rows`` per-sample results.
+
+        The rows are either the current batch or everything from the start of the epoch up to now (e.g.
+        predictions concatenated after the loop); the row count tells which.
+        """
+        k, bs = self._batch, int(self.batch_size or 0)
+        if k < 0:
+            raise ConfigError(
+                "gather_for_metrics was called before this loader handed out a batch; call it inside the loop "
+                "over the loader (per batch) or after it (on everything concatenated)"
+            )
+        batch = (k * bs, self._batch_len(k))
+        so_far = (0, k * bs + batch[1])
+        # During the epoch a row count matching the current batch means the batch; after it, the whole epoch.
+        options = [batch, so_far] if not self._done else [so_far, batch]
+        for start, count in options:
+            if rows == count:
+                local = torch.arange(start, start + count, dtype=torch.int64)
+                return local * self.sampler.num_replicas + self.sampler.rank
+        raise ConfigError(
+            f"gather_for_metrics got {rows} rows, but the current batch of this loader has {batch[1]} samples "
+            f"and the epoch so far has {so_far[1]}; pass per-sample results (batch dimension first) for the "
+            "current batch, or for everything since the start of the epoch"
+        )
+
+
+def current_loader() -> DistributedLoader | None:
+    """The distfn loader that handed out a batch most recently in this process (or ``None``)."""
+    return _current() if _current is not None else None
+
+
+def dataloader(
+    dataset: Dataset,
+    batch_size: int,
+    sampler: DistributedSampler,
+    *,
+    rank: int,
+    seed: int | None,
+    device: torch.device,
+    drop_last: bool = False,
+    **kwargs: Any,
+) -> DistributedLoader:
+    """Build the ``DistributedLoader`` behind ``ctx.dataloader`` (see there).
+
+    ``batch_size`` is per rank. ``pin_memory`` defaults to ``device.type == "cuda"``. Unless ``generator`` is
+    passed, the workers' base seed comes from a generator seeded with ``(seed, rank, epoch)``: without it,
+    identically seeded ranks would give their DataLoader workers identical random streams (the same
+    "random" augmentation on every GPU).
+    """
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(
+            "ctx.dataloader shards a map-style dataset (one with __len__ and __getitem__) with a "
+            "DistributedSampler; an IterableDataset must shard itself: read ctx.rank and ctx.world_size in its "
+            "__iter__ and use torch.utils.data.DataLoader directly"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive int (samples per rank), got {batch_size!r}")
+    for key in ("sampler", "batch_sampler", "shuffle"):
+        if key in kwargs:
+            raise ConfigError(
+                f"ctx.dataloader makes its own DistributedSampler, so {key}= cannot be passed; use "
+                "ctx.dataloader(dataset, batch_size, shuffle=...) or build a DataLoader with ctx.sampler(dataset)"
+            )
+    kwargs.setdefault("pin_memory", device.type == "cuda")
+    seed_parts: tuple[int, int] | None = None
+    if kwargs.get("generator") is None:
+        # Without a run seed, torch.initial_seed() differs per process, except under fork where every rank
+        # inherits the parent's: mixing in the rank keeps the workers' streams distinct either way.
+        seed_parts = (torch.initial_seed() if seed is None else seed, rank)
+        kwargs["generator"] = torch.Generator()
+    loader = DistributedLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, seed_parts=seed_parts, **kwargs
+    )
+    if rank == 0:
+        replicas = sampler.num_replicas
+        padded = sampler.total_size - len(dataset)  # type: ignore[arg-type]
+        logger.info(
+            "dataloader: batch_size {} per rank x {} rank(s) = global batch {}; {} batches per epoch per rank "
+            "({} samples{})", batch_size, replicas, batch_size * replicas, len(loader), len(dataset),  # type: ignore[arg-type]
+            f", {padded} padded with duplicates" if padded > 0 else (f", {-padded} dropped" if padded < 0 else ""),
+        )
+    return loader
+
+
+# -- gather_for_metrics -----------------------------------------------------------------------------------------
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    raise ConfigError(
+        f"gather_for_metrics takes tensors (or dicts / lists / tuples of them), got {type(value).__name__}; "
+        "for other Python objects use ctx.gather_object"
+    )
+
+
+def _rebuild(value: Any, leaves: Iterator[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return next(leaves)
+    if isinstance(value, dict):
+        return type(value)((k, _rebuild(v, leaves)) for k, v in value.items())
+    items = [_rebuild(v, leaves) for v in value]
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuple or list/tuple
+
+
+def _all_gather_rows(t: torch.Tensor, sizes: list[int], device: torch.device | None) -> list[torch.Tensor]:
+    """Each rank's rows of ``t`` (row counts ``sizes``), via one all_gather of tensors padded to the longest."""
+    home = t.device
+    if max(sizes) == 0:
+        return [t[:0] for _ in sizes]
+    if device is not None:
+        t = t.to(device)
+    longest = max(sizes)
+    padded = torch.zeros((longest, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded.contiguous())
+    return [p[:n].to(home) for p, n in zip(parts, sizes)]
+
+
+def gather_for_metrics(
+    value: Any,
+    loader: DistributedLoader | None = None,
+    *,
+    device: torch.device | None = None,
+) -> Any:
+    """Per-sample ``value`` from every rank, concatenated, without the sampler's padding duplicates.
+
+    ``value`` is a tensor with the batch dimension first (or a dict / list / tuple of such tensors with the same
+    number of rows), holding results for either the current batch of ``loader`` or everything since the start
+    of the epoch. ``loader`` defaults to the distfn loader that handed out a batch most recently. With a loader,
+    rows whose sampler position is past the end of the dataset (``DistributedSampler``'s padding) are dropped
+    and the rest are put in the sampler's order, so with ``shuffle=False`` row ``i`` of the epoch's result is
+    ``dataset[i]``. Without a distfn loader the ranks' rows are concatenated in rank order, unfiltered.
+    ``device``: where tensors travel for the collective (CUDA for NCCL); results come back on the input's device.
+    """
+    leaves = _leaves(value)
+    if not leaves:
+        return value
+    rows = {leaf.shape[0] if leaf.dim() > 0 else None for leaf in leaves}
+    if None in rows:
+        raise ConfigError("gather_for_metrics needs per-sample tensors (batch dimension first); "
+                          "for a scalar use ctx.all_reduce")
+    if len(rows) != 1:
+        raise ConfigError(f"gather_for_metrics: the tensors have different row counts {sorted(rows)}")
+    n = rows.pop()
+    loader = loader if loader is not None else current_loader()
+    positions: torch.Tensor | None = None
+    if loader is not None:
+        positions = loader.positions(n)
+        keep = positions < len(loader.dataset)  # type: ignore[arg-type]
+        if not bool(keep.all()):
+            positions = positions[keep]
+            leaves = [leaf[keep.to(leaf.device)] for leaf in leaves]
+    if collectives.active():
+        # One small object exchange gives every rank the others' row counts and sampler positions.
+        mine = (leaves[0].shape[0], None if positions is None else positions.tolist())
+        everyone = collectives.gather_object(mine)
+        sizes = [size for size, _ in everyone]
+        gathered = [torch.cat(_all_gather_rows(leaf, sizes, device)) for leaf in leaves]
+        if all(pos is not None for _, pos in everyone):
+            order = torch.argsort(torch.tensor([q for _, pos in everyone for q in pos], dtype=torch.int64))
+            gathered = [g[order.to(g.device)] for g in gathered]
+        leaves = gathered
+    return _rebuild(value, iter(leaves))
