@@ -48,7 +48,7 @@ class Context:
         num_nodes: number of nodes in the job.
         device: the device this rank computes on (``cuda:N`` or ``cpu``).
         backend: the process group backend (``"gloo"``, ``"nccl"``, ...), or ``None`` without a process group.
-        mode: ``"ddp"``, ``"dp"`` or ``"single"``.
+        mode: ``"ddp"``, ``"fsdp"``, ``"dp"`` or ``"single"``.
         launcher: who started this process: ``"spawn"`` (distfn), ``"torchrun"``, ``"slurm"``, ``"mpi"``,
             or ``"local"`` (one process run in place, no launcher).
         seed: the seed every rank was seeded with, or ``None``.
@@ -137,14 +137,23 @@ class Context:
         DDP options pass through ``ddp_kwargs``); ``sync_batchnorm=True`` converts BatchNorm layers to
         SyncBatchNorm first (on GPUs; on CPU, where torch's SyncBatchNorm cannot train, it warns and keeps
         BatchNorm). ``"dp"``: ``nn.DataParallel`` over the visible GPUs. ``"single"``: no wrapper.
+        ``"fsdp"``: sharded in place with FSDP2 ``fully_shard`` by the ``fsdp={...}`` policy of ``@distributed``
+        (keyword arguments here override those options for this model, e.g. ``module_classes=[Block]``); the
+        returned module is the same object, its parameters now ``DTensor`` shards (see ``distfn.fsdp``).
         """
         if not isinstance(model, nn.Module):
             raise ConfigError(f"ctx.wrap expects a torch.nn.Module, got {type(model).__name__}")
-        if ddp_kwargs and self.mode != "ddp":
+        if ddp_kwargs and self.mode not in ("ddp", "fsdp"):
             raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={self.mode!r}")
         from . import loop
 
         model = model.to(self.device)
+        if self.mode == "fsdp":
+            from . import fsdp
+
+            if sync_batchnorm:
+                model = loop.convert_sync_batchnorm(model, self.device, warn=self.is_main)
+            return fsdp.wrap(model, fsdp.parse_options(fsdp.options(), **ddp_kwargs), self.device)
         if self.mode == "ddp":
             if sync_batchnorm:
                 model = loop.convert_sync_batchnorm(model, self.device, warn=self.is_main)
@@ -268,9 +277,17 @@ class Context:
         CPU one at a time; the live model never moves. There is **no collective** inside, so it is safe under
         ``if ctx.is_main:``; call ``ctx.barrier()`` afterwards if other ranks must read the file.
         Returns the path (on every rank).
+
+        In ``mode="fsdp"``, when ``obj`` holds a sharded model or optimizer, **every rank must call it**: it
+        gathers full state dicts to the CPU of rank 0 (a collective), which writes the same single file as DDP
+        mode. Calling it on rank 0 only is detected and raises ``CheckpointError`` instead of hanging.
         """
         from . import checkpoint
 
+        if self.mode == "fsdp":
+            from . import fsdp
+
+            return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep)
         if self.is_main:
             return checkpoint.save(obj, path, metadata=metadata, keep=keep)
         return Path(path)
@@ -279,7 +296,14 @@ class Context:
         self, path: str | os.PathLike[str], into: nn.Module | Mapping[str, Any], *, strict: bool = True
     ) -> dict[str, Any]:
         """Restore ``into`` (a module, or a mapping of modules/optimizers/schedulers/...) in place from ``path``
-        on every rank, onto ``ctx.device``; returns the non-tensor values saved with it (``step``, ...)."""
+        on every rank, onto ``ctx.device``; returns the non-tensor values saved with it (``step``, ...).
+
+        In ``mode="fsdp"`` sharded models and optimizers get their shard of the full tensors in the file (written
+        in fsdp or ddp mode); call it on every rank."""
         from . import checkpoint
 
+        if self.mode == "fsdp":
+            from . import fsdp
+
+            return fsdp.load(path, into, device=self.device, strict=strict)
         return checkpoint.load_into(path, into, device=self.device, strict=strict)

@@ -13,7 +13,7 @@ import functools
 import inspect
 import os
 import sys
-from typing import Any, Callable, Sequence, TypeVar, overload
+from typing import Any, Callable, Mapping, Sequence, TypeVar, overload
 
 import attrs
 import torch
@@ -24,7 +24,7 @@ from . import spawn, worker
 from .errors import ConfigError, NestedLaunchError
 from .loop import check_precision
 
-MODES = ("ddp", "dp", "single")
+MODES = ("ddp", "fsdp", "dp", "single")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 R = TypeVar("R")
 
@@ -132,6 +132,13 @@ def _check_init_method(init_method: str | None) -> str | None:
     return init_method
 
 
+def _check_fsdp(value: Any) -> Any:
+    """``fsdp={...}`` -> ``distfn.fsdp.FsdpOptions`` (unknown keys are an error naming the valid ones)."""
+    from .fsdp import parse_options
+
+    return parse_options(value)
+
+
 def _launchers() -> tuple[str, ...]:
     from .topology import LAUNCHERS
 
@@ -152,6 +159,7 @@ class Options:
     launcher: str = attrs.field(default="auto")
     init_method: str | None = attrs.field(default=None, converter=_check_init_method)
     precision: str = attrs.field(default="32", converter=check_precision)
+    fsdp: Any = attrs.field(default=None, converter=_check_fsdp)  # distfn.fsdp.FsdpOptions | None
 
     def __attrs_post_init__(self) -> None:
         _check_choice("start_method", self.start_method, spawn.START_METHODS)
@@ -159,7 +167,9 @@ class Options:
         if self.mode in ("single", "dp") and self.nprocs not in (None, 1):
             raise ConfigError(f"mode={self.mode!r} runs one process, but nprocs={self.nprocs}; "
                               "use mode='ddp' for several processes")
-        if self.devices is not None and self.nprocs is not None and self.mode == "ddp" \
+        if self.fsdp is not None and self.mode != "fsdp":
+            raise ConfigError(f"fsdp= options were given but mode={self.mode!r}; use mode='fsdp' or drop fsdp=")
+        if self.devices is not None and self.nprocs is not None and self.mode in ("ddp", "fsdp") \
                 and self.nprocs > len(self.devices) and (self.backend or "nccl") == "nccl":
             raise ConfigError(f"nprocs={self.nprocs} is more than the {len(self.devices)} GPU(s) in "
                               f"devices={self.devices}; NCCL needs one GPU per process")
@@ -254,6 +264,7 @@ def distributed(
     launcher: str = "auto",
     init_method: str | None = None,
     precision: str | int = "32",
+    fsdp: Mapping[str, Any] | None = None,
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -271,12 +282,15 @@ def distributed(
     launcher: str = "auto",
     init_method: str | None = None,
     precision: str | int = "32",
+    fsdp: Mapping[str, Any] | None = None,
 ) -> Any:
     """Make ``fn(cfg, ctx)`` a distributed job: ``fn(cfg)`` then runs it on every rank and returns a value.
 
     Args:
-        mode: ``"ddp"`` (one process per device, DistributedDataParallel), ``"dp"`` (one process,
-            ``nn.DataParallel`` over the visible GPUs) or ``"single"`` (one process, one device).
+        mode: ``"ddp"`` (one process per device, DistributedDataParallel), ``"fsdp"`` (one process per device,
+            parameters, gradients and optimizer state sharded with FSDP2 ``fully_shard``; see docs/modes.md),
+            ``"dp"`` (one process, ``nn.DataParallel`` over the visible GPUs) or ``"single"`` (one process, one
+            device).
         nprocs: processes to self-spawn under ``python script.py``. Default: the number of visible GPUs
             (``len(devices)`` when given), or 1 without CUDA. ``DISTFN_NPROCS`` in the environment overrides it.
             Ignored (with a log line) under torchrun / srun / mpirun, whose world size wins.
@@ -295,6 +309,8 @@ def distributed(
         precision: ``"32"`` (float32, the default), ``"bf16"`` (bfloat16 autocast; works on CPUs too) or
             ``"16"`` (float16 autocast with a GradScaler). It applies where the code uses ``with ctx.autocast():``,
             ``ctx.backward(loss)`` and ``ctx.step(optimizer)``; the model's weights stay float32.
+        fsdp: options of ``mode="fsdp"``: ``min_params``, ``module_classes``, ``mixed_precision``,
+            ``cpu_offload``, ``reshard_after_forward``, ``save_timeout`` (see ``distfn.fsdp.FsdpOptions``).
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take
@@ -304,7 +320,8 @@ def distributed(
     external launcher every process gets its own. A failing worker raises ``distfn.WorkerError``.
     """
     opts = Options(mode=mode, nprocs=nprocs, backend=backend, seed=seed, timeout=timeout, devices=devices,
-                   start_method=start_method, launcher=launcher, init_method=init_method, precision=precision)
+                   start_method=start_method, launcher=launcher, init_method=init_method, precision=precision,
+                   fsdp=fsdp)
 
     def decorate(func: Callable[..., R]) -> Callable[..., R]:
         _check_signature(func)

@@ -168,6 +168,10 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
                 store = dist.HashStore()  # a world of one needs no network at all
             init_process_group(topology, backend, opts.timeout, store=store, init_method=opts.init_method)
             started_group = True
+            if opts.mode == "fsdp":  # sharded like ddp needs the group; plus the ctx.save check-in bookkeeping
+                from . import fsdp
+
+                fsdp.begin(topology.rank, topology.world_size, opts.fsdp)
         if topology.rank == 0:
             log.info("launcher: {} ({}); world size {}, device {}, backend {}", topology.launcher,
                      topology.reason, topology.world_size, device, backend)
@@ -188,6 +192,10 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         )
         return fn(cfg, ctx)
     finally:
+        if opts.mode == "fsdp":
+            from . import fsdp
+
+            fsdp.finish()  # ranks waiting in an fsdp ctx.save learn that this one will never join it
         if started_group and dist.is_initialized():
             dist.destroy_process_group()
         logs.teardown()
