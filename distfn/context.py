@@ -116,9 +116,8 @@ class Context:
         """
         from . import data
 
-        sampler = self.sampler(dataset, shuffle=shuffle, drop_last=drop_last)
-        return data.dataloader(dataset, batch_size, sampler, rank=self.rank, seed=self.seed, device=self.device,
-                               drop_last=drop_last, **kwargs)
+        return data.dataloader(dataset, batch_size, self.sampler, rank=self.rank, seed=self.seed, device=self.device,
+                               shuffle=shuffle, drop_last=drop_last, **kwargs)
 
     def gather_for_metrics(self, value: Any, loader: DistributedLoader | None = None) -> Any:
         """Per-sample ``value`` (tensor, batch dimension first, or a dict/list/tuple of them) from every rank,

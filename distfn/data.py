@@ -11,7 +11,7 @@ rows from real ones.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from loguru import logger
@@ -138,16 +138,18 @@ def current_loader() -> DistributedLoader | None:
 def dataloader(
     dataset: Dataset,
     batch_size: int,
-    sampler: DistributedSampler,
+    make_sampler: Callable[..., DistributedSampler],
     *,
     rank: int,
     seed: int | None,
     device: torch.device,
+    shuffle: bool = True,
     drop_last: bool = False,
     **kwargs: Any,
 ) -> DistributedLoader:
     """Build the ``DistributedLoader`` behind ``ctx.dataloader`` (see there).
 
+    ``make_sampler(dataset, shuffle=..., drop_last=...)`` makes this rank's sampler (``ctx.sampler``).
     ``batch_size`` is per rank. ``pin_memory`` defaults to ``device.type == "cuda"``. Unless ``generator`` is
     passed, the workers' base seed comes from a generator seeded with ``(seed, rank, epoch)``: without it,
     identically seeded ranks would give their DataLoader workers identical random streams (the same
@@ -167,6 +169,7 @@ def dataloader(
                 f"ctx.dataloader makes its own DistributedSampler, so {key}= cannot be passed; use "
                 "ctx.dataloader(dataset, batch_size, shuffle=...) or build a DataLoader with ctx.sampler(dataset)"
             )
+    sampler = make_sampler(dataset, shuffle=shuffle, drop_last=drop_last)
     kwargs.setdefault("pin_memory", device.type == "cuda")
     seed_parts: tuple[int, int] | None = None
     if kwargs.get("generator") is None:
