@@ -20,7 +20,8 @@ from typing import Any
 
 from .context import Context
 from .decorator import distributed
-from .errors import CheckpointError, ConfigError, DistfnError, LauncherError, NestedLaunchError, WorkerError
+from .errors import (CheckpointError, ConfigError, DistfnError, LauncherError, NestedLaunchError, Terminated,
+                     WorkerError)
 
 __all__ = [
     "CheckpointError",
@@ -29,6 +30,7 @@ __all__ = [
     "DistfnError",
     "LauncherError",
     "NestedLaunchError",
+    "Terminated",
     "WorkerError",
     "distributed",
     "latest",

@@ -81,6 +81,19 @@ class Context:
         """True when a process group is up (``mode="ddp"``); collectives are identities otherwise."""
         return collectives.active()
 
+    @property
+    def should_stop(self) -> bool:
+        """True on **every** rank once any of them received SIGTERM or SIGUSR2 (preemption, time limit).
+
+        A collective (an all-reduce of one flag with MAX): read it on every rank at the same step boundary,
+        e.g. ``if ctx.should_stop: ctx.save(...); return``, never under ``if ctx.is_main:``. Reading it once
+        also tells distfn that this function stops by itself: SIGTERM then only sets the flag instead of raising
+        ``distfn.Terminated`` in the middle of a step. See docs/failures.md (SLURM ``--signal``).
+        """
+        from . import preemption
+
+        return preemption.should_stop(self.device if self.backend == "nccl" else None)
+
     # -- data ---------------------------------------------------------------------------------------------
     def sampler(
         self, dataset: Dataset, shuffle: bool = True, seed: int | None = None, drop_last: bool = False

@@ -23,6 +23,15 @@ class NestedLaunchError(ConfigError):
     """A decorated function was called from inside a running distfn worker."""
 
 
+class Terminated(BaseException):
+    """Raised in a rank's main thread when SIGTERM arrives and the function does not poll ``ctx.should_stop``.
+
+    Like ``KeyboardInterrupt`` it derives from ``BaseException``, so ``except Exception`` in user code does not
+    swallow it, while ``finally`` blocks and context managers still run. A function that polls
+    ``ctx.should_stop`` opts out: SIGTERM then only makes ``should_stop`` true, and the loop decides.
+    """
+
+
 class WorkerError(DistfnError):
     """One or more self-spawned workers failed.
 

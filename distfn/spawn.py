@@ -487,8 +487,29 @@ class _Worker:
     rank: int
     process: Any
     conn: Connection | None
+    stacks: Connection | None = None  # read end of the worker's faulthandler pipe
     reported: bool = False
+    ok: bool = False  # reported a result (the function returned)
     result: bytes | None = None
+    dump: bytes = b""  # what came through the stack pipe so far
+
+
+def _read_stacks(w: _Worker) -> bool:
+    """Append what the worker's stack pipe holds to ``w.dump``; False once the pipe is closed."""
+    if w.stacks is None:
+        return False
+    while True:
+        try:
+            chunk = os.read(w.stacks.fileno(), 65536)
+        except BlockingIOError:
+            return True
+        except OSError:
+            chunk = b""
+        if not chunk:
+            w.stacks.close()
+            w.stacks = None
+            return False
+        w.dump += chunk
 
 
 def _collect(workers: list[_Worker], failures: list[Failure], timeout: float) -> None:
@@ -508,13 +529,39 @@ def _collect(workers: list[_Worker], failures: list[Failure], timeout: float) ->
                 _receive(w, reported)
             if not w.reported:
                 w.reported = True
-                deaths.append(Failure.from_exit(w.rank, w.process.pid, w.process.exitcode))
+                _read_stacks(w)  # a crash (SIGSEGV, SIGABRT, ...) left its Python stack there
+                crash = main_stack(w.dump.decode("utf-8", "replace")) if w.dump else ""
+                deaths.append(Failure.from_exit(w.rank, w.process.pid, w.process.exitcode, crash))
     for obj in ready:
         w = conns.get(obj)  # type: ignore[arg-type]
         if w is not None and w.conn is not None:
             _receive(w, reported)
     failures.extend(deaths)
     failures.extend(sorted(reported, key=lambda f: f.time))
+
+
+# Errors a rank reports because a peer went away: a consequence, never the root cause.
+_PEER_LOSS = re.compile(r"connection closed by peer|connection reset by peer|broken pipe|remote worker crash"
+                        r"|communicator was aborted|ncclRemoteError", re.IGNORECASE)
+
+
+def order_failures(failures: list[Failure]) -> list[Failure]:
+    """Likely root cause first: deaths without a report (signals, exit codes), then the ranks' own errors,
+    then errors about losing a peer; by time within each group."""
+    def key(f: Failure) -> tuple[int, float]:
+        if f.exc_type in ("Signal", "ExitCode"):
+            return 0, f.time
+        return (2 if _PEER_LOSS.search(f.message) else 1), f.time
+
+    return sorted(failures, key=key)
+
+
+def _settle(workers: list[_Worker], failures: list[Failure], window: float = 0.5) -> None:
+    """After the first failure, give the other ranks' reports ``window`` seconds to arrive, so that the root
+    cause can be told from its consequences (a rank that raised reports after its peers saw it leave)."""
+    deadline = time.monotonic() + window
+    while not all(w.reported for w in workers) and time.monotonic() < deadline:
+        _collect(workers, failures, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 def _receive(w: _Worker, failures: list[Failure]) -> None:
@@ -527,6 +574,7 @@ def _receive(w: _Worker, failures: list[Failure]) -> None:
         return
     w.reported = True
     if kind == "ok":
+        w.ok = True
         w.result = data
     else:
         failures.append(data)
@@ -534,14 +582,19 @@ def _receive(w: _Worker, failures: list[Failure]) -> None:
     w.conn = None
 
 
-def _stop(workers: list[_Worker], sig: int, grace: float) -> None:
-    """Send ``sig`` to the live workers, give them ``grace`` seconds, then SIGKILL what is left."""
+def _signal_live(workers: list[_Worker], sig: int) -> None:
     for w in workers:
         if w.process.exitcode is None:
             try:
                 os.kill(w.process.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _stop(workers: list[_Worker], sig: int | None, grace: float) -> None:
+    """Send ``sig`` (if any) to the live workers, give them ``grace`` seconds, then SIGKILL what is left."""
+    if sig is not None:
+        _signal_live(workers, sig)
     deadline = time.monotonic() + grace
     for w in workers:
         w.process.join(max(0.0, deadline - time.monotonic()))
@@ -549,6 +602,148 @@ def _stop(workers: list[_Worker], sig: int, grace: float) -> None:
         if w.process.exitcode is None:
             w.process.kill()
             w.process.join(5)
+
+
+def request_stacks(workers: list[_Worker], wait_s: float = DUMP_WAIT) -> dict[int, str]:
+    """Ask the live workers for their Python stacks (``DUMP_SIGNAL``); ``{rank: main thread's stack}``."""
+    live = [w for w in workers if w.process.exitcode is None and w.stacks is not None]
+    for w in live:
+        _read_stacks(w)
+        w.dump = b""  # only the answer to this request
+    _signal_live(live, DUMP_SIGNAL)
+    deadline = time.monotonic() + wait_s
+    pending = {w.stacks: w for w in live}
+    answered: set[int] = set()
+    while pending and time.monotonic() < deadline:
+        # faulthandler writes a dump in many small writes: once every worker answered, stop at the first
+        # quiet 0.1 s
+        quiet = len(answered) == len(live)
+        ready = wait(list(pending), timeout=0.1 if quiet else max(0.0, deadline - time.monotonic()))
+        if not ready and quiet:
+            break
+        for conn in ready:
+            w = pending[conn]  # type: ignore[index]
+            if not _read_stacks(w):
+                del pending[conn]
+            if w.dump:
+                answered.add(w.rank)
+    return {w.rank: main_stack(w.dump.decode("utf-8", "replace")) for w in live if w.dump}
+
+
+_TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|deadline exceeded", re.IGNORECASE)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def diagnose(first: Failure, workers: list[_Worker], timeout_s: float, forwarded: str | None) -> Failure:
+    """The first failure with what the launching process can add: a collective timeout's missing ranks and
+    every other rank's stack, ranks that had already returned, a signal that this process forwarded."""
+    notes: list[str] = []
+    stacks = ""
+    if forwarded:
+        notes.append(f"The launching process received {forwarded} and forwarded it to the workers.")
+    returned = [w.rank for w in workers if w.ok]
+    if _TIMEOUT_WORDS.search(f"{first.exc_type} {first.message}"):
+        dumps = request_stacks([w for w in workers if w.rank != first.rank and not w.reported])
+        notes.append(f"A collective or the rendezvous timed out after {timeout_s:g} s (the `timeout` of "
+                     "@distributed, 30 min by default).")
+        away = {r: s for r, s in dumps.items() if "torch/distributed/" not in s.replace("\\", "/")}
+        dead = [w.rank for w in workers if w.reported and not w.ok and w.rank != first.rank]
+        if away:
+            where = "; ".join(f"rank {r} was in {_innermost_user_frame(s) or 'code outside torch'}"
+                              for r, s in sorted(away.items()))
+            notes.append(f"{_ranks(sorted(away)).capitalize()} had not reached a collective: {where}.")
+        elif dumps and not returned and not dead:
+            notes.append("Every other rank was inside torch.distributed too: the ranks probably call different "
+                         "collectives, or the same ones in a different order (compare the stacks below).")
+        if dead:
+            notes.append(f"{_ranks(dead).capitalize()} had already failed (listed below).")
+        if dumps:
+            stacks = "\n\n".join(
+                [f"Python stacks of the other ranks when rank {first.rank} timed out (most recent call first):"]
+                + [f"rank {r}:\n{s}" for r, s in sorted(dumps.items())])
+    if returned:
+        notes.append(f"{_ranks(returned).capitalize()} had already returned from the function: a collective "
+                     "that only some ranks call (e.g. under `if ctx.is_main:`) makes the others fail or wait.")
+    if not notes:
+        return first
+    return attrs.evolve(first, diagnosis=" ".join(notes), stacks=stacks)
+
+
+def check_port_free(init_method: str | None) -> None:
+    """Refuse, before any worker starts, a ``tcp://host:port`` of this machine that something already uses.
+
+    torch would only find out in rank 0 (EADDRINUSE) while the other ranks wait for a store that never comes.
+    """
+    if not init_method or not init_method.startswith("tcp://"):
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        url = urlsplit(init_method)
+        host, port = url.hostname, url.port
+    except ValueError:
+        return  # malformed: torch's own error names it
+    if not host or not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # not an address of this machine (another host serves the rendezvous), or unresolvable
+            raise ConfigError(
+                f"init_method={init_method!r}: {host}:{port} is already in use on this machine (another job or "
+                f"program listens there; `ss -ltnp 'sport = :{port}'` shows which). Leave init_method unset so "
+                "distfn picks a free loopback port for each job, or choose a free port."
+            ) from None
+
+
+@attrs.define
+class _Forwarder:
+    """Forwards SIGTERM and SIGUSR2 from the launching process to the workers (main thread only).
+
+    SIGUSR2 only makes ``ctx.should_stop`` true in the workers. SIGTERM does that too (or raises
+    ``Terminated`` in a function that never polls ``should_stop``) and starts ``TERM_GRACE``; a second SIGTERM
+    kills the workers at once. The handler only sends signals and sets fields: logging from a signal handler
+    could deadlock on a lock the interrupted code holds.
+    """
+
+    workers: list[_Worker]
+    previous: dict[int, Any] = attrs.field(factory=dict)
+    received: str | None = None
+    deadline: float | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self.previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and self.deadline is not None:
+            _signal_live(self.workers, signal.SIGKILL)
+            return
+        _signal_live(self.workers, signum)
+        if self.received is None or signum == signal.SIGTERM:
+            self.received = signal.Signals(signum).name
+        if signum == signal.SIGTERM:
+            self.deadline = time.monotonic() + TERM_GRACE
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def remaining(self) -> float:
+        return 0.0 if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
 def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
@@ -559,6 +754,7 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
     else:
         logger.info("starting {} workers with {}: {}", nprocs, method, reason)
         check_picklable(fn, cfg, method)
+    check_port_free(opts.init_method)
     context = mp.get_context(method)
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -567,14 +763,16 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
     port = listener.getsockname()[1]
     workers: list[_Worker] = []
     failures: list[Failure] = []
+    forwarder = _Forwarder(workers)
     store = None
     interrupted = False
     try:
         for rank in range(nprocs):
             reader, writer = context.Pipe(duplex=False)
+            stack_reader, stack_writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=_entry,
-                args=(rank, nprocs, port, fn, cfg, opts, writer, os.getpid(),
+                args=(rank, nprocs, port, fn, cfg, opts, writer, stack_writer, os.getpid(),
                       listener.fileno() if method == "fork" else -1),
                 name=f"distfn-rank{rank}",
                 daemon=False,  # daemonic processes may not have children: DataLoader workers need them
@@ -585,18 +783,26 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
             finally:
                 os.environ.pop(_CHILD_ENV, None)
             writer.close()
-            workers.append(_Worker(rank, process, reader))
+            stack_writer.close()
+            os.set_blocking(stack_reader.fileno(), False)
+            workers.append(_Worker(rank, process, reader, stack_reader))
+        # After the forks, so that no worker inherits a handler that signals its siblings.
+        forwarder.install()
         # The store is started after the forks so no worker inherits its threads; until it accepts, the
         # kernel queues the workers' connections on the listening socket.
         store = dist.TCPStore("127.0.0.1", port, None, True, opts.timeout, wait_for_workers=False,
                               master_listen_fd=listener.fileno())
         listener.detach()  # the store owns the socket now and closes it when it is destroyed
-        while not failures and not all(w.reported for w in workers):
+        while not failures and not all(w.reported for w in workers) and not forwarder.expired():
             try:
                 _collect(workers, failures, timeout=1.0)
             except KeyboardInterrupt:
                 interrupted = True
                 break
+        if failures and not interrupted:
+            _settle(workers, failures)
+            failures[:] = order_failures(failures)
+            failures[0] = diagnose(failures[0], workers, opts.timeout.total_seconds(), forwarder.received)
     finally:
         if interrupted:
             logger.warning("interrupted: stopping {} workers (Ctrl-C again to kill them at once)", nprocs)
@@ -604,20 +810,33 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
                 _stop(workers, signal.SIGINT, STOP_GRACE)
             except KeyboardInterrupt:
                 _stop(workers, signal.SIGKILL, 0)
+        elif forwarder.deadline is not None:
+            # SIGTERM was forwarded: the workers are already stopping (saving, running finally blocks)
+            _stop(workers, None, forwarder.remaining())
         elif failures or any(w.process.exitcode is None for w in workers):
             _stop(workers, signal.SIGTERM, STOP_GRACE if not failures else 2.0)
-        # Errors the other ranks reported while being stopped come after the first one.
+        # Errors the other ranks reported while being stopped come after the first one; a rank that distfn
+        # itself stopped after the first failure reports Terminated, which is no news.
+        stopped: list[Failure] = []
         for w in workers:
             if w.conn is not None and not w.reported and w.conn.poll():
-                _receive(w, failures)
+                _receive(w, stopped)
             if w.conn is not None:
                 w.conn.close()
+            if w.stacks is not None:
+                w.stacks.close()
             w.process.join(1)
+        failures.extend(f for f in stopped if forwarder.received or f.exc_type != Terminated.__qualname__)
+        forwarder.restore()
         del store
         listener.close()
     if interrupted:
         raise KeyboardInterrupt
     if failures:
         raise WorkerError(failures)
+    if forwarder.expired() and not all(w.ok for w in workers):
+        raise WorkerError([Failure(w.rank, socket.gethostname(), w.process.pid, "Terminated",
+                                   f"still running {TERM_GRACE:g} s after SIGTERM was forwarded; killed")
+                           for w in workers if not w.ok])
     payload = workers[0].result
     return None if payload is None else pickle.loads(payload)

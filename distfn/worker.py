@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from . import logs
+from . import logs, preemption
 from .context import Context
 from .errors import ConfigError, LauncherError
 
@@ -154,6 +154,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     mark_active(True)
     log = logs.setup(topology.rank, topology.world_size)
     started_group = False
+    stop_handlers = preemption.install()  # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only)
     try:
         device = select_device(opts.mode, topology.local_rank, topology.local_world_size, opts.backend)
         if device.type == "cuda":
@@ -191,6 +192,13 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             precision=opts.precision,
         )
         return fn(cfg, ctx)
+    except BaseException as exc:
+        if topology.launcher not in ("spawn", "local"):
+            # torchrun / srun / mpirun: no distfn parent collects the failure, so this rank reports it itself
+            from .spawn import report_in_place
+
+            report_in_place(topology.rank, exc)
+        raise
     finally:
         if opts.mode == "fsdp":
             from . import fsdp
@@ -199,4 +207,5 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         if started_group and dist.is_initialized():
             dist.destroy_process_group()
         logs.teardown()
+        preemption.restore(stop_handlers)
         mark_active(False)

@@ -1,0 +1,90 @@
+"""Graceful stop on SIGTERM / SIGUSR2: the state behind ``ctx.should_stop``.
+
+Schedulers warn a job before they end it: SLURM sends SIGTERM at the time limit or on preemption (then SIGKILL
+after ``KillWait``, 30 s by default), and ``sbatch --signal=USR2@120`` sends SIGUSR2 two minutes earlier. Each
+rank installs a handler for both (in its main thread only: Python runs signal handlers there) that records
+the signal. ``should_stop()`` all-reduces that record with MAX, so every rank sees ``True`` at the same step
+boundary even when the signal reached only some of them (the launching process forwards it to its workers,
+and SLURM signals every process of a step), and the loop can save a checkpoint and return together.
+
+SIGTERM is the one signal that also means "end now" (``kill``, torchrun and distfn itself stop ranks with it).
+A rank whose function never polled ``should_stop`` raises :class:`distfn.errors.Terminated` on the first
+SIGTERM instead, so ``finally`` blocks run and the rank exits; once it polled, SIGTERM only sets the flag and
+the loop decides. Either way a rank that ignores the request is killed by whoever sent it after a grace.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import attrs
+
+from .errors import Terminated
+
+#: The signals that ask the job to stop at the next step boundary.
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR2)
+
+
+@attrs.define
+class _State:
+    signal: str | None = None  # name of the first stop signal received
+    polled: bool = False  # the function called should_stop(): SIGTERM no longer raises
+    raised: bool = False  # Terminated was raised once; later SIGTERMs must not interrupt the finally blocks
+
+
+_state = _State()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _state.signal is None:
+        _state.signal = signal.Signals(signum).name
+    if signum == signal.SIGTERM and not _state.polled and not _state.raised:
+        _state.raised = True
+        raise Terminated(
+            "received SIGTERM (a scheduler time limit or preemption, `kill`, or the launcher stopping the job); "
+            "poll ctx.should_stop at step boundaries to save and return instead"
+        )
+
+
+def install() -> dict[int, Any] | None:
+    """Reset the state and handle the stop signals in this process; returns the handlers to give back.
+
+    Returns ``None`` (and installs nothing) outside the main thread, where Python cannot set handlers.
+    """
+    global _state
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    _state = _State()
+    previous: dict[int, Any] = {}
+    for sig in STOP_SIGNALS:
+        previous[sig] = signal.signal(sig, _on_signal)
+    return previous
+
+
+def restore(previous: dict[int, Any] | None) -> None:
+    """Give back the handlers that :func:`install` replaced."""
+    if not previous:
+        return
+    for sig, handler in previous.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def requested() -> str | None:
+    """The name of the stop signal this process received (``"SIGTERM"``/``"SIGUSR2"``), or ``None``."""
+    return _state.signal
+
+
+def should_stop(device: Any = None) -> bool:
+    """True on every rank once any rank received SIGTERM or SIGUSR2 (a collective: all ranks must call it).
+
+    ``device`` is where the flag travels for the all-reduce (a CUDA device under NCCL; the CPU otherwise).
+    """
+    from . import collectives
+
+    _state.polled = True
+    local = _state.signal is not None
+    if not collectives.active():
+        return local
+    return bool(collectives.all_reduce(int(local), op="max", device=device))

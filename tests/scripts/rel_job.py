@@ -1,0 +1,107 @@
+"""One distfn job per fault case, for tests/test_reliability.py and bench/stress_faults.py.
+
+Usage: python rel_job.py CASE [MARK_DIR] [REPEAT]
+
+Runs the case REPEAT times (default 1) in this process and prints one JSON line per launch:
+``{"case", "ok", "value", "error", "type", "seconds", "leftovers"}``; ``leftovers`` lists what the launch left
+behind in this process (child processes, listening sockets, /dev/shm segments named after its pids).
+With MARK_DIR, every rank writes ``MARK_DIR/<case>.rank<r>.pid`` at start and ``...finally`` in its ``finally``.
+Exit status: 0 when the last launch returned, 1 when it raised.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from distfn import WorkerError, distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rel_leftovers import leftovers  # noqa: E402
+
+
+def _mark(cfg, ctx, what: str) -> None:
+    if cfg.get("marks"):
+        Path(cfg["marks"], f"{cfg['case']}.rank{ctx.rank}.{what}").write_text(str(os.getpid()))
+
+
+def body(cfg, ctx):
+    case = cfg["case"]
+    _mark(cfg, ctx, "pid")
+    try:
+        ctx.barrier()
+        if case == "ok":
+            return {"ranks": ctx.gather_object(ctx.rank), "tensor": torch.arange(3) * ctx.world_size}
+        if case == "raise" and ctx.rank == 1:
+            raise ValueError("boom on rank 1")
+        if case == "exit" and ctx.rank == 1:
+            sys.exit(3)
+        if case == "sigkill" and ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if case == "segv" and ctx.rank == 1:
+            ctypes.string_at(0)  # a NULL read: SIGSEGV in native code
+        if case == "hang" and ctx.rank == 1:
+            time.sleep(300)
+        if case == "early_return" and ctx.rank == 1:
+            return None
+        if case == "unpicklable_return":
+            return {"fn": lambda x: x}
+        if case == "dataloader":
+            from torch.utils.data import DataLoader
+
+            loader = DataLoader(list(range(64)), batch_size=4, num_workers=2)
+            for i, _ in enumerate(loader):
+                if i == 3 and ctx.rank == 1:
+                    raise RuntimeError("failed while DataLoader workers run")
+        if case in ("sigint", "sigterm", "preempt"):
+            # wait here until the test signals the launching process; should_stop is polled in "preempt" only
+            steps = 0
+            while True:
+                if case == "preempt":
+                    if ctx.should_stop:
+                        return {"rank": ctx.rank, "steps": ctx.gather_object(steps)}
+                else:
+                    ctx.barrier()
+                steps += 1
+                if steps == 3:
+                    _mark(cfg, ctx, "ready")
+                time.sleep(0.05)
+        ctx.barrier()
+        return ctx.rank
+    finally:
+        _mark(cfg, ctx, "finally")
+        if case == "sigint_stubborn":
+            pass
+
+
+job = distributed(nprocs=2, timeout=10)(body)
+
+
+def main() -> int:
+    case = sys.argv[1]
+    marks = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None
+    repeat = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    status = 0
+    for _ in range(repeat):
+        t0 = time.monotonic()
+        record = {"case": case, "ok": True, "value": None, "error": None, "type": None}
+        try:
+            value = job({"case": case, "marks": marks})
+            record["value"] = repr(value)
+            status = 0
+        except WorkerError as exc:
+            record.update(ok=False, error=str(exc), type=type(exc).__name__)
+            status = 1
+        record["seconds"] = round(time.monotonic() - t0, 3)
+        record["leftovers"] = leftovers(os.getpid())
+        print(json.dumps(record), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""What a distfn launch may leave behind, seen from the launching process (used by rel_job.py and the bench).
+
+``leftovers(pid)`` lists: live processes of this session (or children of ``pid`` when it leads no session),
+sockets of ``pid`` still listening, new /dev/shm segments whose creator is gone, and new temp entries of
+multiprocessing/torch/distfn. "New" means not there when this module was imported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+_SHM = "/dev/shm"
+_TEMP_NAMES = re.compile(r"^(pymp-|torch|distfn|tmp.*distfn)")
+_TORCH_SHM = re.compile(r"^torch_(\d+)_")
+
+
+def _listdir(path: str) -> set[str]:
+    try:
+        return set(os.listdir(path))
+    except OSError:
+        return set()
+
+
+_BEFORE_SHM = _listdir(_SHM)
+_BEFORE_TMP = _listdir(tempfile.gettempdir())
+
+
+def _stat_fields(pid: str) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
+
+
+def processes(pid: int) -> list[str]:
+    """Live processes that belong to the job started by ``pid`` (its session, or its children)."""
+    leader = os.getsid(pid) == pid
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == pid:
+            continue
+        fields = _stat_fields(entry)
+        if fields is None or fields[0] == "Z":
+            continue
+        if (leader and int(fields[3]) == pid) or (not leader and int(fields[1]) == pid):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            found.append(f"process {entry} ({cmd[:80]})")
+    return found
+
+
+def listening(pid: int) -> list[str]:
+    """``addr:port`` of TCP sockets that ``pid`` holds in LISTEN state."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    except OSError:
+        return []
+    return [f"listening {addr}" for addr, inode in listen_table() if inode in inodes]
+
+
+def listen_table() -> list[tuple[str, str]]:
+    """``(local address, socket inode)`` of every listening TCP socket of this machine."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if parts[3] != "0A":  # LISTEN
+                continue
+            addr_hex, port_hex = parts[1].split(":")
+            rows.append((f"{decode_addr(addr_hex)}:{int(port_hex, 16)}", parts[9]))
+    return rows
+
+
+def decode_addr(addr_hex: str) -> str:
+    """The /proc/net/tcp{,6} hex address as text (little-endian 32-bit words)."""
+    raw = bytes.fromhex(addr_hex)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(words) == 4:
+        return ".".join(str(b) for b in words)
+    import ipaddress
+
+    return str(ipaddress.IPv6Address(words))
+
+
+def shm_segments() -> list[str]:
+    """New /dev/shm entries, except torch segments whose creating process still lives (someone else's)."""
+    out = []
+    for name in sorted(_listdir(_SHM) - _BEFORE_SHM):
+        m = _TORCH_SHM.match(name)
+        if m and os.path.exists(f"/proc/{m.group(1)}"):
+            continue
+        out.append(f"shm {name}")
+    return out
+
+
+def temp_files() -> list[str]:
+    """New entries of the temp directory that multiprocessing, torch or distfn make."""
+    return [f"temp {name}" for name in sorted(_listdir(tempfile.gettempdir()) - _BEFORE_TMP)
+            if _TEMP_NAMES.match(name)]
+
+
+def leftovers(pid: int) -> list[str]:
+    """Everything above, after giving just-killed processes a moment to be reaped."""
+    return processes(pid) + listening(pid) + shm_segments() + temp_files()
