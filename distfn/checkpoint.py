@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import pathlib
 import random
@@ -105,7 +106,6 @@ _RESERVED_METADATA: Final = frozenset({"format", _KEY_FORMAT, _KEY_TREE, _KEY_AL
 _TMP_MARK: Final = ".distfn-tmp"
 _MAX_HEADER: Final = 100_000_000  # the stock safetensors limit
 _WRITE_CHUNK: Final = 64 << 20  # bytes per os.write / per GPU->host copy
-_READ_CHUNK: Final = 64 << 20
 
 _DTYPES: Final[dict[torch.dtype, str]] = {
     torch.float64: "F64",
@@ -198,7 +198,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         version, internal, gauss = state["python"]
         random.setstate((int(version), tuple(int(x) for x in internal), gauss))
     if "torch" in state:
-        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu().clone())
     if "numpy" in state:
         try:
             import numpy as np
@@ -210,7 +210,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
                 (s["kind"], np.asarray(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
             )
     if "cuda" in state and torch.cuda.is_available():
-        cuda_states = [torch.as_tensor(t, dtype=torch.uint8).cpu() for t in state["cuda"]]
+        cuda_states = [torch.as_tensor(t, dtype=torch.uint8).cpu().clone() for t in state["cuda"]]
         for index, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state, index)
 
@@ -691,10 +691,13 @@ def _refuse_pickle(path: pathlib.Path, why: str) -> CheckpointError:
     )
 
 
-def _read_header(path: pathlib.Path) -> _Header:
+def _read_header(path: pathlib.Path, opened: Any = None) -> _Header:
+    """Parse and check the header of ``path`` (read through ``opened``, a binary file, when given)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with contextlib.ExitStack() as stack:
+            f = opened if opened is not None else stack.enter_context(open(path, "rb"))
+            size = os.fstat(f.fileno()).st_size
+            f.seek(0)
             head = f.read(9)
             n = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
             if not (2 <= n <= _MAX_HEADER and 8 + n <= size and head[8:9] == b"{"):
@@ -744,19 +747,32 @@ def read_metadata(path: PathLike) -> dict[str, Any]:
 
 
 class _Reader:
-    """Reads tensors of one file on demand, each straight into its own freshly allocated tensor."""
+    """Serves the tensors of one open file.
 
-    def __init__(self, header: _Header, device: torch.device) -> None:
-        self.header = header
+    CPU tensors are views of one private (copy-on-write) memory map of the file, as ``safetensors.load_file``
+    does: nothing is read until used, no byte is copied twice, writing to a tensor never changes the file, and
+    a later save, which replaces the file by rename, never changes a loaded tensor. Tensors whose offset is not
+    aligned to their element size (possible in files of other tools) are read into fresh memory instead.
+    """
+
+    def __init__(self, path: pathlib.Path, device: torch.device) -> None:
         self.device = device
-        self._file = open(header.path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
-        if hasattr(os, "posix_fadvise"):
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        try:
+            self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        except FileNotFoundError:
+            raise CheckpointError(f"no checkpoint at '{path}'") from None
+        except IsADirectoryError:
+            raise CheckpointError(f"'{path}' is a directory; pass a .safetensors file (see distfn.latest)") from None
+        try:
+            self.header = _read_header(path, self._file)  # the same open file as the mapping: no race
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        except BaseException:
+            self._file.close()
+            raise
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
 
     def close(self) -> None:
-        self._file.close()
+        self._file.close()  # the mapping lives on with the tensors that use it
 
     def __enter__(self) -> _Reader:
         return self
@@ -779,20 +795,21 @@ class _Reader:
         dtype = _FROM_CODE[info["dtype"]]
         shape = [int(s) for s in info["shape"]]
         begin, end = (int(x) for x in info["data_offsets"])
-        out = torch.empty(shape, dtype=dtype)
-        nbytes = out.numel() * out.element_size()
-        if end - begin != nbytes:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        numel = math.prod(shape)
+        if end - begin != numel * itemsize:
             raise CheckpointError(f"'{self.header.path}': tensor '{name}' has {end - begin} bytes for shape "
                                   f"{shape} of {dtype}")
-        if nbytes:
-            view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            pos = self.header.data_start + begin
-            done = 0
-            while done < nbytes:
-                n = os.preadv(self._file.fileno(), [view[done : done + _READ_CHUNK]], pos + done)
-                if n <= 0:
-                    raise CheckpointError(f"'{self.header.path}' ended early while reading '{name}'")
-                done += n
+        start = self.header.data_start + begin
+        if numel == 0:
+            out = torch.empty(shape, dtype=dtype)
+        elif start % itemsize == 0:
+            # Its own storage (offset 0, exactly its bytes) over the shared mapping, which it keeps alive.
+            out = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start).view(shape)
+        else:
+            out = torch.empty(shape, dtype=dtype)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin, offset=start)
+            out.reshape(-1).view(torch.uint8).copy_(raw)
         if device.type != "cpu":
             out = out.to(device)
         self._cache[(name, str(device))] = out
@@ -800,7 +817,7 @@ class _Reader:
 
 
 def _open(path: PathLike, device: str | torch.device) -> _Reader:
-    return _Reader(_read_header(pathlib.Path(os.fspath(path)).expanduser()), torch.device(device))
+    return _Reader(pathlib.Path(os.fspath(path)).expanduser(), torch.device(device))
 
 
 def load(path: PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

@@ -801,3 +801,27 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: pathlib.Path) ->
     unrelated.write_bytes(b"x")
     checkpoint.save(Net(), target)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, unrelated.name])
+
+
+def test_loaded_tensors_are_independent_of_the_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "m.safetensors"
+    checkpoint.save({"w": torch.ones(1000), "v": torch.arange(10)}, path)
+    loaded = checkpoint.load(path)
+    loaded["w"].mul_(3)  # copy-on-write: the file is not changed
+    assert torch.equal(checkpoint.load(path)["w"], torch.ones(1000))
+    checkpoint.save({"w": torch.zeros(1000), "v": torch.arange(10)}, path)  # replace while still in use
+    assert torch.equal(loaded["w"], torch.full((1000,), 3.0))
+    assert torch.equal(checkpoint.load(path)["w"], torch.zeros(1000))
+    assert loaded["w"].storage_offset() == 0 and loaded["w"].untyped_storage().nbytes() == 4000
+
+
+def test_misaligned_foreign_file_loads(tmp_path: pathlib.Path) -> None:
+    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}
+    raw = json.dumps(header).encode()
+    data = bytes([1, 2, 3]) + np.array([1.5, -2.0], dtype="<f4").tobytes()
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    stock = load_file(path)
+    mine = checkpoint.load(path)
+    assert torch.equal(mine["a"], stock["a"]) and torch.equal(mine["b"], torch.tensor([1.5, -2.0]))
