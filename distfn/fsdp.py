@@ -260,11 +260,12 @@ def plan_units(model: nn.Module, options: FsdpOptions) -> list[nn.Module]:
     outside them (tied weights such as a shared embedding / output matrix): a tied parameter must live in the
     unit that encloses all its users, so it stays with an ancestor (at worst the root).
     """
-    owners: dict[int, int] = {}  # param id -> number of (module, name) registrations in the whole model
+    # param id -> registrations in the whole tree, counting a module that appears twice twice: a unit must hold
+    # every registration of each of its parameters, or a forward outside it would use a sharded parameter.
+    owners: dict[int, int] = {}
     seen_modules: dict[int, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         seen_modules[id(module)] = seen_modules.get(id(module), 0) + 1
-    for module in model.modules():
         for p in module._parameters.values():
             if p is not None:
                 owners[id(p)] = owners.get(id(p), 0) + 1
@@ -272,7 +273,7 @@ def plan_units(model: nn.Module, options: FsdpOptions) -> list[nn.Module]:
     classes = tuple(c for c in options.module_classes if isinstance(c, type))
     names = {c for c in options.module_classes if isinstance(c, str)}
     units: list[nn.Module] = []
-    visited: set[int] = set()
+    visited: dict[int, dict[int, int]] = {}  # module id -> registrations in its subtree
 
     def eligible(module: nn.Module, uncovered: Mapping[int, nn.Parameter], inside: Mapping[int, int]) -> bool:
         if seen_modules[id(module)] > 1 or any(inside[i] < owners[i] for i in inside):
@@ -284,16 +285,17 @@ def plan_units(model: nn.Module, options: FsdpOptions) -> list[nn.Module]:
 
     def visit(module: nn.Module, is_root: bool) -> tuple[dict[int, nn.Parameter], dict[int, int]]:
         """-> (parameters of this subtree not yet in a unit, registrations of each parameter in the subtree)."""
-        visited.add(id(module))
         uncovered = {id(p): p for p in module._parameters.values() if p is not None}
         inside = dict.fromkeys(uncovered, 1)
         for child in module.children():
-            if id(child) in visited:
-                continue  # a shared sub-module: counted once, under its first parent
-            sub_uncovered, sub_inside = visit(child, False)
+            if id(child) in visited:  # a shared sub-module: its parameters were collected under its first parent
+                sub_uncovered, sub_inside = {}, visited[id(child)]
+            else:
+                sub_uncovered, sub_inside = visit(child, False)
             uncovered.update(sub_uncovered)
             for i, n in sub_inside.items():
                 inside[i] = inside.get(i, 0) + n
+        visited[id(module)] = inside
         if not is_root and uncovered and eligible(module, uncovered, inside):
             units.append(module)
             return {}, inside

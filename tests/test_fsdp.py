@@ -1,0 +1,203 @@
+"""mode="fsdp": options and wrap policy (pure), then one 2-rank CPU/gloo script run checked from several sides:
+sharding really happens, losses match DDP, the full file loads into a bare model, resume from fsdp and ddp
+files, and ctx.save on rank 0 only is reported as an error instead of hanging."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from conftest import SCRIPTS, run_python
+from distfn import ConfigError, distributed
+from distfn.decorator import Options
+from distfn.fsdp import FsdpOptions, MixedPrecision, _indexed, _named, parse_options, plan_units
+
+JOB = SCRIPTS / "fsdp_job.py"
+
+
+# -- options (validated at decoration time) ------------------------------------------------------------------
+def test_unknown_option_is_a_decoration_time_error_naming_the_valid_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        distributed(mode="fsdp", fsdp={"min_param": 10, "offload": True})
+    msg = str(err.value)
+    assert "'min_param'" in msg and "'offload'" in msg
+    for key in ("min_params", "module_classes", "mixed_precision", "cpu_offload", "reshard_after_forward",
+                "save_timeout"):
+        assert key in msg
+    with pytest.raises(ConfigError, match="mode='ddp'"):
+        distributed(mode="ddp", fsdp={"min_params": 10})
+    for bad in ({"min_params": 0}, {"min_params": "big"}, {"module_classes": [int]}, {"save_timeout": -1},
+                {"mixed_precision": "int8"}, {"mixed_precision": {"param": "bf16"}}, {"cpu_offload": "yes"},
+                {"reshard_after_forward": 0}):
+        with pytest.raises(ConfigError):
+            Options(mode="fsdp", fsdp=bad)
+
+
+def test_option_forms_pass_through() -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    opts = Options(mode="fsdp", fsdp={"min_params": 1e4, "mixed_precision": "bf16", "cpu_offload": True}).fsdp
+    assert opts.min_params == 10_000
+    assert opts.mixed_precision == MixedPrecision(torch.bfloat16, torch.float32)
+    assert opts.cpu_offload and opts.pin_memory
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    opts = parse_options({"mixed_precision": policy, "cpu_offload": CPUOffloadPolicy(pin_memory=False)})
+    kwargs = opts.fully_shard_kwargs(torch.device("cpu"))
+    assert kwargs["mp_policy"] == policy
+    assert isinstance(kwargs["offload_policy"], CPUOffloadPolicy) and not kwargs["offload_policy"].pin_memory
+    # ctx.wrap(model, **overrides) goes through the same validation on top of the decorator's options
+    assert parse_options(opts, min_params=7).min_params == 7 and parse_options(opts, min_params=7).cpu_offload
+    with pytest.raises(ConfigError, match="valid keys"):
+        parse_options(opts, find_unused_parameters=True)
+    assert Options(mode="fsdp").fsdp is None and parse_options(None) is None
+
+
+# -- wrap policy (pure: no process group) ---------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 64)  # 1088 parameters
+        self.blocks = nn.Sequential(Block(64), Block(64))  # 4160 each
+        self.out = nn.Linear(64, 4)  # 260
+
+
+def _names(model: nn.Module, units: list[nn.Module]) -> list[str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(u)] for u in units]
+
+
+def test_size_policy_is_bottom_up_and_leaves_the_rest_to_the_root() -> None:
+    net = Net()
+    assert _names(net, plan_units(net, FsdpOptions(min_params=1000))) == ["inp", "blocks.0.fc", "blocks.1.fc"]
+    # Blocks below the threshold are gathered by the first ancestor that reaches it; small leftovers -> root.
+    assert _names(net, plan_units(net, FsdpOptions(min_params=5000))) == ["blocks"]
+    assert plan_units(net, FsdpOptions(min_params=10**9)) == []
+
+
+def test_class_policy_by_class_or_name() -> None:
+    net = Net()
+    assert _names(net, plan_units(net, FsdpOptions(module_classes=(Block,)))) == ["blocks.0", "blocks.1"]
+    assert _names(net, plan_units(net, FsdpOptions(module_classes=("Linear",)))) == [
+        "inp", "blocks.0.fc", "blocks.1.fc", "out"]
+
+
+def test_tied_weights_and_shared_modules_stay_with_an_enclosing_unit() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(100, 32)
+            self.body = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 100, bias=False)
+            self.head.weight = self.emb.weight  # tied: must live in the root's unit
+            shared = nn.Linear(32, 32)
+            self.a = nn.Sequential(shared)
+            self.b = nn.Sequential(shared)  # the same module twice
+
+    model = Tied()
+    assert _names(model, plan_units(model, FsdpOptions(min_params=100))) == ["body"]
+    # A common ancestor of every use of the shared module may be a unit.
+    outer = nn.Sequential(nn.Linear(4, 4), nn.Sequential(model.a, model.b))
+    assert _names(outer, plan_units(outer, FsdpOptions(min_params=1000))) == ["1"]
+
+
+def test_optimizer_state_names_and_indices_round_trip() -> None:
+    net = Net()
+    opt = torch.optim.Adam([{"params": list(net.blocks.parameters()), "lr": 0.1},
+                            {"params": [*net.inp.parameters(), *net.out.parameters()]}])
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    plain = opt.state_dict()
+    named = _named(plain, opt, net)
+    assert named["param_groups"][0]["params"][0] == "blocks.0.fc.weight"
+    assert sorted(named["state"]) == sorted(n for n, _ in net.named_parameters())
+    assert named["state"]["inp.weight"]["exp_avg"] is plain["state"][4]["exp_avg"]
+    back = _indexed(named)
+    assert back["param_groups"] == plain["param_groups"]
+    assert back["state"].keys() == plain["state"].keys()
+    assert all(back["state"][i]["exp_avg"] is plain["state"][i]["exp_avg"] for i in plain["state"])
+
+
+# -- 2 ranks, CPU, gloo: one script run, checked from several sides ------------------------------------------
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("fsdp")
+    done = run_python([str(JOB), str(out)], timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((out / "result.json").read_text()), out
+
+
+@pytest.mark.slow
+def test_sharding_really_happens(job: tuple[dict, Path]) -> None:
+    shards = job[0]["fsdp"]["shards"]
+    assert len(shards) == 2
+    total = shards[0]["total"]
+    assert total == sum(p.numel() for p in Net().parameters())  # the job's Net has the same parameters
+    assert sum(s["local"] for s in shards) == total  # every parameter lives on exactly one rank
+    assert all(0.4 * total <= s["local"] <= 0.6 * total for s in shards)  # about half each
+    assert all(s["dtensors"] for s in shards)
+    assert shards[0]["units"] == ["", "blocks.0.fc", "blocks.1.fc", "inp"]  # min_params=1000: 3 units + root
+
+
+@pytest.mark.slow
+def test_losses_match_ddp_on_the_same_seed(job: tuple[dict, Path]) -> None:
+    result = job[0]
+    ddp, fsdp = result["ddp"]["losses"], result["fsdp"]["losses"]
+    assert len(ddp) == len(fsdp) == 10
+    assert fsdp[0] != fsdp[-1]  # it trained
+    assert torch.allclose(torch.tensor(fsdp), torch.tensor(ddp), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_save_writes_one_full_file_that_loads_into_a_bare_model(job: tuple[dict, Path]) -> None:
+    result, out = job
+    assert result["fsdp"]["bare_equal"] is True  # rank 0: bare Net <- distfn.load(file) == gathered weights
+    bare = Net().state_dict()
+    with safe_open(str(out / "final.safetensors"), "pt") as f:  # the stock library reads it
+        keys = set(f.keys())
+        assert keys == set(bare) | {"scale"}
+        assert all(list(f.get_slice(k).get_shape()) == list(bare[k].shape) for k in bare)
+    # The training-state file has the same layout as DDP mode's: same names, full shapes, close values.
+    with safe_open(str(out / "fsdp-5.safetensors"), "pt") as a, safe_open(str(out / "ddp-5.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        assert "optimizer.state.0.exp_avg" in a.keys() and "model.inp.weight" in a.keys()
+        for k in a.keys():
+            assert torch.allclose(a.get_tensor(k), b.get_tensor(k), rtol=1e-4, atol=1e-6), k
+        assert a.metadata()["distfn.tree"].count("param_groups") == 1
+    assert not list(out.glob("never*")) and not list(out.glob(".*tmp"))
+
+
+@pytest.mark.slow
+def test_resume_from_fsdp_and_ddp_files_continues_the_same_losses(job: tuple[dict, Path]) -> None:
+    fsdp = job[0]["fsdp"]
+    straight = torch.tensor(fsdp["losses"][5:])
+    for name in ("fsdp-5", "ddp-5"):
+        resumed = fsdp["resumed"][name]
+        assert resumed["rest"] == {"step": 5}
+        assert torch.allclose(torch.tensor(resumed["losses"]), straight, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_save_on_rank0_only_is_an_error_not_a_hang(job: tuple[dict, Path]) -> None:
+    result = job[0]
+    forward, barrier = result["rank0_forward"], result["rank0_barrier"]
+    # Rank 1 went on training: caught from the store at once, far below save_timeout (300 s) and the
+    # collective timeout (30 min).
+    assert forward["message"] is not None and forward["ranks"][0] == 0
+    assert "must be called on every rank" in forward["message"] and "rank 1 went on" in forward["message"]
+    assert forward["seconds"] < 60
+    # Rank 1 blocked in a barrier leaves no trace: the save_timeout (1 s here) ends it with the same advice.
+    assert barrier["message"] is not None and barrier["ranks"][0] == 0
+    assert "must be called on every rank" in barrier["message"] and "waited 1 s" in barrier["message"]
+    assert barrier["seconds"] < 60
