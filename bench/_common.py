@@ -1,0 +1,203 @@
+"""Shared plumbing of the ``bench/`` scripts: the command-line convention, interleaved rounds, medians and
+ratios, tables, JSON.
+
+The convention every ``bench/bench_*.py`` follows (so ``bench/run.py`` can drive it):
+
+* ``main(argv: list[str] | None = None) -> int`` and ``if __name__ == "__main__": sys.exit(main())``;
+* ``--json PATH`` writes the result there, ``--tiny`` runs once with tiny sizes (the smoke test),
+  ``--rounds N`` sets how many interleaved rounds to run;
+* the JSON is ``{"benchmark": name, "tables": [table, ...], "notes": [...]}`` where a table is
+  ``{"title", "unit", "baseline", "rows": [{"variant", "median", "samples", "ratio", ...}], "targets": [...]}``
+  (see :func:`table`). ``ratio`` is ``median / baseline median``; lower is faster.
+
+Timings are medians over rounds in which every variant runs once, in a rotated order, so that a noisy
+neighbour or a thermal drift hits all variants alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+
+
+def parser(description: str, rounds: int) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: ``--json``, ``--tiny``, ``--rounds``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", type=Path, default=None, help="write the result as JSON to this path")
+    p.add_argument("--tiny", action="store_true", help="one round, tiny sizes (the smoke test)")
+    p.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
+    return p
+
+
+def interleave(variants: Mapping[str, Callable[[], float]], rounds: int,
+               progress: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Run every variant once per round, rotating the order each round; return the samples per variant.
+
+    A variant returns one sample (seconds, or whatever unit its table uses) or raises; a failing variant is
+    reported in ``progress`` and leaves no sample for that round.
+    """
+    names = list(variants)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            try:
+                value = variants[name]()
+            except Exception as exc:  # noqa: BLE001 - one broken variant must not end the whole run
+                if progress:
+                    progress(f"  round {r + 1}/{rounds} {name}: FAILED {type(exc).__name__}: {exc}")
+                continue
+            samples[name].append(value)
+            if progress:
+                progress(f"  round {r + 1}/{rounds} {name}: {value:.4g}")
+    return samples
+
+
+def table(title: str, unit: str, samples: Mapping[str, Sequence[float]], baseline: str | None,
+          targets: Sequence[Mapping[str, Any]] = (), notes: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A result table: median per variant and its ratio to ``baseline``'s median.
+
+    ``targets`` are ``{"variant": name, "max_ratio": x}`` or ``{"variant": name, "max_value": x}``; each gets
+    ``"median"``/``"ratio"`` and ``"met"`` filled in (``None`` when the variant has no samples).
+    """
+    medians = {k: statistics.median(v) for k, v in samples.items() if v}
+    base = medians.get(baseline) if baseline else None
+    rows = []
+    for name, values in samples.items():
+        med = medians.get(name)
+        rows.append({
+            "variant": name,
+            "median": med,
+            "min": min(values) if values else None,
+            "samples": list(values),
+            "ratio": (med / base) if med is not None and base else None,
+            "note": (notes or {}).get(name, ""),
+        })
+    by_name = {row["variant"]: row for row in rows}
+    checked = []
+    for target in targets:
+        t = dict(target)
+        row = by_name.get(t["variant"], {})
+        if "max_ratio" in t:
+            value = row.get("ratio")
+            t["ratio"] = value
+            t["met"] = None if value is None else value <= t["max_ratio"]
+        else:
+            value = row.get("median")
+            t["median"] = value
+            t["met"] = None if value is None else value <= t["max_value"]
+        checked.append(t)
+    return {"title": title, "unit": unit, "baseline": baseline, "rows": rows, "targets": checked}
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "s" and value < 1:
+        return f"{value * 1000:.1f} ms"
+    if unit == "s":
+        return f"{value:.3f} s"
+    return f"{value:.4g} {unit}".rstrip()
+
+
+def format_table(tab: Mapping[str, Any]) -> str:
+    """A Markdown table of one result table (also readable in a terminal)."""
+    lines = [f"**{tab['title']}**", "",
+             f"| variant | median | ratio{' vs ' + tab['baseline'] if tab.get('baseline') else ''} | runs | note |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for row in tab["rows"]:
+        ratio = f"{row['ratio']:.3f}×" if row.get("ratio") is not None else "-"
+        lines.append(f"| {row['variant']} | {_fmt(row['median'], tab['unit'])} | {ratio} | "
+                     f"{len(row['samples'])} | {row.get('note', '')} |")
+    for t in tab.get("targets", []):
+        if "max_ratio" in t:
+            goal = f"{t['variant']} ≤ {t['max_ratio']}× {tab.get('baseline')}"
+            got = f"{t['ratio']:.3f}×" if t.get("ratio") is not None else "no data"
+        else:
+            goal = f"{t['variant']} ≤ {_fmt(t['max_value'], tab['unit'])}"
+            got = _fmt(t.get("median"), tab["unit"])
+        verdict = {True: "met", False: "MISSED", None: "unknown"}[t.get("met")]
+        lines.append(f"\ntarget {goal}: {got} ({verdict})")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were taken (stored with every result)."""
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        from importlib import metadata
+
+        info["torch"] = metadata.version("torch")
+    except Exception:  # noqa: BLE001
+        info["torch"] = None
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    return info
+
+
+def emit(result: dict[str, Any], json_path: Path | None) -> None:
+    """Print every table of ``result`` and write it as JSON when asked."""
+    result.setdefault("machine", machine())
+    for tab in result["tables"]:
+        print(format_table(tab), end="\n\n", flush=True)
+    for note in result.get("notes", []):
+        print(f"note: {note}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout holds only the tables."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def timed_run(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+              expect: str | None = None, timeout: float = 300) -> float:
+    """Wall time in seconds of running ``cmd`` to completion; raises if it fails or ``expect`` is not printed."""
+    start = time.perf_counter()
+    proc = subprocess.run(list(cmd), env=dict(env) if env is not None else None, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0 or (expect is not None and expect not in proc.stdout):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: " + " | ".join(tail))
+    return elapsed
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without any launcher variables (so nothing is mistaken for a torchrun rank)."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items()
+           if k not in drop and not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "MV2_", "DISTFN_"))}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A currently free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

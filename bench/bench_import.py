@@ -1,0 +1,83 @@
+"""Import cost: seconds that ``import distfn`` adds after ``import torch`` (each sample a fresh process).
+
+Peers (``accelerate``, ``ignite``, ``lightning.fabric``) are measured the same way when ``--peers-python`` can
+import them. The JSON also lists the modules that make up distfn's import time (``python -X importtime``),
+largest first: where to look when the target is missed. Target: ≤ 50 ms.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+TARGET_S = 0.050
+PEERS = {"accelerate": "accelerate", "ignite": "ignite.distributed", "lightning fabric": "lightning.fabric"}
+
+_PROBE = ("import time, torch\n"
+          "t = time.perf_counter()\n"
+          "import {module}\n"
+          "print('OK', time.perf_counter() - t)\n")
+
+
+def _import_time(python: str, module: str) -> float:
+    proc = subprocess.run([python, "-c", _PROBE.format(module=module)], capture_output=True, text=True,
+                          env=c.clean_env(), timeout=300)
+    for line in proc.stdout.splitlines():
+        if line.startswith("OK "):
+            return float(line.split()[1])
+    raise RuntimeError(f"import {module} failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+
+
+def _importable(python: str, module: str) -> bool:
+    code = f"import importlib.util as u, sys; sys.exit(0 if u.find_spec({module.split('.')[0]!r}) else 1)"
+    return subprocess.run([python, "-c", code], capture_output=True, timeout=120).returncode == 0
+
+
+def breakdown(python: str = sys.executable, top: int = 12) -> list[dict[str, Any]]:
+    """The modules imported by ``import distfn`` after torch, by self time (µs), largest first."""
+    proc = subprocess.run([python, "-X", "importtime", "-c", "import torch; import distfn"], capture_output=True,
+                          text=True, env=c.clean_env(), timeout=300)
+    rows, after_torch = [], False
+    for line in proc.stderr.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        self_us, cumulative_us, name = (part.strip() for part in line.split(":", 1)[1].split("|"))
+        if not after_torch:
+            after_torch = name == "torch"
+            continue
+        try:
+            rows.append({"module": name, "self_us": int(self_us), "cumulative_us": int(cumulative_us)})
+        except ValueError:
+            continue
+    return sorted(rows, key=lambda r: -r["self_us"])[:top]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = c.parser(__doc__.splitlines()[0], rounds=15)
+    p.add_argument("--peers-python", default=sys.executable, help="interpreter that has the peers installed")
+    args = p.parse_args(argv)
+    rounds = 1 if args.tiny else args.rounds
+    variants = {"distfn": partial(_import_time, sys.executable, "distfn")}
+    if not args.tiny:
+        for name, module in PEERS.items():
+            if _importable(args.peers_python, module):
+                variants[name] = partial(_import_time, args.peers_python, module)
+    c.log(f"import: {', '.join(variants)}; {rounds} round(s)")
+    samples = c.interleave(variants, rounds, c.log)
+    tab = c.table("Import cost: `import X` after `import torch` (fresh process per sample)", "s", samples,
+                  baseline="distfn", targets=[{"variant": "distfn", "max_value": TARGET_S}])
+    parts = breakdown()
+    notes = ["largest self times in `import distfn` (python -X importtime): "
+             + ", ".join(f"{r['module']} {r['self_us'] / 1000:.1f} ms" for r in parts[:8])]
+    c.emit({"benchmark": "import", "tables": [tab], "breakdown": parts, "notes": notes}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

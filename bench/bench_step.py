@@ -1,0 +1,164 @@
+"""Step overhead: median time of one DDP training step through distfn vs the same loop hand-written.
+
+Both variants run the identical loop (same model, same seeded init, same per-rank data, same thread budget)
+on 2 ranks with gloo, each in a fresh ``python`` process per round, interleaved. The first ``--warmup`` steps
+are dropped; a round's sample is rank 0's median step time. The final weights of every run must be
+bit-identical across variants and rounds (Lightning's parity-test design). Target: ratio ≤ 1.01.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+WORLD = 2
+SEED = 0
+
+
+def make_model(width: int) -> Any:
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def train_loop(model: Any, rank: int, cfg: dict[str, int]) -> list[float]:
+    """The loop both variants run; returns the wall time of every step."""
+    import torch
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1000 + rank)
+    xs = torch.randn(cfg["steps"], cfg["batch"], 256, generator=g)
+    ys = torch.randint(0, 10, (cfg["steps"], cfg["batch"]), generator=g)
+    times = []
+    for i in range(cfg["steps"]):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(xs[i]), ys[i]).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _write(out: str, times: list[float], module: Any) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
+              os.path.join(out, "weights.safetensors"))
+    Path(out, "times.json").write_text(json.dumps(times))
+
+
+# -- variant 1: distfn ------------------------------------------------------------------------------------------
+def distfn_job(cfg: dict[str, Any], ctx: Any) -> None:
+    model = ctx.wrap(make_model(cfg["width"]))
+    times = train_loop(model, ctx.rank, cfg)
+    if ctx.is_main:
+        _write(cfg["out"], times, ctx.unwrap(model))
+
+
+# -- variant 2: hand-written DDP, as the seeds write it ----------------------------------------------------------
+def handwritten_worker(rank: int, port: int, cfg: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # the same thread budget distfn gives each of the node's processes (cpus // processes), so the comparison
+    # is of the loop, not of oversubscription
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORLD))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    torch.manual_seed(SEED)
+    model = DDP(make_model(cfg["width"]))
+    times = train_loop(model, rank, cfg)
+    if rank == 0:
+        _write(cfg["out"], times, model.module)
+    dist.destroy_process_group()
+
+
+def _worker_main(kind: str, cfg: dict[str, Any]) -> None:
+    if kind == "distfn":
+        from distfn import distributed
+
+        distributed(nprocs=WORLD, seed=SEED, backend="gloo")(distfn_job)(cfg)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.start_processes(handwritten_worker, args=(c.free_port(), cfg), nprocs=WORLD, start_method="fork")
+
+
+# -- harness ----------------------------------------------------------------------------------------------------
+def _round(kind: str, cfg: dict[str, Any], runs: list[Path], warmup: int) -> float:
+    import statistics
+
+    out = Path(tempfile.mkdtemp(prefix=f"step-{kind}-", dir=cfg["tmp"]))
+    c.timed_run([sys.executable, __file__, "--worker", kind, "--cfg", json.dumps({**cfg, "out": str(out)})],
+                env=c.clean_env(), timeout=600)
+    runs.append(out)
+    times = json.loads((out / "times.json").read_text())
+    return statistics.median(times[warmup:])
+
+
+def _identical(runs: dict[str, list[Path]]) -> tuple[bool, str]:
+    from safetensors.torch import load_file
+    import torch
+
+    all_runs = [(k, p) for k, ps in runs.items() for p in ps]
+    if not all_runs:
+        return False, "no run finished"
+    ref_name, ref_path = all_runs[0]
+    ref = load_file(ref_path / "weights.safetensors")
+    for name, path in all_runs[1:]:
+        other = load_file(path / "weights.safetensors")
+        if other.keys() != ref.keys() or not all(torch.equal(ref[k], other[k]) for k in ref):
+            return False, f"final weights of a {name} run differ from a {ref_name} run"
+    return True, f"final weights bit-identical across all {len(all_runs)} runs"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = c.parser(__doc__.splitlines()[0], rounds=7)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--worker", choices=("distfn", "handwritten"), help=argparse_hidden())
+    p.add_argument("--cfg", help=argparse_hidden())
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker_main(args.worker, json.loads(args.cfg))
+        return 0
+    if args.tiny:
+        args.rounds, args.steps, args.warmup, args.width = 1, 6, 2, 64
+    with tempfile.TemporaryDirectory(prefix="distfn-bench-step-") as tmp:
+        cfg = {"steps": args.steps, "batch": args.batch, "width": args.width, "tmp": tmp}
+        runs: dict[str, list[Path]] = {"distfn": [], "hand-written DDP": []}
+        variants = {
+            "hand-written DDP": lambda: _round("handwritten", cfg, runs["hand-written DDP"], args.warmup),
+            "distfn": lambda: _round("distfn", cfg, runs["distfn"], args.warmup),
+        }
+        c.log(f"step: {', '.join(variants)}; {args.rounds} round(s) of {args.steps} steps")
+        samples = c.interleave(variants, args.rounds, c.log)
+        same, how = _identical(runs)
+    tab = c.table(f"Step time: DDP, {WORLD} ranks (gloo, CPU), MLP 256-{args.width}-{args.width}-10, batch "
+                  f"{args.batch}/rank, median of steps {args.warmup + 1}..{args.steps}", "s", samples,
+                  baseline="hand-written DDP", targets=[{"variant": "distfn", "max_ratio": 1.01}])
+    tab["identical_weights"] = same
+    c.emit({"benchmark": "step", "tables": [tab], "identical_weights": same, "notes": [how]}, args.json)
+    return 0 if same else 1
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
