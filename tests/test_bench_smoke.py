@@ -1,31 +1,85 @@
-"""Smoke test of the checkpoint benchmark: it runs end to end on a tiny size and writes a complete report.
+"""Smoke test of ``bench/``: every benchmark runs once with tiny sizes so it cannot rot.
 
-No timing is asserted here (timings on shared CI machines mean nothing); the real numbers come from running
-``python bench/bench_checkpoint.py`` (1 GiB) by hand.
+Nothing here asserts a timing (timings belong to ``python bench/run.py``); it asserts that each variant ran
+to its correct result and that the harness produced its tables, JSON and chart.
+Other benchmark owners: append one function per benchmark below.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import pathlib
 import subprocess
 import sys
+from pathlib import Path
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
 
 
-def test_checkpoint_bench_smoke(tmp_path: pathlib.Path) -> None:
+def _run_tiny(tmp_path: Path, only: str) -> dict:
+    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--tiny", "--only", only, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "## Summary" in proc.stdout
+    (result,) = tmp_path.glob("bench-*-tiny.json")
+    return {b["benchmark"]: b for b in json.loads(result.read_text())["benchmarks"]}
+
+
+@pytest.mark.slow
+def test_launch_import_step_benchmarks_run_once(tmp_path: Path) -> None:
+    results = _run_tiny(tmp_path, "launch,import,step")
+    assert set(results) == {"launch", "import", "step"}
+
+    launch = results["launch"]["tables"][0]
+    rows = {r["variant"]: r for r in launch["rows"]}
+    # every variant printed its correct all_reduce result (checked by the harness) and so left one sample
+    for variant in ("import torch", "distfn", "raw fork", "raw spawn", "torchrun"):
+        assert len(rows[variant]["samples"]) == 1, variant
+    assert rows["raw fork"]["ratio"] == 1.0 and rows["distfn"]["ratio"] > 0
+    assert launch["targets"][0]["variant"] == "distfn" and launch["targets"][0]["met"] in (True, False)
+
+    imp = results["import"]
+    assert len(imp["tables"][0]["rows"][0]["samples"]) == 1
+    assert any(part["module"].startswith("distfn") for part in imp["breakdown"])
+
+    step = results["step"]
+    assert step["identical_weights"] is True  # distfn and hand-written DDP end with bit-identical weights
+    assert all(len(r["samples"]) == 1 for r in step["tables"][0]["rows"])
+    assert (tmp_path / "tiny-chart.png").stat().st_size > 1000 or "matplotlib" not in sys.modules
+
+
+def test_run_py_summary_and_discovery() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import run  # bench/run.py
+    finally:
+        sys.path.remove(str(BENCH))
+    names = run.discover()
+    assert names[:3] == ["launch", "import", "step"]
+    table = run._common.table("t", "s", {"a": [1.0, 3.0, 2.0], "b": [4.0]}, baseline="a",
+                              targets=[{"variant": "b", "max_ratio": 1.5}])
+    assert [r["median"] for r in table["rows"]] == [2.0, 4.0]
+    assert table["rows"][1]["ratio"] == 2.0 and table["targets"][0]["met"] is False
+    text = run.summary([{"benchmark": "x", "tables": [table]}, {"benchmark": "y", "tables": [], "error": "boom"}])
+    assert "| x | b | 4.000 s | 2.000× | ≤ 1.5×: MISSED |" in text and "**boom**" in text
+
+
+def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_checkpoint.py end to end at 2 MiB: every save/load/RSS method ran and the report is complete."""
+    import math
+    import os
+
     out = tmp_path / "bench.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "bench_checkpoint.py"), "--size-mib", "2", "--tensors", "4",
+        [sys.executable, str(BENCH / "bench_checkpoint.py"), "--size-mib", "2", "--tensors", "4",
          "--rounds", "1", "--dir", str(tmp_path), "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "targets:" in proc.stdout
     report = json.loads(out.read_text())
     assert set(report["save"]) >= {"distfn.save", "torch.save", "save_file", "dd", "dd+fdatasync"}
@@ -37,5 +91,4 @@ def test_checkpoint_bench_smoke(tmp_path: pathlib.Path) -> None:
         assert r["with_touch_median_s"] >= 0
     assert all(math.isfinite(r["extra_mib"]) for r in report["rss"].values())
     assert set(report["summary"]["targets"]) == {"save_vs_dd_fdatasync", "peak_extra_rss_mib", "load_vs_load_file"}
-    # The benchmark cleans up after itself.
-    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # the benchmark cleaned up after itself
