@@ -20,7 +20,8 @@ largest tensor + 64 MiB, load (with touch) at least as fast as ``load_file`` (a 
 Usage::
 
     python bench/bench_checkpoint.py                      # 1 GiB, 5 rounds
-    python bench/bench_checkpoint.py --size-mib 4 --rounds 1 --json /tmp/out.json   # smoke
+    python bench/bench_checkpoint.py --tiny --json /tmp/out.json    # smoke: 4 MiB, one round
+    python bench/run.py --only checkpoint                           # through the shared harness
 """
 
 from __future__ import annotations
@@ -29,9 +30,7 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,9 @@ from typing import Any
 REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import _common as c  # noqa: E402
 
 import safetensors  # noqa: E402
 import torch  # noqa: E402
@@ -109,34 +111,30 @@ def _touch(tensors: dict[str, torch.Tensor]) -> None:
         flat[::step].sum()
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def bench_save(state: dict[str, torch.Tensor], workdir: pathlib.Path, rounds: int) -> dict[str, dict[str, Any]]:
+def bench_save(state: dict[str, torch.Tensor], workdir: pathlib.Path, rounds: int) -> dict[str, list[float]]:
+    """Seconds per save method, interleaved over ``rounds``; each run starts after ``os.sync()``."""
     reference = workdir / "reference.safetensors"
     checkpoint.save(state, reference)
     nbytes = reference.stat().st_size
     methods = save_methods(state, str(reference), nbytes)
-    names = list(methods)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]  # rotate: no method always goes first
-        for name in order:
+
+    def timed(name: str) -> Callable[[], float]:
+        def run() -> float:
             target = workdir / f"out-{name}.bin"
-            os.sync()
+            os.sync()  # no method pays for the previous one's dirty pages
             start = time.perf_counter()
             methods[name](str(target))
-            times[name].append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
             target.unlink()
-    result = {}
-    for name, ts in times.items():
-        med = _median(ts)
-        result[name] = {"times_s": ts, "median_s": med, "gib_per_s": nbytes / (1 << 30) / med}
-    return result
+            return elapsed
+
+        return run
+
+    return c.interleave({name: timed(name) for name in methods}, rounds, c.log)
 
 
-def bench_load(state: dict[str, torch.Tensor], workdir: pathlib.Path, rounds: int) -> dict[str, dict[str, Any]]:
+def bench_load(state: dict[str, torch.Tensor], workdir: pathlib.Path, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per loader (warm page cache): the call alone, and the call plus a touch of every page."""
     st_path = workdir / "load.safetensors"
     pt_path = workdir / "load.pt"
     checkpoint.save(state, st_path)
@@ -157,11 +155,9 @@ def bench_load(state: dict[str, torch.Tensor], workdir: pathlib.Path, rounds: in
         assert all(torch.equal(loaded[k], v) for k, v in state.items()), name
         del loaded
     lazy: dict[str, list[float]] = {n: [] for n in methods}
-    touched: dict[str, list[float]] = {n: [] for n in methods}
-    names = list(methods)
-    for r in range(max(rounds, 3)):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
+
+    def timed(name: str) -> Callable[[], float]:
+        def run() -> float:
             start = time.perf_counter()
             loaded = methods[name]()
             mid = time.perf_counter()
@@ -169,12 +165,12 @@ def bench_load(state: dict[str, torch.Tensor], workdir: pathlib.Path, rounds: in
             end = time.perf_counter()
             del loaded
             lazy[name].append(mid - start)
-            touched[name].append(end - start)
-    return {
-        n: {"times_s": lazy[n], "median_s": _median(lazy[n]), "with_touch_times_s": touched[n],
-            "with_touch_median_s": _median(touched[n])}
-        for n in methods
-    }
+            return end - start
+
+        return run
+
+    touched = c.interleave({name: timed(name) for name in methods}, max(rounds, 3), c.log)
+    return {"call": lazy, "with_touch": touched}
 
 
 # -- peak RSS, measured in a child process -------------------------------------------------------
@@ -240,44 +236,42 @@ def bench_rss(size_mib: int, tensors: int, workdir: pathlib.Path) -> dict[str, d
 
 # -- report ----------------------------------------------------------------------------------------
 
-
-def summarize(save: dict, load: dict, rss: dict, size_mib: int, tensors: int) -> dict[str, Any]:
-    dd = save["dd+fdatasync"]["median_s"]
-    ours = save["distfn.save"]["median_s"]
-    largest_mib = size_mib / tensors
-    ratios = {f"distfn.save/{name}": ours / r["median_s"] for name, r in save.items() if name != "distfn.save"}
-    load_ratio = load["distfn.load"]["with_touch_median_s"] / load["load_file"]["with_touch_median_s"]
-    targets = {
-        "save_vs_dd_fdatasync": {"ratio": ours / dd, "limit": 1.3, "met": ours / dd <= 1.3},
-        "peak_extra_rss_mib": {"value": rss["distfn.save"]["extra_mib"] if rss else float("nan"),
-                               "limit": largest_mib + 64,
-                               "met": bool(rss) and rss["distfn.save"]["extra_mib"] <= largest_mib + 64},
-        "load_vs_load_file": {"ratio": load_ratio, "limit": 1.0, "noise_margin": 0.05, "met": load_ratio <= 1.05},
-    }
-    return {"ratios": ratios, "load_ratio_with_touch": load_ratio, "targets": targets}
+SAVE_NOTES = {
+    "distfn.save": "durable: fsync of file and directory, atomic rename",
+    "torch.save": "not durable (no fsync)",
+    "torch.save+fsync": "durable file (no atomic rename)",
+    "save_file": "not durable (no fsync)",
+    "save_file+fsync": "durable file (no atomic rename)",
+    "dd": "same bytes, from the page cache, no sync",
+    "dd+fdatasync": "same bytes, from the page cache: the disk floor",
+    "dd-zero+fdatasync": "from /dev/zero",
+}
 
 
-def print_table(report: dict[str, Any]) -> None:
-    cfg = report["config"]
-    print(f"\ndistfn checkpoint benchmark: {cfg['size_mib']} MiB float32 in {cfg['tensors']} tensors, "
-          f"{cfg['rounds']} rounds, dir {cfg['dir']} ({cfg['filesystem']})")
-    dd = report["save"]["dd+fdatasync"]["median_s"]
-    print(f"\n{'save':<22}{'median s':>10}{'GiB/s':>8}{'x dd+fdatasync':>16}   all runs (s)")
-    for name, r in report["save"].items():
-        runs = " ".join(f"{t:.2f}" for t in r["times_s"])
-        print(f"{name:<22}{r['median_s']:>10.3f}{r['gib_per_s']:>8.2f}{r['median_s'] / dd:>16.2f}   {runs}")
-    print(f"\n{'peak extra RSS':<22}{'MiB':>10}")
-    for name, r in report["rss"].items():
-        print(f"{name:<22}{r['extra_mib']:>10.1f}")
-    lf = report["load"]["load_file"]["with_touch_median_s"]
-    print(f"\n{'load (warm cache)':<26}{'call s':>9}{'+touch s':>10}{'x load_file':>13}")
-    for name, r in report["load"].items():
-        print(f"{name:<26}{r['median_s']:>9.3f}{r['with_touch_median_s']:>10.3f}"
-              f"{r['with_touch_median_s'] / lf:>13.2f}")
-    print("\ntargets:")
-    for name, t in report["summary"]["targets"].items():
-        value = t.get("ratio", t.get("value"))
-        print(f"  {name:<24} {value:8.3f}  (limit {t['limit']:.3g})  {'MET' if t['met'] else 'NOT MET'}")
+def build_result(save: dict[str, list[float]], load: dict[str, dict[str, list[float]]],
+                 rss: dict[str, dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's JSON (the ``bench/_common`` convention) with its tables and targets."""
+    largest_mib = config["size_mib"] / config["tensors"]
+    tables = [
+        c.table(f"checkpoint save, {config['size_mib']} MiB float32 in {config['tensors']} tensors", "s", save,
+                baseline="dd+fdatasync", targets=[{"variant": "distfn.save", "max_ratio": 1.3}], notes=SAVE_NOTES),
+        c.table("checkpoint load + first touch of every page (warm page cache)", "s", load["with_touch"],
+                baseline="load_file", targets=[{"variant": "distfn.load", "max_ratio": 1.05}],
+                notes={"distfn.load": "target: at least as fast as load_file (5 % noise margin)"}),
+        c.table("checkpoint load, the call alone (memory-mapped loaders are lazy)", "s", load["call"],
+                baseline="load_file"),
+    ]
+    if rss:
+        tables.append(c.table(
+            "peak extra RSS during save", "MiB", {k: [v["extra_mib"]] for k, v in rss.items()}, baseline=None,
+            targets=[{"variant": "distfn.save", "max_value": largest_mib + 64}],
+            notes={k: v["how"] for k, v in rss.items()},
+        ))
+    notes = [
+        f"largest tensor {largest_mib:.1f} MiB; RSS target = largest tensor + 64 MiB",
+        f"written to {config['dir']} ({config['filesystem']}); each save starts after os.sync()",
+    ]
+    return {"benchmark": "checkpoint", "tables": tables, "notes": notes, "config": config, "rss": rss}
 
 
 def _filesystem(path: pathlib.Path) -> str:
@@ -289,47 +283,39 @@ def _filesystem(path: pathlib.Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = c.parser(__doc__.split("\n\n")[0], rounds=5)
     parser.add_argument("--size-mib", type=int, default=1024, help="total float32 data (default 1024)")
     parser.add_argument("--tensors", type=int, default=8, help="number of tensors (default 8)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per method (default 5)")
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the report here")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     parser.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    logger.remove()  # distfn logs each save at DEBUG; keep the table readable
-    logger.add(sys.stderr, level="WARNING")
+    if args.tiny:
+        args.size_mib, args.rounds = min(args.size_mib, 4), 1
     if args.size_mib < 1 or args.tensors < 1 or args.rounds < 1:
         parser.error("--size-mib, --tensors and --rounds must be >= 1")
+    logger.remove()  # distfn logs each save at DEBUG; keep the output readable
+    logger.add(sys.stderr, level="WARNING")
     if args.rss_child:
         _rss_child(args.rss_child, args.size_mib, args.tensors, str(args.dir))
         return 0
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="distfn-bench-", dir=args.dir))
     try:
+        config = {
+            "size_mib": args.size_mib, "tensors": args.tensors, "rounds": args.rounds, "dir": str(workdir),
+            "filesystem": _filesystem(workdir), "safetensors": safetensors.__version__,
+        }
+        c.log(f"checkpoint: {args.size_mib} MiB in {args.tensors} tensors, {args.rounds} rounds, {workdir}")
         state = make_state(args.size_mib, args.tensors)
         save = bench_save(state, workdir, args.rounds)
         load = bench_load(state, workdir, args.rounds)
         del state
         rss = {} if args.no_rss else bench_rss(args.size_mib, args.tensors, workdir)
-        report: dict[str, Any] = {
-            "config": {
-                "size_mib": args.size_mib, "tensors": args.tensors, "rounds": args.rounds, "dir": str(workdir),
-                "filesystem": _filesystem(workdir), "torch": torch.__version__,
-                "safetensors": safetensors.__version__, "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-            },
-            "save": save,
-            "load": load,
-            "rss": rss,
-        }
-        report["summary"] = summarize(save, load, rss, args.size_mib, args.tensors)
+        result = build_result(save, load, rss, config)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print_table(report)
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
+    c.emit(result, args.json)
     return 0
 
 
