@@ -285,6 +285,11 @@ class Failure:
         )
 
 
+# Errors a rank reports because a peer went away: a consequence, never the root cause.
+_PEER_LOSS = re.compile(r"connection closed by peer|connection reset by peer|broken pipe|remote worker crash"
+                        r"|communicator was aborted|ncclRemoteError", re.IGNORECASE)
+
+
 def report_in_place(rank: int, exc: BaseException) -> None:
     """Report a failing rank under torchrun / srun / mpirun, where no distfn parent collects it.
 
@@ -301,8 +306,13 @@ def report_in_place(rank: int, exc: BaseException) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    stamp = int(time.time())
+    if _PEER_LOSS.search(str(exc)):
+        # torchrun names the failure with the smallest timestamp (whole seconds, ties go to the lowest rank):
+        # losing a peer is a consequence of that peer's failure, so it must sort after it
+        stamp += 1
     data = {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+                        "extraInfo": {"py_callstack": text, "timestamp": str(stamp)}}}
     try:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f)
@@ -311,7 +321,7 @@ def report_in_place(rank: int, exc: BaseException) -> None:
 
 
 _THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+", re.MULTILINE)
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.MULTILINE)
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)', re.MULTILINE)
 _BOOTSTRAP = re.compile(r'distfn[/\\](?:worker\.py", line \d+ in run|spawn\.py", line \d+ in _entry)')
 
 
@@ -338,11 +348,13 @@ def main_stack(dump: str) -> str:
     return "\n".join([head, ""] if head else []) + "\n".join(lines)
 
 
-def _innermost_user_frame(stack: str) -> str | None:
-    """``func (file:line)`` of the most recent frame outside torch, distfn and the standard library."""
+def _innermost_user_frame(stack: str, recent_first: bool = True) -> str | None:
+    """``func (file:line)`` of the most recent frame outside torch, distfn and the standard library, in a
+    faulthandler dump (most recent call first) or a Python traceback (``recent_first=False``)."""
     ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
     stdlib = os.path.dirname(os.__file__)
-    for m in _FRAME.finditer(stack):
+    frames = list(_FRAME.finditer(stack))
+    for m in frames if recent_first else reversed(frames):
         path = m["file"]
         if path.startswith(ours) or (path.startswith(stdlib) and "-packages" not in path):
             continue
@@ -540,11 +552,6 @@ def _collect(workers: list[_Worker], failures: list[Failure], timeout: float) ->
     failures.extend(sorted(reported, key=lambda f: f.time))
 
 
-# Errors a rank reports because a peer went away: a consequence, never the root cause.
-_PEER_LOSS = re.compile(r"connection closed by peer|connection reset by peer|broken pipe|remote worker crash"
-                        r"|communicator was aborted|ncclRemoteError", re.IGNORECASE)
-
-
 def order_failures(failures: list[Failure]) -> list[Failure]:
     """Likely root cause first: deaths without a report (signals, exit codes), then the ranks' own errors,
     then errors about losing a peer; by time within each group."""
@@ -591,6 +598,19 @@ def _signal_live(workers: list[_Worker], sig: int) -> None:
                 pass
 
 
+def _kill_group(pgid: int) -> None:
+    """SIGKILL process group ``pgid`` (a worker made itself its leader with setpgid).
+
+    Used while the leader is alive or after it failed, when its children may outlive it: Linux does not reuse
+    a pid while a live process still has it as its process group id, so this reaches exactly the worker's
+    leftovers (DataLoader workers notice a dead parent only every 5 s).
+    """
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _stop(workers: list[_Worker], sig: int | None, grace: float) -> None:
     """Send ``sig`` (if any) to the live workers, give them ``grace`` seconds, then SIGKILL what is left."""
     if sig is not None:
@@ -600,7 +620,7 @@ def _stop(workers: list[_Worker], sig: int | None, grace: float) -> None:
         w.process.join(max(0.0, deadline - time.monotonic()))
     for w in workers:
         if w.process.exitcode is None:
-            w.process.kill()
+            _kill_group(w.process.pid)  # the rank and what it started (DataLoader workers, subprocesses)
             w.process.join(5)
 
 
@@ -826,11 +846,17 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
             if w.stacks is not None:
                 w.stacks.close()
             w.process.join(1)
+            if not w.ok:
+                _kill_group(w.process.pid)
         failures.extend(f for f in stopped if forwarder.received or f.exc_type != Terminated.__qualname__)
         forwarder.restore()
         del store
         listener.close()
     if interrupted:
+        where = [f"rank {f.rank} in {_innermost_user_frame(f.traceback, recent_first=False)}"
+                 for f in sorted(stopped, key=lambda f: f.rank) if f.exc_type == "KeyboardInterrupt"]
+        if where:
+            logger.warning("interrupted {}", "; ".join(where))
         raise KeyboardInterrupt
     if failures:
         raise WorkerError(failures)

@@ -1,12 +1,12 @@
 """One distfn job per fault case, for tests/test_reliability.py and bench/stress_faults.py.
 
-Usage: python rel_job.py CASE [MARK_DIR] [REPEAT]
+Usage: python rel_job.py CASE[,CASE...] [MARK_DIR|-] [REPEAT]
 
-Runs the case REPEAT times (default 1) in this process and prints one JSON line per launch:
+Runs the cases in turn, REPEAT times over (default 1), in this process and prints one JSON line per launch:
 ``{"case", "ok", "value", "error", "type", "seconds", "leftovers"}``; ``leftovers`` lists what the launch left
 behind in this process (child processes, listening sockets, /dev/shm segments named after its pids).
 With MARK_DIR, every rank writes ``MARK_DIR/<case>.rank<r>.pid`` at start and ``...finally`` in its ``finally``.
-Exit status: 0 when the last launch returned, 1 when it raised.
+Exit status: 0 when the last launch returned, 1 when it raised. REL_UNCAUGHT=1 lets a WorkerError propagate.
 """
 
 import ctypes
@@ -49,6 +49,8 @@ def body(cfg, ctx):
             time.sleep(300)
         if case == "early_return" and ctx.rank == 1:
             return None
+        if case == "nested" and ctx.rank == 1:
+            return job({"case": "ok"})  # a decorated call inside a worker
         if case == "unpicklable_return":
             return {"fn": lambda x: x}
         if case == "dataloader":
@@ -58,7 +60,7 @@ def body(cfg, ctx):
             for i, _ in enumerate(loader):
                 if i == 3 and ctx.rank == 1:
                     raise RuntimeError("failed while DataLoader workers run")
-        if case in ("sigint", "sigterm", "preempt"):
+        if case in ("sigint", "sigterm", "preempt", "stubborn"):
             # wait here until the test signals the launching process; should_stop is polled in "preempt" only
             steps = 0
             while True:
@@ -75,19 +77,19 @@ def body(cfg, ctx):
         return ctx.rank
     finally:
         _mark(cfg, ctx, "finally")
-        if case == "sigint_stubborn":
-            pass
+        if case == "stubborn":
+            time.sleep(60)  # a finally block that does not end: only a second Ctrl-C (SIGKILL) stops it
 
 
 job = distributed(nprocs=2, timeout=10)(body)
 
 
 def main() -> int:
-    case = sys.argv[1]
+    cases = sys.argv[1].split(",")
     marks = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None
     repeat = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     status = 0
-    for _ in range(repeat):
+    for case in cases * repeat:
         t0 = time.monotonic()
         record = {"case": case, "ok": True, "value": None, "error": None, "type": None}
         try:
@@ -95,6 +97,8 @@ def main() -> int:
             record["value"] = repr(value)
             status = 0
         except WorkerError as exc:
+            if os.environ.get("REL_UNCAUGHT"):
+                raise  # as a user's script would: the traceback on stderr, exit status 1
             record.update(ok=False, error=str(exc), type=type(exc).__name__)
             status = 1
         record["seconds"] = round(time.monotonic() - t0, 3)

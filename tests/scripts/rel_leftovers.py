@@ -1,7 +1,7 @@
 """What a distfn launch may leave behind, seen from the launching process (used by rel_job.py and the bench).
 
 ``leftovers(pid)`` lists: live processes of this session (or children of ``pid`` when it leads no session),
-sockets of ``pid`` still listening, new /dev/shm segments whose creator is gone, and new temp entries of
+sockets of ``pid`` still listening, new /dev/shm segments that no live process uses, and new temp entries of
 multiprocessing/torch/distfn. "New" means not there when this module was imported.
 """
 
@@ -13,7 +13,6 @@ import tempfile
 
 _SHM = "/dev/shm"
 _TEMP_NAMES = re.compile(r"^(pymp-|torch|distfn|tmp.*distfn)")
-_TORCH_SHM = re.compile(r"^torch_(\d+)_")
 
 
 def _listdir(path: str) -> set[str]:
@@ -101,15 +100,33 @@ def decode_addr(addr_hex: str) -> str:
     return str(ipaddress.IPv6Address(words))
 
 
-def shm_segments() -> list[str]:
-    """New /dev/shm entries, except torch segments whose creating process still lives (someone else's)."""
-    out = []
-    for name in sorted(_listdir(_SHM) - _BEFORE_SHM):
-        m = _TORCH_SHM.match(name)
-        if m and os.path.exists(f"/proc/{m.group(1)}"):
+def _shm_in_use() -> set[str]:
+    """Names of /dev/shm entries that a live process maps or holds open (other programs' live segments)."""
+    used = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
-        out.append(f"shm {name}")
-    return out
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                used.update(line.split(_SHM + "/", 1)[1].split()[0] for line in f if _SHM + "/" in line)
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                link = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if link.startswith(_SHM + "/"):
+                    used.add(link[len(_SHM) + 1:].split()[0])
+        except OSError:
+            continue
+    return used
+
+
+def shm_segments() -> list[str]:
+    """New /dev/shm entries that no live process uses (a leak; a segment in use belongs to someone alive,
+    e.g. another program on this machine creating its multiprocessing semaphores right now)."""
+    new = _listdir(_SHM) - _BEFORE_SHM
+    if not new:
+        return []
+    new -= _shm_in_use()
+    new = {n for n in new if os.path.exists(os.path.join(_SHM, n))}  # transient ones are gone by now
+    return [f"shm {name}" for name in sorted(new)]
 
 
 def temp_files() -> list[str]:

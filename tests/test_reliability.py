@@ -1,0 +1,298 @@
+"""Launch reliability (issue 5): failures surface with rank and traceback, nothing hangs, nothing is left behind,
+signals reach the workers, ports are private, and should_stop works on all ranks together.
+
+The jobs run as real scripts (tests/scripts/rel_job.py) in their own session, the way users run them, so the
+launching process is a fresh interpreter and leftovers can be found by session id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import distfn
+from conftest import SCRIPTS, clean_env
+from distfn import ConfigError, Terminated, distributed
+from distfn import preemption, spawn
+
+sys.path.insert(0, str(SCRIPTS))
+from rel_leftovers import decode_addr, listen_table  # noqa: E402
+
+JOB = str(SCRIPTS / "rel_job.py")
+HOST = socket.gethostname()
+
+
+def _records(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def _start(args: list[str], **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, JOB, *args], env=clean_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(marks: Path, pattern: str, count: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(marks.glob(pattern))) < count:
+        if proc.poll() is not None:
+            pytest.fail(f"job ended early: {proc.communicate()}")
+        assert time.monotonic() < deadline, f"no {pattern} in {marks}"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# The fault matrix, twice over: 20 launches in a row in one process.
+MATRIX = ["raise", "sigkill", "segv", "exit", "early_return", "unpicklable_return", "nested", "dataloader", "ok",
+          "raise"]
+
+
+def test_twenty_launches_report_each_failure_and_leave_nothing_behind(tmp_path: Path) -> None:
+    proc = _start([",".join(MATRIX), "-", "2"], TMPDIR=str(tmp_path))
+    out, err = proc.communicate(timeout=300)
+    recs = _records(out)
+    assert [r["case"] for r in recs] == MATRIX * 2, err[-3000:]
+    for r in recs:
+        # after every launch: no worker, no listening socket, no /dev/shm segment, no temp file
+        assert r["leftovers"] == [], r
+        if r["case"] == "ok":
+            assert r["ok"] and "'ranks': [0, 1]" in r["value"] and "tensor([0, 2, 4])" in r["value"]
+            continue
+        assert not r["ok"] and r["type"] == "WorkerError", r
+    by_case = {r["case"]: r["error"] for r in recs}
+    head = f"on {HOST}) "
+    # the first failure leads, with rank, host, pid, type, message and the worker's traceback
+    e = by_case["raise"]
+    assert e.startswith("rank 1 (pid ") and head + "failed with ValueError: boom on rank 1" in e.splitlines()[0]
+    assert 'rel_job.py", line' in e and 'raise ValueError("boom on rank 1")' in e
+    # killed by a signal: the name and a hint; a crash also brings its Python stack (faulthandler)
+    assert head + "was killed by SIGKILL: often the out-of-memory killer" in by_case["sigkill"]
+    e = by_case["segv"]
+    assert head + "was killed by SIGSEGV: a crash in native code" in e
+    assert "Fatal Python error: Segmentation fault" in e and 'rel_job.py", line' in e and " in body" in e
+    assert "failed with SystemExit: 3" in by_case["exit"].splitlines()[0]
+    # a rank that returned early leaves its peer failing: said so
+    assert "Rank 1 had already returned from the function" in by_case["early_return"]
+    # errors that can only happen in a worker still come with the rank and a fix
+    e = by_case["unpicklable_return"]
+    assert e.startswith("rank 0 ") and "return value['fn'] (a lambda defined at" in e and "Return plain data" in e
+    assert by_case["nested"].startswith("rank 1 ") and "NestedLaunchError" in by_case["nested"]
+    assert "failed while DataLoader workers run" in by_case["dataloader"].splitlines()[0]
+    # the launching process's exit status follows its last launch (it raised)
+    assert proc.returncode == 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_collective_timeout_names_timeout_missing_rank_and_stacks() -> None:
+    """Rank 1 sleeps while rank 0 waits at a barrier with timeout=10: the job ends well under a minute."""
+    t0 = time.monotonic()
+    proc = _start(["hang"], REL_UNCAUGHT="1")
+    out, err = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 45, elapsed
+    assert proc.returncode == 1  # an uncaught WorkerError: `python script.py` fails
+    assert "distfn.errors.WorkerError: rank 0 " in err
+    assert "Timed out" in err and "timed out after 10 s" in err
+    assert "Rank 1 had not reached a collective: rank 1 was in body (" in err
+    stacks = err[err.index("Python stacks of the other ranks"):]
+    assert "rank 1:" in stacks and 'rel_job.py", line' in stacks and "in body" in stacks
+
+
+@pytest.mark.parametrize(
+    ("case", "signals", "returncode", "needles"),
+    [
+        # Ctrl-C: the workers get it, run their finally blocks, exit; the caller sees KeyboardInterrupt
+        ("sigint", [signal.SIGINT], -signal.SIGINT, ["interrupted rank 0 in body"]),
+        # SIGTERM is forwarded the same way; a function that does not poll should_stop gets Terminated
+        ("sigterm", [signal.SIGTERM], 1, ["failed with Terminated: received SIGTERM",
+                                          "The launching process received SIGTERM and forwarded it"]),
+        # a finally block that never ends: the second Ctrl-C kills at once
+        ("stubborn", [signal.SIGINT, signal.SIGINT], -signal.SIGINT, []),
+    ],
+)
+def test_signals_reach_the_workers(tmp_path: Path, case: str, signals: list[int], returncode: int,
+                                   needles: list[str]) -> None:
+    proc = _start([case, str(tmp_path)])
+    _wait_for(tmp_path, f"{case}.rank*.ready", 2, proc)
+    t0 = time.monotonic()
+    for sig in signals:
+        proc.send_signal(sig)
+        time.sleep(0.5)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 15  # the stubborn finally sleeps 60 s
+    assert proc.returncode == returncode, err[-3000:]
+    assert len(list(tmp_path.glob(f"{case}.rank*.finally"))) == 2
+    for needle in needles:
+        assert needle in out + err
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
+    proc = _start(["sigint", str(tmp_path)])
+    _wait_for(tmp_path, "sigint.rank*.ready", 2, proc)
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_three_concurrent_jobs_listen_on_loopback_only_and_stop_together(tmp_path: Path) -> None:
+    """Three jobs at once (no fixed port); every socket they listen on is on 127.0.0.1; then SIGUSR2 or
+    SIGTERM makes ctx.should_stop true on all ranks of a job at the same step, and the jobs return."""
+    marks = [tmp_path / str(i) for i in range(3)]
+    procs = []
+    for m in marks:
+        m.mkdir()
+        procs.append(_start(["preempt", str(m)]))
+    for m, p in zip(marks, procs):
+        _wait_for(m, "preempt.rank*.ready", 2, p)
+    ours = set()
+    for p in procs:
+        for pid in [p.pid] + [int(f.read_text()) for m in marks for f in m.glob("*.pid")]:
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        ours.add(link[8:-1])
+            except OSError:
+                pass
+    listening = [addr for addr, inode in listen_table() if inode in ours]
+    assert len(listening) >= 3, listening  # at least each job's rendezvous store
+    assert all(a.startswith("127.0.0.1:") for a in listening), listening
+    for p, sig in zip(procs, (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR2)):
+        p.send_signal(sig)
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err[-3000:]
+        (rec,) = _records(out)
+        value = rec["value"]
+        assert "'rank': 0" in value
+        steps = eval(value)["steps"]  # noqa: S307 - our own repr of ints
+        assert len(steps) == 2 and steps[0] == steps[1]  # every rank stopped at the same step
+
+
+def test_decode_listen_addresses() -> None:
+    assert decode_addr("0100007F") == "127.0.0.1"
+    assert decode_addr("00000000000000000000000001000000") == "::1"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# In this process: quick checks of single pieces
+# ----------------------------------------------------------------------------------------------------------
+def test_busy_explicit_port_is_refused_before_any_worker() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        f = distributed(nprocs=2, init_method=f"tcp://127.0.0.1:{port}")(lambda cfg, ctx: ctx.rank)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as info:
+            f()
+        assert time.monotonic() - t0 < 5
+    msg = str(info.value)
+    assert f"127.0.0.1:{port} is already in use" in msg and "Leave init_method unset" in msg
+    spawn.check_port_free("tcp://192.0.2.1:29500")  # another host's address: not ours to check
+
+
+def test_torchrun_error_file_matches_torch_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(ours))
+        spawn.report_in_place(3, exc)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(theirs))
+        ErrorHandler().record_exception(exc)
+    a, b = json.loads(ours.read_text()), json.loads(theirs.read_text())
+    assert a["message"]["message"] == b["message"]["message"] == "ValueError: boom"
+    assert a["message"]["extraInfo"].keys() == b["message"]["extraInfo"].keys()
+    assert "raise ValueError" in a["message"]["extraInfo"]["py_callstack"]
+    # an outside stop is no root cause: no error file
+    ours.unlink()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(ours))
+    spawn.report_in_place(0, Terminated("received SIGTERM"))
+    assert not ours.exists()
+
+
+@pytest.mark.slow
+def test_torchrun_names_the_failing_rank_as_root_cause(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           JOB, "raise"], env=clean_env(REL_UNCAUGHT="1"), capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode != 0
+    root = done.stderr[done.stderr.index("Root Cause"):]
+    assert "rank      : 1" in root and "ValueError: boom on rank 1" in root
+    assert "| rank 1/2 | rank 1 failed with ValueError: boom on rank 1" in done.stderr  # tagged log line
+
+
+def test_should_stop_and_terminated_in_one_process() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+
+    @distributed(mode="single")
+    def polls(cfg, ctx):
+        first = ctx.should_stop
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGTERM)  # after polling: only sets the flag
+        return first, ctx.should_stop, preemption.requested()
+
+    assert polls() == (False, True, "SIGUSR2")
+
+    @distributed(mode="single")
+    def ignores(cfg, ctx):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            ctx.log.info("finally ran")
+        return "not reached"
+
+    with pytest.raises(Terminated, match="poll ctx.should_stop"):
+        ignores()
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handlers are back
+
+
+def test_main_stack_keeps_the_main_thread_above_distfn() -> None:
+    dump = (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
+        "Current thread 0x00007f02 (most recent call first):\n"
+        '  File "/home/u/train.py", line 7 in train\n'
+        '  File "/x/distfn/worker.py", line 190 in run\n'
+        '  File "/x/distfn/spawn.py", line 441 in _entry\n'
+    )
+    text = spawn.main_stack(dump)
+    assert 'train.py", line 7 in train' in text and "worker.py" not in text and "threading" not in text
+    assert "1 other thread(s) not shown" in text
+    assert spawn._innermost_user_frame(text) == "train (/home/u/train.py:7)"
+
+
+def test_root_cause_ordering() -> None:
+    def failure(rank: int, exc_type: str, message: str, t: float) -> spawn.Failure:
+        return spawn.Failure(rank, HOST, 1, exc_type, message, time=t)
+
+    peer = failure(0, "RuntimeError", "Connection closed by peer [127.0.0.1]:1", 1.0)
+    own = failure(1, "ValueError", "boom", 2.0)
+    death = failure(2, "Signal", "SIGKILL", 3.0)
+    assert spawn.order_failures([peer, own, death]) == [death, own, peer]
+    err = distfn.WorkerError([own, peer])
+    assert str(err).startswith("rank 1 (pid 1 on") and "1 other rank(s) failed after it" in str(err)
