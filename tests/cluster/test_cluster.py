@@ -25,7 +25,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "script.py"
-SETUP_HINT = "start one with `bash .ci/slurm-setup.sh up` (two virtual nodes) / `bash .ci/mpi-setup.sh up`"
+SETUP_HINTS = {
+    "mpirun": "Open MPI is not installed; `bash .ci/mpi-setup.sh up` installs and checks it",
+    "torchrun": "torch is not installed in this environment",
+}
+SLURM_HINT = "Slurm is not running here; `bash .ci/slurm-setup.sh up` starts one (two virtual nodes)"
 
 # Anything a launcher exports; the tests start from an environment without them (pytest may itself run
 # inside a Slurm job or under torchrun).
@@ -44,7 +48,7 @@ def unavailable(reason: str) -> None:
 def require_tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        unavailable(f"{name} not found on PATH: {SETUP_HINT}")
+        unavailable(f"{name} not found on PATH: {SETUP_HINTS.get(name, SLURM_HINT)}")
     return path  # type: ignore[return-value]
 
 
@@ -55,9 +59,9 @@ def slurm_nodes() -> list[str]:
     try:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=15)
     except subprocess.TimeoutExpired:
-        unavailable("sinfo did not answer in 15 s: slurmctld is not running; " + SETUP_HINT)
+        unavailable("sinfo did not answer in 15 s: slurmctld is not running; " + SLURM_HINT)
     if out.returncode != 0:
-        unavailable(f"sinfo failed ({out.stderr.strip()}): slurmctld is not running; {SETUP_HINT}")
+        unavailable(f"sinfo failed ({out.stderr.strip()}): slurmctld is not running; {SLURM_HINT}")
     usable = ("idle", "mix", "alloc", "comp")
     return sorted({line.split()[0] for line in out.stdout.splitlines()
                    if len(line.split()) == 2 and line.split()[1].rstrip("*~#") in usable})
