@@ -291,11 +291,8 @@ class Progress(Generic[T]):
         self._last_refresh = 0.0
         self._steps = 0
         self.bar: Any = _make_bar(iterable, desc=desc, total=total, **tqdm_kwargs) if enabled else None
-
-    @property
-    def visible(self) -> bool:
-        """True when a bar is being drawn (rank 0, tqdm installed, output is a terminal or forced on)."""
-        return self.bar is not None and not self.bar.disable
+        #: True when a bar is drawn: rank 0, tqdm installed, and the output is a terminal (or disable=False).
+        self.visible: bool = self.bar is not None and not self.bar.disable
 
     @property
     def means(self) -> dict[str, float]:
