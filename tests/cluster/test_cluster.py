@@ -203,7 +203,8 @@ _DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
                 "BOOT_FAIL", "DEADLINE"}
 
 
-def sbatch_and_poll(args: Sequence[str], env: dict[str, str], timeout: float, log: Path) -> None:
+def sbatch_and_poll(args: Sequence[str], env: dict[str, str], timeout: float, log: Path, *,
+                    expect_ok: bool = True) -> str:
     """``sbatch`` then poll the job every 0.3 s until it ends; assert it COMPLETED with exit code 0.
 
     Same outcome as ``sbatch --wait``, whose own polling backs off 2 s -> 8 s -> 32 s and so adds up to
@@ -227,7 +228,11 @@ def sbatch_and_poll(args: Sequence[str], env: dict[str, str], timeout: float, lo
         pytest.fail(f"sbatch job {job_id} not done in {timeout:.0f} s (state {fields.get('JobState')}, "
                     f"reason {fields.get('Reason')}); log:\n{log.read_text()[-4000:] if log.exists() else ''}")
     output = log.read_text() if log.exists() else "(no log)"
-    assert (fields.get("JobState"), fields.get("ExitCode")) == ("COMPLETED", "0:0"), output[-6000:]
+    if expect_ok:
+        assert (fields.get("JobState"), fields.get("ExitCode")) == ("COMPLETED", "0:0"), output[-6000:]
+    else:
+        assert fields.get("JobState") == "FAILED", (fields.get("JobState"), output[-6000:])
+    return output
 
 
 def test_sbatch_wait_example_one_node(out_dir: Path, tmp_path: Path) -> None:
@@ -259,6 +264,22 @@ def test_sbatch_without_srun_self_spawns_on_the_node(out_dir: Path, tmp_path: Pa
     check_job(out_dir, world=2, nodes=1, launcher="spawn", context=log.read_text())
 
 
+def test_srun_inconsistent_variables_fail_fast_with_a_clear_error(out_dir: Path) -> None:
+    # A bad MASTER_PORT must stop every task before init_process_group, not hang it.
+    require_slurm(1)
+    import time
+
+    name = job_name()
+    env = launch_env(out_dir, MASTER_PORT="70000")
+    start = time.monotonic()
+    proc = subprocess.run(srun("-J", name, "-N1", "-n2", sys.executable, str(SCRIPT)), env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=SRUN_TIMEOUT)
+    assert proc.returncode != 0
+    assert "MASTER_PORT='70000' is not a TCP port" in proc.stdout + proc.stderr
+    assert time.monotonic() - start < 60
+    assert not list(out_dir.glob("rank*.json"))
+
+
 def test_expand_hostlist_agrees_with_scontrol() -> None:
     # Cross-check of the pure Python expansion against Slurm's own (where scontrol accepts the form;
     # slurm 22.05 rejects suffixes after brackets such as a[1-2]-ib, which distfn still expands).
@@ -281,6 +302,36 @@ def test_mpirun_two_ranks(out_dir: Path) -> None:
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, str(SCRIPT)]
     res = run(cmd, launch_env(out_dir), SRUN_TIMEOUT)
     check_job(out_dir, world=2, nodes=1, launcher="mpi", context=res.stdout)
+
+
+def test_mpirun_inside_two_node_sbatch(out_dir: Path, tmp_path: Path) -> None:
+    # Open MPI starts its daemons through srun here, so every rank also sees SLURM_STEP_ID=0 and a
+    # SLURM_PROCID of its node: MPI's variables must win. Two nodes need an exported MASTER_ADDR.
+    require_tool("mpirun")
+    nodes = require_slurm(2)
+    log = tmp_path / "slurm.out"
+    wrap = f"mpirun --oversubscribe -x MASTER_ADDR={nodes[0]} -np 4 {sys.executable} {SCRIPT}"
+    sbatch_and_poll(["-O", "-N2", "--ntasks-per-node=2", "-o", str(log), "--wrap", wrap], launch_env(out_dir),
+                    SRUN_TIMEOUT, log)
+    ranks = check_job(out_dir, world=4, nodes=2, launcher="mpi", context=log.read_text())
+    assert [r["slurmd_nodename"] for r in ranks] == [nodes[0], nodes[0], nodes[1], nodes[1]]
+
+
+def test_mpirun_on_two_nodes_without_a_rendezvous_fails_fast(out_dir: Path, tmp_path: Path) -> None:
+    require_tool("mpirun")
+    require_slurm(2)
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("mpi4py is installed: distfn would broadcast the rendezvous instead of failing")
+    log = tmp_path / "slurm.out"
+    wrap = f"mpirun --oversubscribe -np 4 {sys.executable} {SCRIPT}"
+    output = sbatch_and_poll(["-O", "-N2", "--ntasks-per-node=2", "-o", str(log), "--wrap", wrap],
+                             launch_env(out_dir), SRUN_TIMEOUT, log, expect_ok=False)
+    assert "MASTER_ADDR is not set and mpi4py is not installed" in output and "mpirun -x MASTER_ADDR" in output
+    assert not list(out_dir.glob("rank*.json"))
 
 
 # ---------------------------------------------------------------------------------------------------------
