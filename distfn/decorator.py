@@ -205,11 +205,11 @@ def _nprocs_default(opts: Options) -> int:
         return 1
     if opts.devices is not None:
         return len(opts.devices)
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return max(1, worker.visible_gpus())
 
 
 def _check_backend_fits(opts: Options) -> None:
-    if opts.backend is not None and "nccl" in opts.backend.lower() and not torch.cuda.is_available():
+    if opts.backend is not None and "nccl" in opts.backend.lower() and worker.visible_gpus() == 0:
         raise ConfigError(f"backend={opts.backend!r} needs CUDA GPUs, but torch sees none "
                           f"(torch {torch.__version__}); use backend='gloo' or leave it unset")
 

@@ -40,6 +40,16 @@ def mark_active(value: bool) -> None:
     _ACTIVE = value
 
 
+def visible_gpus() -> int:
+    """How many CUDA devices this process may use, asked without initialising CUDA.
+
+    ``torch.cuda.device_count()`` asks NVML first, which leaves the process safe to fork; the plain
+    ``torch.cuda.is_available()`` runs ``cuInit``, after which forked workers could not use CUDA. The launching
+    process must only ever ask this way.
+    """
+    return torch.cuda.device_count()
+
+
 def apply_visible_devices(devices: tuple[int, ...] | None) -> None:
     """Restrict CUDA to ``devices`` through ``CUDA_VISIBLE_DEVICES`` (before CUDA is initialised).
 
@@ -60,12 +70,12 @@ def apply_visible_devices(devices: tuple[int, ...] | None) -> None:
     if current is not None and current != wanted:
         logger.warning("devices={} replaces CUDA_VISIBLE_DEVICES={}", wanted, current)
     os.environ["CUDA_VISIBLE_DEVICES"] = wanted
-    if not torch.cuda.is_available():
+    visible = visible_gpus()
+    if visible == 0:
         raise ConfigError(
-            f"devices={wanted!r} asks for GPUs but torch sees no CUDA device (torch.cuda.is_available() is "
-            f"False, torch {torch.__version__}); drop devices= to run on the CPU"
+            f"devices={wanted!r} asks for GPUs but torch sees no CUDA device (torch {torch.__version__}, "
+            f"CUDA build: {torch.version.cuda or 'no'}); drop devices= to run on the CPU"
         )
-    visible = torch.cuda.device_count()
     if visible < len(devices):
         raise ConfigError(
             f"devices={wanted!r} asks for {len(devices)} GPUs but only {visible} of them exist on this machine; "
