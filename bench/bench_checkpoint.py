@@ -4,8 +4,9 @@ What is measured (float32 tensors, ``--size-mib`` in total, split into ``--tenso
 
 * **save**: ``distfn.checkpoint.save`` (durable: fsync of file and directory included) against
   ``torch.save`` and ``safetensors.torch.save_file`` (as they are, and followed by an fsync for a fair
-  durable comparison) and ``dd`` copying the same bytes (from a page-cached copy of the checkpoint) with and
-  without ``conv=fdatasync``; plus ``dd`` from ``/dev/zero`` as the plain disk floor. Methods are interleaved
+  durable comparison) and ``dd`` writing as many bytes from ``/dev/zero`` with and without
+  ``conv=fdatasync`` (the disk floor: nothing to read, nothing to serialize), plus ``dd`` copying the
+  checkpoint file itself. Methods are interleaved
   over ``--rounds`` rounds (rotating the order each round) after an ``os.sync()``; medians are reported.
 * **peak extra RSS** during each save, measured in a child process: ``VmHWM`` after the save minus
   ``VmRSS`` before it (the high-water mark is reset through ``/proc/self/clear_refs``; where that is not
@@ -19,7 +20,7 @@ largest tensor + 64 MiB, load (with touch) at least as fast as ``load_file`` (a 
 
 Usage::
 
-    python bench/bench_checkpoint.py                      # 1 GiB, 5 rounds
+    python bench/bench_checkpoint.py                      # 1 GiB, 7 rounds
     python bench/bench_checkpoint.py --tiny --json /tmp/out.json    # smoke: 4 MiB, one round
     python bench/run.py --only checkpoint                           # through the shared harness
 """
@@ -97,9 +98,9 @@ def save_methods(state: dict[str, torch.Tensor], reference: str, nbytes: int) ->
         "torch.save+fsync": torch_save_fsync,
         "save_file": lambda p: save_file(state, p),
         "save_file+fsync": save_file_fsync,
-        "dd": lambda p: _dd(reference, p, nbytes, sync=False),
-        "dd+fdatasync": lambda p: _dd(reference, p, nbytes, sync=True),
-        "dd-zero+fdatasync": lambda p: _dd("/dev/zero", p, nbytes, sync=True),
+        "dd": lambda p: _dd("/dev/zero", p, nbytes, sync=False),
+        "dd+fdatasync": lambda p: _dd("/dev/zero", p, nbytes, sync=True),
+        "dd-copy+fdatasync": lambda p: _dd(reference, p, nbytes, sync=True),
     }
 
 
@@ -242,9 +243,9 @@ SAVE_NOTES = {
     "torch.save+fsync": "durable file (no atomic rename)",
     "save_file": "not durable (no fsync)",
     "save_file+fsync": "durable file (no atomic rename)",
-    "dd": "same bytes, from the page cache, no sync",
-    "dd+fdatasync": "same bytes, from the page cache: the disk floor",
-    "dd-zero+fdatasync": "from /dev/zero",
+    "dd": "as many bytes, from /dev/zero, no sync",
+    "dd+fdatasync": "as many bytes, from /dev/zero, synced: the disk floor",
+    "dd-copy+fdatasync": "copy of the checkpoint file (pays for reading it if evicted)",
 }
 
 
@@ -283,7 +284,7 @@ def _filesystem(path: pathlib.Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = c.parser(__doc__.split("\n\n")[0], rounds=5)
+    parser = c.parser(__doc__.split("\n\n")[0], rounds=7)
     parser.add_argument("--size-mib", type=int, default=1024, help="total float32 data (default 1024)")
     parser.add_argument("--tensors", type=int, default=8, help="number of tensors (default 8)")
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="where to write (default: a temp dir)")

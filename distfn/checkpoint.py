@@ -86,6 +86,8 @@ from distfn.errors import CheckpointError
 
 __all__ = [
     "RNG",
+    "combine_rng_states",
+    "rng_state_for_rank",
     "load",
     "load_into",
     "latest",
@@ -106,6 +108,7 @@ _RESERVED_METADATA: Final = frozenset({"format", _KEY_FORMAT, _KEY_TREE, _KEY_AL
 _TMP_MARK: Final = ".distfn-tmp"
 _MAX_HEADER: Final = 100_000_000  # the stock safetensors limit
 _WRITE_CHUNK: Final = 64 << 20  # bytes per os.write / per GPU->host copy
+_SMALL_WRITE: Final = 4 << 20  # pieces smaller than this are gathered into one write
 
 _DTYPES: Final[dict[torch.dtype, str]] = {
     torch.float64: "F64",
@@ -194,6 +197,14 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         state: the mapping :func:`rng_state` returned. Missing parts are left alone; a CUDA state is
             restored only where CUDA is available (one state per visible device, extra ones ignored).
     """
+    if "ranks" in state:
+        raise CheckpointError(
+            f"this RNG entry holds the states of {len(state['ranks'])} ranks; pick this rank's with "
+            "rng_state_for_rank(entry, rank, world_size) first"
+        )
+    if not any(k in state for k in ("python", "torch", "numpy", "cuda")):
+        raise CheckpointError(f"not an RNG state (keys {_describe([str(k) for k in state])}); expected what "
+                              "rng_state() returns")
     if "python" in state:
         version, internal, gauss = state["python"]
         random.setstate((int(version), tuple(int(x) for x in internal), gauss))
@@ -213,6 +224,34 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         cuda_states = [torch.as_tensor(t, dtype=torch.uint8).cpu().clone() for t in state["cuda"]]
         for index, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state, index)
+
+
+def combine_rng_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One savable value holding every rank's :func:`rng_state`, given in rank order.
+
+    No collective in here: the caller gathers (``Context`` uses ``gather_object`` when asked to save RNG).
+
+    Returns:
+        ``{"world_size": len(states), "ranks": [state of rank 0, state of rank 1, ...]}``.
+    """
+    return {"world_size": len(states), "ranks": [dict(s) for s in states]}
+
+
+def rng_state_for_rank(saved: Mapping[str, Any], rank: int, world_size: int) -> Mapping[str, Any]:
+    """This rank's state out of what :func:`combine_rng_states` (or a single :func:`rng_state`) stored.
+
+    A job resumed with another world size gets ``ranks[rank % saved world size]`` and a warning: the run then
+    continues reproducibly, but not bit-for-bit like the original one.
+    """
+    if "ranks" not in saved:
+        return saved
+    ranks = list(saved["ranks"])
+    if not ranks:
+        raise CheckpointError("the saved RNG entry holds no rank states")
+    if len(ranks) != world_size:
+        logger.warning("RNG states were saved by {} ranks, this job has {}: rank {} takes saved rank {}",
+                       len(ranks), world_size, rank, rank % len(ranks))
+    return ranks[rank % len(ranks)]
 
 
 class _RNG:
@@ -444,7 +483,7 @@ def _cpu_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class _Staging:
-    """One reusable host buffer (pinned where CUDA is available) for device->host copies in chunks."""
+    """One reusable host buffer (pinned where CUDA is used) for device->host copies in bounded chunks."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
@@ -452,18 +491,40 @@ class _Staging:
     def chunks(self, tensor: torch.Tensor) -> Iterator[memoryview]:
         flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
         size = flat.numel()
-        if self._buffer is None:
-            pin = tensor.device.type == "cuda"
-            self._buffer = torch.empty(min(_WRITE_CHUNK, max(size, 1)) if size < _WRITE_CHUNK else _WRITE_CHUNK,
-                                       dtype=torch.uint8, pin_memory=pin)
-        if self._buffer.numel() < min(size, _WRITE_CHUNK):
-            self._buffer = torch.empty(min(size, _WRITE_CHUNK), dtype=torch.uint8,
-                                       pin_memory=self._buffer.is_pinned())
-        for start in range(0, size, self._buffer.numel()):
-            n = min(self._buffer.numel(), size - start)
+        want = min(size, _WRITE_CHUNK)
+        if self._buffer is None or self._buffer.numel() < want:
+            self._buffer = torch.empty(want, dtype=torch.uint8, pin_memory=tensor.device.type == "cuda")
+        step = self._buffer.numel()
+        for start in range(0, size, step):
+            n = min(step, size - start)
             part = self._buffer[:n]
             part.copy_(flat[start : start + n])  # synchronous: the buffer is reused right after the write
             yield memoryview(part.numpy()).cast("B")
+
+
+class _Sink:
+    """Writes to a file descriptor: large pieces straight from their memory, small ones gathered first.
+
+    Models hold many tiny tensors (biases, norms); one system call each would dominate their cost.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._small = bytearray()
+
+    def write(self, data: memoryview) -> None:
+        if len(data) < _SMALL_WRITE:
+            self._small += data
+            if len(self._small) >= _SMALL_WRITE:
+                self.flush()
+            return
+        self.flush()
+        _write_all(self.fd, data)
+
+    def flush(self) -> None:
+        if self._small:
+            _write_all(self.fd, memoryview(self._small))
+            self._small = bytearray()
 
 
 def _fsync_dir(directory: pathlib.Path) -> None:
@@ -589,16 +650,18 @@ def _write_plan(fd: int, plan: _Plan) -> None:
         except OSError as exc:
             if exc.errno == 28:  # ENOSPC
                 raise
-    _write_all(fd, memoryview(plan.header))
+    sink = _Sink(fd)
+    sink.write(memoryview(plan.header))
     staging = _Staging()
     for entry in plan.entries:
         if entry.nbytes == 0:
             continue
         if entry.tensor.device.type == "cpu":
-            _write_all(fd, _cpu_bytes(entry.tensor))
+            sink.write(_cpu_bytes(entry.tensor))
         else:
             for chunk in staging.chunks(entry.tensor):
-                _write_all(fd, chunk)
+                sink.write(chunk)
+    sink.flush()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -839,6 +902,8 @@ def load(path: PathLike, device: str | torch.device = "cpu") -> dict[str, torch.
         aliases = reader.header.metadata.get(_KEY_ALIASES)
     if aliases:
         for alias, stored in json.loads(aliases).items():
+            if stored not in out:
+                raise CheckpointError(f"'{path}': the tied name '{alias}' refers to a missing tensor '{stored}'")
             out[alias] = out[stored]
     return out
 

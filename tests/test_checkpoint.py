@@ -542,7 +542,7 @@ def test_missing_directory_is_created(tmp_path: pathlib.Path) -> None:
 
 def test_failed_write_keeps_old_file_and_leaves_no_temp(tmp_path: pathlib.Path, monkeypatch) -> None:
     target = tmp_path / "m.safetensors"
-    checkpoint.save({"v": torch.zeros(1000)}, target)
+    checkpoint.save({"v": torch.zeros(1 << 20)}, target)
     old = target.read_bytes()
     calls = {"n": 0}
     real = checkpoint._write_all
@@ -555,7 +555,7 @@ def test_failed_write_keeps_old_file_and_leaves_no_temp(tmp_path: pathlib.Path, 
 
     monkeypatch.setattr(checkpoint, "_write_all", failing)
     with pytest.raises(CheckpointError, match="previous file, if any, is intact"):
-        checkpoint.save({"v": torch.ones(1000)}, target)
+        checkpoint.save({"v": torch.ones(1 << 20)}, target)  # header first, then the 4 MiB tensor fails
     assert target.read_bytes() == old
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
 
@@ -825,3 +825,38 @@ def test_misaligned_foreign_file_loads(tmp_path: pathlib.Path) -> None:
     stock = load_file(path)
     mine = checkpoint.load(path)
     assert torch.equal(mine["a"], stock["a"]) and torch.equal(mine["b"], torch.tensor([1.5, -2.0]))
+
+
+def test_per_rank_rng_states(tmp_path: pathlib.Path) -> None:
+    states = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        states.append(checkpoint.rng_state())
+    path = checkpoint.save({"rng": checkpoint.combine_rng_states(states), "step": 1}, tmp_path / "r.safetensors")
+    entry = checkpoint.load_into(path, {})["rng"]
+    assert entry["world_size"] == 2
+    with pytest.raises(CheckpointError, match="holds the states of 2 ranks"):
+        checkpoint.set_rng_state(entry)
+    for rank, seed in ((0, 1), (1, 2)):
+        checkpoint.set_rng_state(checkpoint.rng_state_for_rank(entry, rank, 2))
+        got = torch.rand(3), random.random()
+        torch.manual_seed(seed)
+        random.seed(seed)
+        assert torch.equal(got[0], torch.rand(3)) and got[1] == random.random()
+    assert checkpoint.rng_state_for_rank(entry, 3, 4) is entry["ranks"][1]  # other world size: rank % saved
+    single = checkpoint.rng_state()
+    assert checkpoint.rng_state_for_rank(single, 1, 2) is single
+    with pytest.raises(CheckpointError, match="not an RNG state"):
+        checkpoint.set_rng_state({"model": 1})
+
+
+def test_many_small_tensors_are_gathered_into_few_writes(tmp_path: pathlib.Path, monkeypatch) -> None:
+    calls = []
+    real = checkpoint._write_all
+    monkeypatch.setattr(checkpoint, "_write_all", lambda fd, data: (calls.append(len(data)), real(fd, data)))
+    state = {f"norm{i}.weight": torch.full((64,), float(i)) for i in range(500)}
+    state["big"] = torch.ones(2 << 20)
+    path = checkpoint.save(state, tmp_path / "many.safetensors")
+    assert len(calls) <= 3  # small ones, then the 8 MiB tensor straight from its memory
+    _equal_state(load_file(path), state)
