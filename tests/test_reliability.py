@@ -24,7 +24,7 @@ from distfn import ConfigError, Terminated, distributed
 from distfn import preemption, spawn
 
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import decode_addr, listen_table  # noqa: E402
+from rel_leftovers import alive, decode_addr, listening  # noqa: E402
 
 JOB = str(SCRIPTS / "rel_job.py")
 HOST = socket.gethostname()
@@ -46,14 +46,6 @@ def _wait_for(marks: Path, pattern: str, count: int, proc: subprocess.Popen[str]
             pytest.fail(f"job ended early: {proc.communicate()}")
         assert time.monotonic() < deadline, f"no {pattern} in {marks}"
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # The fault matrix, twice over: 20 launches in a row in one process.
@@ -139,7 +131,7 @@ def test_signals_reach_the_workers(tmp_path: Path, case: str, signals: list[int]
     for needle in needles:
         assert needle in out + err
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
 
 
 def test_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
@@ -149,9 +141,9 @@ def test_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
     proc.kill()
     proc.communicate(timeout=30)
     deadline = time.monotonic() + 10
-    while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
 
 
 def test_three_concurrent_jobs_listen_on_loopback_only_and_stop_together(tmp_path: Path) -> None:
@@ -164,19 +156,10 @@ def test_three_concurrent_jobs_listen_on_loopback_only_and_stop_together(tmp_pat
         procs.append(_start(["preempt", str(m)]))
     for m, p in zip(marks, procs):
         _wait_for(m, "preempt.rank*.ready", 2, p)
-    ours = set()
-    for p in procs:
-        for pid in [p.pid] + [int(f.read_text()) for m in marks for f in m.glob("*.pid")]:
-            try:
-                for fd in os.listdir(f"/proc/{pid}/fd"):
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if link.startswith("socket:["):
-                        ours.add(link[8:-1])
-            except OSError:
-                pass
-    listening = [addr for addr, inode in listen_table() if inode in ours]
-    assert len(listening) >= 3, listening  # at least each job's rendezvous store
-    assert all(a.startswith("127.0.0.1:") for a in listening), listening
+    pids = [p.pid for p in procs] + [int(f.read_text()) for m in marks for f in m.glob("*.pid")]
+    sockets = [s for pid in pids for s in listening(pid)]
+    assert len(sockets) >= 3, sockets  # at least each job's rendezvous store, and gloo's sockets
+    assert all(s.startswith("listening 127.0.0.1:") for s in sockets), sockets
     for p, sig in zip(procs, (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR2)):
         p.send_signal(sig)
     for p in procs:

@@ -3,7 +3,7 @@
 Usage: python rel_job.py CASE[,CASE...] [MARK_DIR|-] [REPEAT]
 
 Runs the cases in turn, REPEAT times over (default 1), in this process and prints one JSON line per launch:
-``{"case", "ok", "value", "error", "type", "seconds", "leftovers"}``; ``leftovers`` lists what the launch left
+``{"case", "ok", "value", "error", "type", "seconds", "ended", "leftovers"}``; ``leftovers`` lists what the launch left
 behind in this process (child processes, listening sockets, /dev/shm segments named after its pids).
 With MARK_DIR, every rank writes ``MARK_DIR/<case>.rank<r>.pid`` at start and ``...finally`` in its ``finally``.
 Exit status: 0 when the last launch returned, 1 when it raised. REL_UNCAUGHT=1 lets a WorkerError propagate.
@@ -101,6 +101,11 @@ def main() -> int:
                 raise  # as a user's script would: the traceback on stderr, exit status 1
             record.update(ok=False, error=str(exc), type=type(exc).__name__)
             status = 1
+        except KeyboardInterrupt:
+            record.update(ok=False, type="KeyboardInterrupt", ended=time.time())
+            print(json.dumps(record), flush=True)
+            raise
+        record["ended"] = time.time()  # wall clock, for the time from a signal sent by another process
         record["seconds"] = round(time.monotonic() - t0, 3)
         record["leftovers"] = leftovers(os.getpid())
         print(json.dumps(record), flush=True)

@@ -35,9 +35,25 @@ def _stat_fields(pid: str) -> list[str] | None:
     return data[data.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
 
 
-def processes(pid: int) -> list[str]:
-    """Live processes that belong to the job started by ``pid`` (its session, or its children)."""
-    leader = os.getsid(pid) == pid
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    fields = _stat_fields(str(pid))
+    return fields is not None and fields[0] != "Z"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:80]
+    except OSError:
+        return "?"
+
+
+def processes(pid: int, *, session: bool | None = None) -> list[str]:
+    """Live processes of the job started by ``pid``: its session when it leads one (``session=True`` for a
+    session whose leader has exited already), else its children."""
+    if session is None:
+        session = os.getsid(pid) == pid
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == pid:
@@ -45,13 +61,8 @@ def processes(pid: int) -> list[str]:
         fields = _stat_fields(entry)
         if fields is None or fields[0] == "Z":
             continue
-        if (leader and int(fields[3]) == pid) or (not leader and int(fields[1]) == pid):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                cmd = "?"
-            found.append(f"process {entry} ({cmd[:80]})")
+        if int(fields[3] if session else fields[1]) == pid:
+            found.append(f"process {entry} ({_cmdline(entry)})")
     return found
 
 
@@ -118,10 +129,15 @@ def _shm_in_use() -> set[str]:
     return used
 
 
-def shm_segments() -> list[str]:
-    """New /dev/shm entries that no live process uses (a leak; a segment in use belongs to someone alive,
-    e.g. another program on this machine creating its multiprocessing semaphores right now)."""
-    new = _listdir(_SHM) - _BEFORE_SHM
+def shm_snapshot() -> set[str]:
+    """The names in /dev/shm now (pass to :func:`shm_segments` as ``before``)."""
+    return _listdir(_SHM)
+
+
+def shm_segments(before: set[str] | None = None) -> list[str]:
+    """New /dev/shm entries (since ``before``, default: this module's import) that no live process uses (a
+    leak; a segment in use belongs to someone alive, e.g. another program creating its semaphores now)."""
+    new = _listdir(_SHM) - (_BEFORE_SHM if before is None else before)
     if not new:
         return []
     new -= _shm_in_use()

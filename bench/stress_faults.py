@@ -1,0 +1,178 @@
+"""Run distfn's fault matrix N times and print a table: case, runs, passed, median time to the failure report,
+leftovers. Writes the rows as JSON too.
+
+    python bench/stress_faults.py --runs 5 --json stress_faults.json
+    python bench/stress_faults.py --runs 2 --cases raise,segv,sigterm
+
+In-process cases run ``tests/scripts/rel_job.py CASE - N`` (N launches in one Python process, 2 ranks each);
+"seconds" is the time from the decorated call to the ``WorkerError`` (or the return value). Signal cases start
+one job per run in its own session, signal the launching process once both ranks are working, and time the
+signal -> report. Leftovers: processes of the job's session still alive after it ended, sockets still
+listening, /dev/shm segments no live process uses, temp files of multiprocessing/torch/distfn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+JOB = str(SCRIPTS / "rel_job.py")
+sys.path.insert(0, str(SCRIPTS))
+from rel_leftovers import alive, processes, shm_segments, shm_snapshot  # noqa: E402
+
+# In-process cases: what the report must say (every needle), or for "ok" what the value must hold.
+EXPECT: dict[str, list[str]] = {
+    "ok": ["'ranks': [0, 1]"],
+    "raise": ["rank 1 (pid", "failed with ValueError: boom on rank 1", 'raise ValueError("boom on rank 1")'],
+    "sigkill": ["was killed by SIGKILL: often the out-of-memory killer"],
+    "segv": ["was killed by SIGSEGV", "Fatal Python error: Segmentation fault", " in body"],
+    "exit": ["failed with SystemExit: 3"],
+    "early_return": ["Rank 1 had already returned from the function"],
+    "unpicklable_return": ["rank 0 (pid", "return value['fn'] (a lambda", "Return plain data"],
+    "nested": ["rank 1 (pid", "NestedLaunchError"],
+    "dataloader": ["failed while DataLoader workers run"],
+    "hang": ["timed out after 10 s", "Rank 1 had not reached a collective", "Python stacks of the other ranks"],
+}
+SIGNAL_CASES = ("sigint", "sigterm", "stubborn", "preempt-usr2", "preempt-term", "parent-kill")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "DISTFN_NPROCS")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_"))}
+    env.update(extra)
+    return env
+
+
+def _after_exit(sid: int, tmp: str, shm_before: set[str]) -> list[str]:
+    time.sleep(0.2)  # let the kernel reap what was just killed
+    left = processes(sid, session=True) + shm_segments(shm_before)
+    left += [f"temp {n}" for n in os.listdir(tmp)]
+    return left
+
+
+def run_in_process(case: str, runs: int) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="stress-") as tmp:
+        shm_before = shm_snapshot()
+        proc = subprocess.Popen([sys.executable, JOB, case, "-", str(runs)], env=_env(TMPDIR=tmp),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        out, err = proc.communicate(timeout=120 + runs * 60)
+        after = _after_exit(proc.pid, tmp, shm_before)
+    rows = []
+    for line in out.splitlines():
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        text = rec["value"] if case == "ok" else rec["error"]
+        passed = (rec["ok"] == (case == "ok")) and all(n in (text or "") for n in EXPECT[case])
+        rows.append({"passed": passed and not rec["leftovers"], "seconds": rec["seconds"],
+                     "leftovers": rec["leftovers"]})
+    if not rows:
+        rows = [{"passed": False, "seconds": float("nan"), "leftovers": [f"no report: {err[-300:]}"]}]
+    rows[-1]["leftovers"] = rows[-1]["leftovers"] + after
+    rows[-1]["passed"] = rows[-1]["passed"] and not after
+    return rows
+
+
+def _wait_ready(marks: Path, proc: subprocess.Popen[str], count: int = 2, timeout: float = 90) -> bool:
+    deadline = time.monotonic() + timeout
+    while len(list(marks.glob("*.ready"))) < count:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def run_signal_case(case: str) -> dict[str, Any]:
+    job_case = {"preempt-usr2": "preempt", "preempt-term": "preempt", "parent-kill": "sigint"}.get(case, case)
+    sigs = {"sigint": [signal.SIGINT], "sigterm": [signal.SIGTERM], "stubborn": [signal.SIGINT, signal.SIGINT],
+            "preempt-usr2": [signal.SIGUSR2], "preempt-term": [signal.SIGTERM],
+            "parent-kill": [signal.SIGKILL]}[case]
+    with tempfile.TemporaryDirectory(prefix="stress-") as tmp:
+        marks = Path(tmp, "marks")
+        marks.mkdir()
+        shm_before = shm_snapshot()
+        proc = subprocess.Popen([sys.executable, JOB, job_case, str(marks)], env=_env(TMPDIR=str(marks)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        if not _wait_ready(marks, proc):
+            proc.kill()
+            return {"passed": False, "seconds": float("nan"), "leftovers": ["never ready"]}
+        pids = [int(p.read_text()) for p in marks.glob("*.pid")]
+        t0, sent = time.monotonic(), time.time()
+        for i, sig in enumerate(sigs):
+            if i:
+                time.sleep(0.3)  # the second Ctrl-C comes while the first one's finally blocks run
+            proc.send_signal(sig)
+        if case == "parent-kill":  # the workers must follow their parent (PDEATHSIG)
+            while any(alive(p) for p in pids) and time.monotonic() - t0 < 10:
+                time.sleep(0.005)
+        seconds = time.monotonic() - t0
+        out, _ = proc.communicate(timeout=90)
+        recs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if recs and case != "parent-kill":
+            seconds = recs[-1]["ended"] - sent  # to the report, without the interpreter's exit
+        finals = len(list(marks.glob("*.finally")))
+        left = _after_exit(proc.pid, tmp, shm_before)
+        left = [x for x in left if x != "temp marks"]
+    checks: dict[str, Callable[[], bool]] = {
+        "sigint": lambda: proc.returncode == -signal.SIGINT and finals == 2,
+        "sigterm": lambda: proc.returncode == 1 and finals == 2 and "Terminated" in out,
+        "stubborn": lambda: proc.returncode == -signal.SIGINT and seconds < 15,
+        "preempt-usr2": lambda: proc.returncode == 0 and "'steps'" in out,
+        "preempt-term": lambda: proc.returncode == 0 and "'steps'" in out,
+        "parent-kill": lambda: not any(alive(p) for p in pids),
+    }
+    return {"passed": checks[case]() and not left, "seconds": round(seconds, 3), "leftovers": left}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="runs per case (hang: at most --hang-runs)")
+    parser.add_argument("--hang-runs", type=int, default=1, help="runs of the 10 s collective-timeout case")
+    parser.add_argument("--cases", default=",".join([*EXPECT, *SIGNAL_CASES]))
+    parser.add_argument("--json", default="stress_faults.json", help="where to write the rows")
+    args = parser.parse_args()
+    table = []
+    for case in args.cases.split(","):
+        if case in EXPECT:
+            runs = min(args.runs, args.hang_runs) if case == "hang" else args.runs
+            rows = run_in_process(case, runs)
+        elif case in SIGNAL_CASES:
+            rows = [run_signal_case(case) for _ in range(args.runs)]
+        else:
+            raise SystemExit(f"unknown case {case!r}; known: {', '.join([*EXPECT, *SIGNAL_CASES])}")
+        secs = [r["seconds"] for r in rows if r["seconds"] == r["seconds"]]
+        table.append({
+            "case": case, "runs": len(rows), "passed": sum(r["passed"] for r in rows),
+            "median_s": round(statistics.median(secs), 3) if secs else None,
+            "max_s": round(max(secs), 3) if secs else None,
+            "leftovers": sorted({x for r in rows for x in r["leftovers"]}),
+        })
+        row = table[-1]
+        print(f"  {case}: {row['passed']}/{row['runs']}", file=sys.stderr, flush=True)
+    print(f"\n{'case':<20}{'runs':>5}{'passed':>8}{'median s':>10}{'max s':>8}  leftovers")
+    for r in table:
+        print(f"{r['case']:<20}{r['runs']:>5}{r['passed']:>8}{r['median_s']!s:>10}{r['max_s']!s:>8}  "
+              f"{len(r['leftovers']) or '-'}{'' if not r['leftovers'] else ': ' + ', '.join(r['leftovers'][:3])}")
+    note = ("in-process cases: seconds from the call to the WorkerError/return; signal cases: from the (first) "
+            "signal to the KeyboardInterrupt/WorkerError/return in the launching process (parent-kill: to the "
+            "last worker's death)")
+    print(f"\n{note}")
+    Path(args.json).write_text(json.dumps({"rows": table, "note": note, "python": sys.version.split()[0]},
+                                          indent=2))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
