@@ -314,7 +314,7 @@ class Progress(Generic[T]):
             self.bar.close()
         elif self.enabled and self._sums:
             shown = ", ".join(f"{k}={v:.4g}" for k, v in self.means.items())
-            logger.info("{}: {} steps, mean {}", self.desc or "progress", self._steps, shown)
+            logger.info("{}: {} iterations, mean {}", self.desc or "progress", self._steps, shown)
 
     def __enter__(self) -> Progress[T]:
         return self

@@ -87,3 +87,18 @@ def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     assert {r["variant"] for r in rss["rows"]} == {"distfn.save", "torch.save", "save_file"}
     assert rss["targets"][0]["met"] in (True, False)
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # the benchmark cleaned up after itself
+
+
+def test_accumulation_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_accumulation.py --tiny: both loops ran, no_sync all-reduces k times less, same update."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_accumulation.py"), "--tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "accumulation" and result["same_update"] is True
+    times, calls, mbytes = result["tables"]
+    assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in times["rows"])
+    per_step = {r["variant"]: r["median"] for r in calls["rows"]}
+    assert per_step["ctx.accumulate (no_sync)"] * 4 == per_step["all-reduce every micro-batch"] >= 4
+    assert calls["targets"][0]["met"] is True and mbytes["rows"][1]["ratio"] == 0.25

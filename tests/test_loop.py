@@ -185,7 +185,7 @@ def test_loop_helpers_on_two_ranks(tmp_path: Path) -> None:
     assert r0["bar_visible"] and r0["bar_means"] == {"loss": 2.0} and r0["len"] == 5
     assert r1["bar_text"] == "" and not r1["bar_visible"] and r1["bar_means"] == {}
     assert not r0["quiet_visible"] and not r1["quiet_visible"]
-    assert any("quiet: 3 steps, mean loss=1.5" in m for m in r0["messages"])
+    assert any("quiet: 3 iterations, mean loss=1.5" in m for m in r0["messages"])
     assert not any("quiet:" in m for m in r1["messages"])
 
     # Writer: a real SummaryWriter on rank 0, a no-op with the same methods on rank 1 (one event file).
