@@ -90,7 +90,8 @@ class Topology:
     """Where this process sits in a job started by an external launcher.
 
     Attributes:
-        launcher: ``"torchrun"``, ``"mpi"`` or ``"slurm"`` (self-spawn is ``detect()`` returning ``None``).
+        launcher: ``"torchrun"``, ``"mpi"`` or ``"slurm"`` from :func:`detect` (self-spawn is ``detect()``
+            returning ``None``; distfn's own workers carry ``"spawn"``, a single in-place process ``"local"``).
         rank: global rank, ``0 <= rank < world_size``.
         local_rank: rank among the processes of this node.
         world_size: number of processes in the job.
@@ -438,11 +439,10 @@ class MpiDetector:
     """``mpirun``/``mpiexec`` of Open MPI, MPICH, Intel MPI and MVAPICH."""
 
     name: Final = "mpi"
-    variables: Final = tuple(
-        dict.fromkeys(
-            v for f in _MPI_FLAVORS for v in (f[1], f[2], *f[3], *f[4], *f[5])
-        ).keys()
-    ) + ("OMPI_MCA_orte_num_nodes", "MASTER_ADDR", "MASTER_PORT")
+    variables: Final = (
+        *dict.fromkeys(v for f in _MPI_FLAVORS for v in (f[1], f[2], *f[3], *f[4], *f[5])),
+        "OMPI_MCA_orte_num_nodes", "MASTER_ADDR", "MASTER_PORT",
+    )
 
     def claim(self, env: Mapping[str, str], argv: Sequence[str]) -> _Claim | None:
         """Why this process looks started by an MPI launcher, or None."""
@@ -928,7 +928,9 @@ def check_devices(topology: Topology, device_count: int, *, allow_sharing: bool 
         return
     if env is not None and topology.launcher == "slurm" and env.get("SLURM_STEP_GPUS", "").strip():
         return
-    visible = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r})" if env and "CUDA_VISIBLE_DEVICES" in env else ""
+    visible = ""
+    if env is not None and "CUDA_VISIBLE_DEVICES" in env:
+        visible = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r})"
     raise LauncherError(
         f"{topology.local_world_size} ranks on node {topology.node_rank} ({topology.reason}) but only "
         f"{device_count} visible GPU(s){visible}. Start at most {device_count} task(s) per node (e.g. "

@@ -509,7 +509,7 @@ def test_forced_torchrun_names_missing_variables() -> None:
 
 
 def test_forced_slurm_in_batch_step_and_outside_slurm() -> None:
-    with pytest.raises(LauncherError, match="batch script or an salloc shell.*srun python script.py"):
+    with pytest.raises(LauncherError, match=r"batch script or an salloc shell.*srun python script.py"):
         run(SBATCH_BATCH_STEP_RECORDED, launcher="slurm")
     with pytest.raises(LauncherError, match="SLURM_JOB_ID, SLURM_STEP_ID and SLURM_PROCID are not set"):
         run({}, launcher="slurm")
@@ -525,7 +525,7 @@ def test_forced_mpi() -> None:
         run(SBATCH_BATCH_STEP_RECORDED, launcher="mpi")
     for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "mpirun -np"):
         assert var in str(err.value)
-    with pytest.raises(LauncherError, match="srun --mpi=pmi2.*launcher='slurm'"):
+    with pytest.raises(LauncherError, match=r"srun --mpi=pmi2.*launcher='slurm'"):
         run(SRUN_PMI2_TASK1_RECORDED, launcher="mpi")
     t = run(MPIRUN_IN_SBATCH_1NODE_RANK1_RECORDED, launcher="mpi")
     assert t is not None and t.launcher == "mpi"
@@ -595,7 +595,7 @@ def test_garbled_nodelist_names_the_variable() -> None:
 def test_mpi_inconsistent_values() -> None:
     with pytest.raises(LauncherError, match="OMPI_COMM_WORLD_RANK='3' is not below OMPI_COMM_WORLD_SIZE='3'"):
         run(env_of(MPIRUN_NP3_RANK1_RECORDED, OMPI_COMM_WORLD_RANK="3"))
-    with pytest.raises(LauncherError, match="OMPI_COMM_WORLD_LOCAL_SIZE='5'.*inconsistent"):
+    with pytest.raises(LauncherError, match=r"OMPI_COMM_WORLD_LOCAL_SIZE='5'.*inconsistent"):
         run(env_of(MPIRUN_NP3_RANK1_RECORDED, OMPI_COMM_WORLD_LOCAL_SIZE="5"))
 
 
@@ -711,7 +711,7 @@ class FakeComm:
     def __init__(self, rank: int, sent: Any = None) -> None:
         self.rank, self.sent = rank, sent
 
-    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's name
+    def Get_rank(self) -> int:  # mpi4py's name
         return self.rank
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
@@ -739,7 +739,7 @@ def test_resolve_rendezvous_without_mpi4py_explains_both_ways(monkeypatch: pytes
     deferred = run(MPIRUN_IN_SBATCH_2NODES_RANK3_RECORDED)
     assert deferred is not None
     monkeypatch.setitem(__import__("sys").modules, "mpi4py", None)  # makes `import mpi4py` fail
-    with pytest.raises(LauncherError, match="MASTER_ADDR.*mpi4py"):
+    with pytest.raises(LauncherError, match=r"MASTER_ADDR.*mpi4py"):
         resolve_rendezvous(deferred)
 
 

@@ -23,7 +23,7 @@ OUT = Path(os.environ["DISTFN_TEST_OUT"])
 _real_save = distfn.checkpoint.save
 
 
-def _logged_save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a transparent wrapper
+def _logged_save(*args, **kwargs):
     """Record every checkpoint that is really written (rank 0 only, if distfn is right)."""
     with open(OUT / "writes.log", "a") as f:  # O_APPEND: one whole line per write, whichever process
         f.write(f"{os.environ.get('DISTFN_TEST_RANK', '?')} {socket.gethostname()} {os.getpid()}\n")
@@ -38,7 +38,7 @@ def flat(model: nn.Module) -> list[float]:
 
 
 @distributed(mode="ddp", seed=1234, nprocs=int(os.environ.get("DISTFN_TEST_NPROCS", "2")))
-def train(cfg: dict, ctx) -> dict:  # noqa: ANN001 - the Context
+def train(cfg: dict, ctx) -> dict:
     os.environ["DISTFN_TEST_RANK"] = str(ctx.rank)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 4, generator=g)
