@@ -281,6 +281,12 @@ def test_srun_pmi2_is_slurm_not_mpi() -> None:
     assert t is not None and (t.launcher, t.rank, t.local_rank, t.world_size) == ("slurm", 1, 1, 2)
 
 
+def test_srun_mpi_pmix_is_slurm() -> None:
+    # srun --mpi=pmix adds PMIX_RANK/PMIX_NAMESPACE only (no OMPI_*): still a plain SLURM step.
+    t = run(env_of(SRUN_N1_N2_TASK1_RECORDED, PMIX_RANK="1", PMIX_NAMESPACE="slurm.pmix.2.0"))
+    assert t is not None and (t.launcher, t.rank) == ("slurm", 1)
+
+
 def test_sbatch_batch_step_self_spawns() -> None:
     # SLURM_PROCID=0 and SLURM_NTASKS=2, but it is one process: the batch script, no job step.
     assert run(SBATCH_BATCH_STEP_RECORDED) is None

@@ -264,6 +264,16 @@ def test_sbatch_without_srun_self_spawns_on_the_node(out_dir: Path, tmp_path: Pa
     check_job(out_dir, world=2, nodes=1, launcher="spawn", context=log.read_text())
 
 
+def test_srun_single_task_self_spawns_inside_the_step(out_dir: Path) -> None:
+    # `srun -n1 python script.py` (or srun --pty) is how people get onto a compute node: one task is no
+    # distributed job, so distfn spawns its own workers there.
+    require_slurm(1)
+    name = job_name()
+    res = run(srun("-J", name, "-N1", "-n1", "-c2", sys.executable, str(SCRIPT)),
+              launch_env(out_dir, DISTFN_TEST_NPROCS="2"), SRUN_TIMEOUT, slurm_job=name)
+    check_job(out_dir, world=2, nodes=1, launcher="spawn", context=res.stdout)
+
+
 def test_srun_inconsistent_variables_fail_fast_with_a_clear_error(out_dir: Path) -> None:
     # A bad MASTER_PORT must stop every task before init_process_group, not hang it.
     require_slurm(1)
