@@ -594,12 +594,14 @@ class SlurmDetector:
         if claim is None:
             self._raise_not_a_step(env)
         ntasks_var = _first(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
-        nodes_var = _first(env, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+        # Step values first: a step may use a subset of the job's nodes (`srun -N1 -w node2` inside an
+        # `sbatch -N2` job gives SLURM_JOB_NUM_NODES=2 but SLURM_NNODES=1 and a step-relative SLURM_NODEID=0).
+        nodes_var = _first(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
         tpn_var = _first(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
         missing = [label for label, var in (("SLURM_LOCALID", _first(env, "SLURM_LOCALID")),
                                             ("SLURM_NODEID", _first(env, "SLURM_NODEID")),
                                             ("SLURM_STEP_NUM_TASKS or SLURM_NTASKS", ntasks_var),
-                                            ("SLURM_STEP_NUM_NODES or SLURM_JOB_NUM_NODES", nodes_var),
+                                            ("SLURM_STEP_NUM_NODES or SLURM_NNODES", nodes_var),
                                             ("SLURM_STEP_TASKS_PER_NODE or SLURM_TASKS_PER_NODE", tpn_var))
                    if var is None]
         if missing:

@@ -163,6 +163,20 @@ LAUNCH_MODULE_RANK1_RECORDED: Final = {
     'TORCHELASTIC_RUN_ID': 'e8f4b9ad-f4ae-4997-9898-9a513c2f2bd0', 'WORLD_SIZE': '2',
 }
 
+# srun -N1 -n2 -w node2 inside sbatch -N2 --ntasks-per-node=2, task 1: the step runs on the job's second node
+# only; SLURM_NODELIST/SLURM_JOB_NODELIST are the job's, SLURM_STEP_NODELIST and SLURM_NNODES the step's.
+SRUN_SUBSET_STEP_TASK1_RECORDED: Final = {
+    'SLURMD_NODENAME': 'node2', 'SLURM_CPUS_ON_NODE': '1', 'SLURM_GTIDS': '0,1', 'SLURM_JOBID': '4',
+    'SLURM_JOB_CPUS_PER_NODE': '1(x2)', 'SLURM_JOB_ID': '4', 'SLURM_JOB_NAME': 'wrap',
+    'SLURM_JOB_NODELIST': 'node[1-2]', 'SLURM_JOB_NUM_NODES': '2', 'SLURM_LAUNCH_NODE_IPADDR': '127.0.0.1',
+    'SLURM_LOCALID': '1', 'SLURM_NNODES': '1', 'SLURM_NODEID': '0', 'SLURM_NODELIST': 'node[1-2]',
+    'SLURM_NODE_ALIASES': '(null)', 'SLURM_NPROCS': '2', 'SLURM_NTASKS': '2', 'SLURM_NTASKS_PER_NODE': '2',
+    'SLURM_OVERCOMMIT': '1', 'SLURM_PROCID': '1', 'SLURM_SRUN_COMM_HOST': '127.0.0.1', 'SLURM_STEPID': '0',
+    'SLURM_STEP_ID': '0', 'SLURM_STEP_NODELIST': 'node2', 'SLURM_STEP_NUM_NODES': '1',
+    'SLURM_STEP_NUM_TASKS': '2', 'SLURM_STEP_TASKS_PER_NODE': '2', 'SLURM_TASKS_PER_NODE': '2',
+    'SLURM_TOPOLOGY_ADDR': 'node2',
+}
+
 LAUNCH_MODULE_ARGV: Final = ("train.py", "--local-rank=1")
 
 # From the recipe notes (shared/recipes/slurm-mpi.md): when Open MPI does not start its daemons through srun,
@@ -254,6 +268,17 @@ def test_slurm_master_is_the_first_host_of_the_step_nodelist() -> None:
     t = detect(env_of(env, SLURM_STEP_NODELIST=None, SLURM_JOB_NODELIST=None, SLURM_NODELIST="gpu-a[01-02]"),
                resolve_host=None)
     assert t is not None and t.master_addr == "gpu-a01"
+
+
+def test_step_on_a_subset_of_the_job_nodes_uses_the_step_values() -> None:
+    # The job's nodelist starts with node1, where no task of this step runs: the master must be node2.
+    t = run(SRUN_SUBSET_STEP_TASK1_RECORDED)
+    assert fields(t) | {"master_port": 0} == dict(
+        launcher="slurm", rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+        master_addr="node2", master_port=0)
+    # without the STEP_ variables SLURM_NNODES (step-level inside srun) wins over SLURM_JOB_NUM_NODES
+    t = run(env_of(SRUN_SUBSET_STEP_TASK1_RECORDED, SLURM_STEP_NUM_NODES=None))
+    assert t is not None and t.num_nodes == 1
 
 
 def test_slurm_derived_port_differs_between_jobs_and_steps() -> None:
