@@ -372,12 +372,18 @@ class _Run:
     def post(self, forwards: int | None = None) -> None:
         self.store.set(self.key("rank", self.rank), f"{self.saves} {self.forwards if forwards is None else forwards}")
 
-    def read(self, rank: int) -> tuple[int, int] | None:
-        key = self.key("rank", rank)
-        if not self.store.check([key]):  # get() would block until the key exists
-            return None
-        saves, forwards = self.store.get(key).decode().split()
-        return int(saves), int(forwards)
+    def read_all(self) -> dict[int, tuple[int, int]]:
+        """Every rank's posted ``(saves, forwards)``, in two store round trips when all ranks have posted."""
+        keys = [self.key("rank", r) for r in range(self.world_size)]
+        if self.store.check(keys):
+            values = dict(zip(range(self.world_size), self.store.multi_get(keys)))
+        else:  # a rank that never got going: read the others one by one (get() would block on a missing key)
+            values = {r: self.store.get(k) for r, k in enumerate(keys) if self.store.check([k])}
+        out = {}
+        for rank, raw in values.items():
+            saves, forwards = raw.decode().split()
+            out[rank] = (int(saves), int(forwards))
+        return out
 
 
 _RUN: _Run | None = None
@@ -401,16 +407,21 @@ def begin(rank: int, world_size: int, opts: FsdpOptions | None) -> None:
     from . import collectives
 
     token = collectives.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
-    _RUN = _Run(dist.distributed_c10d._get_default_store(), f"distfn/fsdp/{token}/", rank, world_size,
-                opts or FsdpOptions())
-    _RUN.post()
+    try:
+        store = dist.distributed_c10d._get_default_store()  # private, but stable since torch 1.x
+    except (AttributeError, RuntimeError) as exc:
+        logger.warning("fsdp: no process-group store ({}); ctx.save on rank 0 only cannot be detected", exc)
+        store = None
+    _RUN = _Run(store, f"distfn/fsdp/{token}/", rank, world_size, opts or FsdpOptions())
+    if store is not None:
+        _RUN.post()
 
 
 def finish() -> None:
     """End this rank's bookkeeping; tells ranks waiting in a save that this one will never join it."""
     global _RUN
     run, _RUN = _RUN, None
-    if run is not None:
+    if run is not None and run.store is not None:
         try:
             run.post(forwards=_EXITED)
         except Exception as exc:  # noqa: BLE001 - the store may be gone when the job is being torn down
@@ -425,7 +436,7 @@ def _skip_message(rank: int, number: int, late_rank: int) -> str:
 
 def _on_forward(module: nn.Module, args: Any) -> None:
     run = _RUN
-    if run is None:
+    if run is None or run.store is None:
         return
     run.forwards += 1
     run.post()  # post first, then look: with the saver doing the opposite, one of the two always notices
@@ -444,26 +455,30 @@ def _check_in(run: _Run) -> None:
     number = run.saves
     run.post()
     key = run.key("save", number)
-    arrived = run.store.add(key, 1)
-    deadline = time.monotonic() + run.options.save_timeout
-    pause, next_scan = 0.0005, 0.0
-    while arrived < run.world_size:
+    everyone = run.key("save", number, "all")
+    if run.store.add(key, 1) >= run.world_size:
+        run.store.set(everyone, "1")  # the last to arrive releases the others
+        return
+    start = time.monotonic()
+    deadline = start + run.options.save_timeout
+    # Ranks normally arrive within milliseconds of each other: poll fast, then back off to 4 checks a second
+    # (store.wait with a timeout would do, but TCPStore logs a C++ warning for every wait that times out). The
+    # others' progress is read only after a while, once a second: two store round trips per waiting rank, so a
+    # large world does not flood the store.
+    pause, next_scan = 0.001, start + 0.5
+    while True:
         time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-        arrived = run.store.add(key, 0)
-        if arrived >= run.world_size:
-            break
+        pause = min(pause * 2, 0.25)
+        if run.store.check([everyone]):
+            return
         now = time.monotonic()
         if now < next_scan and now < deadline:
             continue
-        next_scan = now + 0.2
-        missing = []
-        for other in range(run.world_size):
-            state = run.read(other) if other != run.rank else None
-            if state is None or state[0] >= number:
-                continue
-            missing.append(other)
-            if state[1] > run.forwards:  # it ran a forward after this save point, or finished
+        next_scan = now + 1.0
+        states = run.read_all()
+        missing = [r for r in range(run.world_size) if r not in states or states[r][0] < number]
+        for other in missing:
+            if other in states and states[other][1] > run.forwards:  # a forward after this save point, or done
                 raise CheckpointError(_skip_message(run.rank, number, other))
         if now >= deadline:
             raise CheckpointError(
@@ -546,8 +561,8 @@ def _gather(obj: Any, models: Sequence[nn.Module]) -> Any:
     if isinstance(obj, Mapping):
         return {k: _gather(v, models) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_gather(v, models) for v in obj) if isinstance(obj, list) else \
-            tuple(_gather(v, models) for v in obj)
+        items = [_gather(v, models) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
     return obj
 
 
@@ -568,7 +583,7 @@ def save(
 
     found = _walk(obj)
     if any(is_sharded(x) for x in found):
-        if _RUN is not None:
+        if _RUN is not None and _RUN.store is not None:
             _check_in(_RUN)
         obj = _gather(obj, [m for m in found if isinstance(m, nn.Module) and is_sharded(m)])
     if rank == 0:

@@ -102,3 +102,22 @@ def test_accumulation_bench_smoke(tmp_path: Path) -> None:
     per_step = {r["variant"]: r["median"] for r in calls["rows"]}
     assert per_step["ctx.accumulate (no_sync)"] * 4 == per_step["all-reduce every micro-batch"] >= 4
     assert calls["targets"][0]["met"] is True and mbytes["rows"][1]["ratio"] == 0.25
+
+
+@pytest.mark.slow
+def test_fsdp_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_fsdp.py --tiny: the three variants ran, both FSDP variants trained identically, and each rank
+    holds half of DDP's training state."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_fsdp.py"), "--tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "fsdp" and result["identical_losses"] is True
+    step, held = result["tables"]
+    assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in step["rows"])
+    assert step["targets"][0]["variant"] == "distfn fsdp" and step["targets"][0]["met"] in (True, False)
+    ratios = {r["variant"]: r["ratio"] for r in held["rows"]}
+    # half, but for Adam's scalar step counters, which every rank keeps whole
+    assert ratios == {"hand-written fully_shard": pytest.approx(0.5, rel=1e-3),
+                      "distfn fsdp": pytest.approx(0.5, rel=1e-3), "distfn ddp": 1.0}
