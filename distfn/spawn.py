@@ -199,6 +199,28 @@ def unpicklable_message(found: tuple[str, Any, BaseException], purpose: str, fix
     return f"{path} ({_describe(obj)}) cannot be pickled, which {purpose}: {type(error).__name__}: {error}. {fix}"
 
 
+def sendable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What to pickle for spawn/forkserver: the decorated wrapper, or the user's function under it.
+
+    Pickle sends functions by name. With ``@distributed`` the module-level name is the wrapper; with
+    ``job = distributed(...)(train)`` it is the bare ``train``, and the wrapper (which copies its name) cannot
+    be found. The worker unwraps either way.
+    """
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        return fn
+    try:
+        pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+        return fn
+    except Exception:  # noqa: BLE001 - try the bare function next
+        pass
+    try:
+        pickle.dumps(inner, protocol=pickle.HIGHEST_PROTOCOL)
+        return inner
+    except Exception:  # noqa: BLE001 - neither: check_picklable explains the wrapper's problem
+        return fn
+
+
 def check_picklable(fn: Callable[..., Any], cfg: Any, method: str) -> None:
     """Under spawn/forkserver the function and cfg travel to the workers by pickle: check that now."""
     fix = (
@@ -773,6 +795,7 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
         logger.trace("starting {} workers with fork: {}", nprocs, reason)
     else:
         logger.info("starting {} workers with {}: {}", nprocs, method, reason)
+        fn = sendable(fn)
         check_picklable(fn, cfg, method)
     check_port_free(opts.init_method)
     context = mp.get_context(method)

@@ -279,3 +279,23 @@ def test_root_cause_ordering() -> None:
     assert spawn.order_failures([peer, own, death]) == [death, own, peer]
     err = distfn.WorkerError([own, peer])
     assert str(err).startswith("rank 1 (pid 1 on") and "1 other rank(s) failed after it" in str(err)
+
+
+def _plain(cfg, ctx):
+    return cfg
+
+
+_plain_job = distributed(nprocs=2, start_method="spawn")(_plain)
+
+
+@distributed(nprocs=2, start_method="spawn")
+def _decorated(cfg, ctx):
+    return cfg
+
+
+def test_spawn_sends_whichever_of_wrapper_and_function_pickle_can_find() -> None:
+    # `job = distributed(...)(fn)`: the module-level name is the bare function, the wrapper cannot be pickled
+    assert spawn.sendable(_plain_job) is _plain
+    # `@distributed`: the name is the wrapper
+    assert spawn.sendable(_decorated) is _decorated
+    spawn.check_picklable(spawn.sendable(_plain_job), {"lr": 0.1}, "spawn")
