@@ -192,8 +192,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
     env = {k: v for k, v in os.environ.items()
            if k not in drop and not k.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "MV2_", "DISTFN_"))}
+    # Measure what an installed package costs: with its bytecode cached (pip compiles on install). A
+    # development shell with PYTHONDONTWRITEBYTECODE=1 would otherwise recompile every distfn module on every
+    # import (measured: most of `import distfn`'s time).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(extra)
     return env
+
+
+def warm_bytecode(python: str = sys.executable, modules: Sequence[str] = ("torch", "distfn")) -> None:
+    """Import ``modules`` once with bytecode writing on, so that timed runs find their ``.pyc`` files."""
+    subprocess.run([python, "-c", "import " + ", ".join(modules)], env=clean_env(), capture_output=True,
+                   timeout=600)
 
 
 def free_port() -> int:

@@ -67,13 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny:
         for name, module in PEERS.items():
             if _importable(args.peers_python, module):
+                c.warm_bytecode(args.peers_python, ("torch", module))
                 variants[name] = partial(_import_time, args.peers_python, module)
+    c.warm_bytecode()
     c.log(f"import: {', '.join(variants)}; {rounds} round(s)")
     samples = c.interleave(variants, rounds, c.log)
     tab = c.table("Import cost: `import X` after `import torch` (fresh process per sample)", "s", samples,
                   baseline="distfn", targets=[{"variant": "distfn", "max_value": TARGET_S}])
     parts = breakdown()
-    notes = ["largest self times in `import distfn` (python -X importtime): "
+    notes = ["bytecode cached, as after `pip install` (this shell's PYTHONDONTWRITEBYTECODE is unset for the runs)",
+             "largest self times in `import distfn` (python -X importtime): "
              + ", ".join(f"{r['module']} {r['self_us'] / 1000:.1f} ms" for r in parts[:8])]
     c.emit({"benchmark": "import", "tables": [tab], "breakdown": parts, "notes": notes}, args.json)
     return 0

@@ -164,6 +164,8 @@ def variants(workdir: Path, n: int, peers_python: str, with_peers: bool) -> dict
         "torchrun": partial(_run, py, paths["torchrun"], n=n, torchrun=True),
     }
     if with_peers:
+        c.warm_bytecode(peers_python, [m for m in ("torch", "accelerate", "lightning.fabric", "ignite.distributed")
+                                       if _has(peers_python, m)])
         if _has(peers_python, "accelerate"):
             out["accelerate notebook_launcher"] = partial(_run, peers_python, paths["accelerate"], n, n=n)
         if _has(peers_python, "lightning.fabric"):
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.tiny else args.rounds
     with tempfile.TemporaryDirectory(prefix="distfn-bench-launch-") as tmp:
         work = Path(tmp)
+        c.warm_bytecode()
         main_variants = variants(work, args.workers, args.peers_python, with_peers=not args.tiny)
         c.log(f"launch: {', '.join(main_variants)}; {rounds} round(s)")
         samples = c.interleave(main_variants, rounds, c.log)

@@ -37,7 +37,9 @@ def load_digits_split(test_fraction: float = 0.25) -> tuple[TensorDataset, Tenso
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
-@distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.is_available() else 2)
+# 2 CPU workers without GPUs. device_count() asks NVML, which keeps this process safe to fork; is_available()
+# would initialise the CUDA driver here, and forked workers could not use CUDA (docs: troubleshooting).
+@distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.device_count() else 2)
 def train(cfg: dict, ctx: distfn.Context) -> dict:
     train_set, test_set = load_digits_split()
     ctx.print(f"digits: {len(train_set)} training and {len(test_set)} test images on {ctx.world_size} rank(s)")

@@ -33,7 +33,9 @@ def make_dataset(n: int = 1024) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-@distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.is_available() else 2)
+# 2 CPU workers without GPUs. device_count() asks NVML, which keeps this process safe to fork; is_available()
+# would initialise the CUDA driver here, and forked workers could not use CUDA (docs: troubleshooting).
+@distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.device_count() else 2)
 def train(cfg: dict, ctx: distfn.Context) -> dict:
     model = ctx.wrap(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
