@@ -48,7 +48,8 @@ class DistributedLoader(DataLoader):
     and then increments ``next_epoch``, so each epoch shuffles differently and identically on all ranks.
     ``set_epoch(e)`` makes the next iteration use epoch ``e`` (for exact resume). When distfn owns the worker
     seeding (no ``generator`` was passed), the DataLoader workers' seeds are re-derived from
-    ``(seed, rank, epoch)`` each epoch, so a resumed epoch sees the same random augmentations.
+    ``(seed, rank, epoch)`` each epoch, so a resumed epoch sees the same random augmentations (with
+    ``persistent_workers=True`` the workers keep their random streams across epochs instead).
 
     Attributes:
         epoch: the epoch of the current (or last) iteration; ``None`` before the first one.

@@ -124,6 +124,7 @@ class Accumulator:
     steps: int = 0
     _in_window: int = attrs.field(default=0, init=False)
     _inside: bool = attrs.field(default=False, init=False)
+    _left_open: bool = attrs.field(default=False, init=False)  # the last `with acc:` ended mid-window
     _no_sync: Any = attrs.field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -150,6 +151,7 @@ class Accumulator:
 
     def __exit__(self, *exc: Any) -> None:
         self._inside = False
+        self._left_open = not self.sync
         if self.sync:
             self._in_window = 0
             self.steps += 1
@@ -161,6 +163,15 @@ class Accumulator:
     def inside(self) -> bool:
         """True inside ``with acc:``."""
         return self._inside
+
+    def holds_step(self) -> bool:
+        """Whether ``ctx.step`` must wait: inside a micro-batch that does not close its window, or called once
+        right after one (``ctx.step`` placed after the ``with`` block). Only that one call is held, so a loop
+        that left a window open does not silence later plain ``ctx.step`` calls."""
+        if self._inside:
+            return not self.sync
+        held, self._left_open = self._left_open, False
+        return held
 
 
 # -- precision ----------------------------------------------------------------------------------------------------
@@ -209,7 +220,7 @@ def step(
     if not optimizers:
         raise ConfigError("ctx.step needs the optimizer(s) to step: ctx.step(optimizer)")
     acc = state.accumulator
-    if acc is not None and not acc.sync:
+    if acc is not None and acc.holds_step():
         return False
     scaler = state.scaler
     if max_grad_norm is not None:

@@ -295,17 +295,24 @@ def test_accumulate_without_ddp_and_grad_clipping() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         acc = ctx.accumulate(model, every=2)
         stepped = []
+        w0 = model.weight.detach().clone()
         for _ in range(4):
             with acc:
                 ctx.backward(model(torch.ones(1, 2)).sum())
                 stepped.append(ctx.step(opt, max_grad_norm=0.5))
+        moved = (w0 - model.weight.detach()).flatten().tolist()  # 2 steps of the gradient [1, 1] clipped to norm 0.5
         with pytest.raises(ConfigError, match="nested"):
             with acc, acc:
                 pass
-        return stepped, model.weight.grad
+        # ctx.step after the block works too; a window left open holds only the call right after it.
+        with ctx.accumulate(model, every=3):
+            ctx.backward(model(torch.ones(1, 2)).sum())
+        after = [ctx.step(opt), ctx.step(opt)]
+        return stepped, moved, after, model.weight.grad
 
-    stepped, grad = job()
-    assert stepped == [False, True, False, True] and grad is None
+    stepped, moved, after, grad = job()
+    assert stepped == [False, True, False, True] and after == [False, True] and grad is None
+    assert moved == pytest.approx([2 * 0.5 / 2**0.5] * 2)
 
 
 def test_argument_checks() -> None:
