@@ -1,7 +1,7 @@
 """Run every benchmark in ``bench/`` in one go: one table per benchmark, then a summary of medians, ratios
 and targets; JSON into ``bench/results/``; a chart into ``docs/assets/`` when matplotlib is installed.
 
-    python bench/run.py                 # everything, default rounds (~10 minutes on 2 cores)
+    python bench/run.py                 # everything, default rounds (~15 minutes on 2 cores)
     python bench/run.py --rounds 3      # quicker, noisier
     python bench/run.py --only launch,step
     python bench/run.py --tiny          # one tiny round of each: a smoke test, results not kept in docs/
@@ -39,9 +39,16 @@ def discover() -> list[str]:
     return [n for n in ORDER if n in found] + [n for n in found if n not in ORDER]
 
 
-def run_one(name: str, json_path: Path, tiny: bool, rounds: int | None, timeout: float) -> dict[str, Any]:
+#: Benchmarks that compare against peers installed in another interpreter (``--peers-python``).
+WITH_PEERS = ("launch", "import")
+
+
+def run_one(name: str, json_path: Path, tiny: bool, rounds: int | None, timeout: float,
+            peers_python: str | None = None) -> dict[str, Any]:
     """Run ``bench_<name>.py`` in a fresh process; its tables (or an error record) as a dict."""
     cmd = [sys.executable, str(c.BENCH_DIR / f"bench_{name}.py"), "--json", str(json_path)]
+    if peers_python and name in WITH_PEERS:
+        cmd += ["--peers-python", peers_python]
     if tiny:
         cmd.append("--tiny")
     elif rounds is not None:
@@ -130,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="one tiny round of each (smoke test); docs/ untouched")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
+    p.add_argument("--peers-python", default=None,
+                   help="interpreter with accelerate / lightning / ignite installed, for the launch and import peers")
     args = p.parse_args(argv)
     names = discover()
     if args.only:
@@ -140,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n in wanted]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     parts = args.out / f"parts-{stamp}"
-    results = [run_one(n, parts / f"{n}.json", args.tiny, args.rounds, args.timeout) for n in names]
+    results = [run_one(n, parts / f"{n}.json", args.tiny, args.rounds, args.timeout, args.peers_python)
+               for n in names]
     table = summary(results)
     print("## Summary\n\n" + table, flush=True)
     combined = {"machine": c.machine(), "tiny": args.tiny, "benchmarks": results}
