@@ -45,14 +45,13 @@ if str(REPO) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-import _common as c  # noqa: E402
+import _common as c
+import safetensors
+import torch
+from loguru import logger
+from safetensors.torch import load_file, save_file
 
-import safetensors  # noqa: E402
-import torch  # noqa: E402
-from loguru import logger  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from distfn import checkpoint  # noqa: E402
+from distfn import checkpoint
 
 MIB = 1 << 20
 

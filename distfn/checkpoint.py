@@ -75,7 +75,7 @@ import secrets
 import socket
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import attrs
 import torch
@@ -87,12 +87,12 @@ from distfn.errors import CheckpointError
 __all__ = [
     "RNG",
     "combine_rng_states",
-    "rng_state_for_rank",
+    "latest",
     "load",
     "load_into",
-    "latest",
     "read_metadata",
     "rng_state",
+    "rng_state_for_rank",
     "save",
     "set_rng_state",
     "unwrap_module",
@@ -400,7 +400,7 @@ class _Encoder:
 def _short_repr(obj: Any) -> str:
     try:
         text = repr(obj)
-    except Exception:  # a repr that fails must not hide the real error
+    except Exception:  # noqa: BLE001 - a repr that fails must not hide the real error
         text = object.__repr__(obj)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -789,7 +789,9 @@ def _read_header(path: pathlib.Path, opened: Any = None) -> _Header:
     end = 0
     for name, info in header.items():
         try:
-            begin, stop = info["data_offsets"]
+            begin, stop = (int(x) for x in info["data_offsets"])
+            if not 0 <= begin <= stop:
+                raise ValueError
             if info["dtype"] not in _FROM_CODE:
                 raise CheckpointError(f"'{path}': tensor '{name}' has dtype {info['dtype']}, unknown to this torch")
         except (KeyError, TypeError, ValueError):
@@ -837,7 +839,7 @@ class _Reader:
     def close(self) -> None:
         self._file.close()  # the mapping lives on with the tensors that use it
 
-    def __enter__(self) -> _Reader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

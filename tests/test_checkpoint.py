@@ -35,9 +35,9 @@ def _env() -> dict[str, str]:
 
 def _equal_state(a: dict, b: dict) -> None:
     assert set(a) == set(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-        assert a[k].dtype == b[k].dtype, k
+    for k, v in a.items():
+        assert torch.equal(v, b[k]), k
+        assert v.dtype == b[k].dtype, k
 
 
 class Net(nn.Module):
@@ -118,7 +118,7 @@ def test_torch_compile_wrapper_is_stripped(tmp_path: pathlib.Path) -> None:
     model = Net()
     try:
         compiled = torch.compile(model)  # wrapping only; nothing is compiled until it is called
-    except Exception as exc:  # pragma: no cover - depends on the torch build
+    except Exception as exc:  # noqa: BLE001 - any failure means: not available in this build  # pragma: no cover
         pytest.skip(f"torch.compile unavailable: {exc}")
     assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
     assert checkpoint.unwrap_module(compiled) is model
@@ -331,7 +331,7 @@ def test_scheduler_round_trip(tmp_path: pathlib.Path, make_sched) -> None:
 def test_grad_scaler_round_trip(tmp_path: pathlib.Path) -> None:
     try:
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
-    except Exception as exc:  # pragma: no cover - older torch
+    except Exception as exc:  # noqa: BLE001 - older torch  # pragma: no cover
         pytest.skip(f"no CPU GradScaler: {exc}")
     if not scaler.is_enabled():  # pragma: no cover
         pytest.skip("GradScaler is disabled on CPU in this torch")
@@ -792,7 +792,8 @@ def test_device_staging_copies_in_bounded_chunks(monkeypatch) -> None:
 
 def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: pathlib.Path) -> None:
     target = tmp_path / "m.safetensors"
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)
     dead_pid = int(proc.stdout)
     stale = checkpoint._tmp_name(target).name.split(".")
     stale_name = ".".join(stale[:-3] + [str(dead_pid)] + stale[-2:])
