@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+import _common as c
 
 WORLD = 2
 NAIVE = "all-reduce every micro-batch"
@@ -46,7 +46,8 @@ def _run_variant(ctx: Any, variant: str, init: dict[str, Any], data: list[Any], 
     model = ctx.wrap(net)
     sent: list[int] = []
 
-    def counting_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP rejects a hook whose bucket is not annotated GradBucket
+    # No annotations: DDP rejects a hook whose bucket parameter is not annotated as dist.GradBucket.
+    def counting_hook(state, bucket):
         sent.append(bucket.buffer().numel() * bucket.buffer().element_size())
         return allreduce_hook(state, bucket)
 
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     bytes_tab = c.table("Megabytes all-reduced per optimizer step, per rank", "MB", out["mbytes"], baseline=NAIVE)
     worst = max(out["max_weight_diff"])
     same = worst < 1e-4
-    notes = [f"final weights of the two loops differ by at most {worst:.2e} (float summation order): "
-             f"{'the same update' if same else 'NOT the same update'}"]
+    notes = [(f"final weights of the two loops differ by at most {worst:.2e} (float summation order): "
+              f"{'the same update' if same else 'NOT the same update'}")]
     c.emit({"benchmark": "accumulation", "tables": [time_tab, calls_tab, bytes_tab], "max_weight_diff": worst,
             "same_update": same, "notes": notes}, args.json)
     return 0 if same else 1

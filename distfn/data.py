@@ -13,7 +13,8 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from loguru import logger
@@ -174,8 +175,9 @@ def dataloader(
             )
     sampler = make_sampler(dataset, shuffle=shuffle, drop_last=drop_last)
     kwargs.setdefault("pin_memory", device.type == "cuda")
+    inherited = multiprocessing.get_start_method(allow_none=True)
     if kwargs.get("num_workers", 0) > 0 and kwargs.get("multiprocessing_context") is None \
-            and sys.platform == "linux" and multiprocessing.get_start_method(allow_none=True) in ("spawn", "forkserver"):
+            and sys.platform == "linux" and inherited in ("spawn", "forkserver"):
         # A rank that distfn (or mp.spawn) started with spawn inherits spawn as its default start method, so every
         # epoch's DataLoader workers would re-import torch and the user's script (measured: 82 s instead of 7.6 s
         # for tests/test_data.py's 2-rank job). Fork is Linux's default for DataLoader workers, what a plain
@@ -191,11 +193,11 @@ def dataloader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, seed_parts=seed_parts, **kwargs
     )
     if rank == 0:
-        replicas = sampler.num_replicas
-        padded = sampler.total_size - len(dataset)  # type: ignore[arg-type]
+        replicas, size = sampler.num_replicas, len(dataset)  # type: ignore[arg-type]
+        padded = sampler.total_size - size
         logger.info(
             "dataloader: batch_size {} per rank x {} rank(s) = global batch {}; {} batches per epoch per rank "
-            "({} samples{})", batch_size, replicas, batch_size * replicas, len(loader), len(dataset),  # type: ignore[arg-type]
+            "({} samples{})", batch_size, replicas, batch_size * replicas, len(loader), size,
             f", {padded} padded with duplicates" if padded > 0 else (f", {-padded} dropped" if padded < 0 else ""),
         )
     return loader

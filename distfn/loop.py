@@ -23,7 +23,8 @@ import contextlib
 import importlib.util
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
 import torch
@@ -149,7 +150,7 @@ class Accumulator:
             self._no_sync.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._inside = False
         self._left_open = not self.sync
         if self.sync:
@@ -330,7 +331,7 @@ class Progress(Generic[T]):
     def __enter__(self) -> Progress[T]:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def log(self, **values: Any) -> None:
@@ -395,7 +396,7 @@ class NullWriter:
     def __enter__(self) -> NullWriter:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 

@@ -118,13 +118,12 @@ def test_dataloader_and_gather_for_metrics_on_two_ranks() -> None:
 
 
 # -- in this process ----------------------------------------------------------------------------------------
-def _shard_loader(n: int, rank: int, batch_size: int, device: torch.device = torch.device("cpu"),
-                  **kwargs) -> ddata.DistributedLoader:
+def _shard_loader(n: int, rank: int, batch_size: int, device: str = "cpu", **kwargs) -> ddata.DistributedLoader:
     def make_sampler(dataset, shuffle, drop_last):
         return DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=shuffle, drop_last=drop_last)
 
     return ddata.dataloader(TensorDataset(torch.arange(n)), batch_size, make_sampler, rank=rank, seed=0,
-                            device=device, shuffle=False, **kwargs)
+                            device=torch.device(device), shuffle=False, **kwargs)
 
 
 def test_padding_rows_are_dropped_per_batch_and_per_epoch() -> None:
@@ -141,8 +140,8 @@ def test_padding_rows_are_dropped_per_batch_and_per_epoch() -> None:
 
 
 def test_drop_last_drops_the_tail_instead_of_padding_and_cuda_pins_memory() -> None:
-    assert _shard_loader(4, rank=0, batch_size=2, device=torch.device("cuda", 0)).pin_memory is True
-    assert _shard_loader(4, rank=0, batch_size=2, device=torch.device("cuda", 0), pin_memory=False).pin_memory is False
+    assert _shard_loader(4, rank=0, batch_size=2, device="cuda:0").pin_memory is True
+    assert _shard_loader(4, rank=0, batch_size=2, device="cuda:0", pin_memory=False).pin_memory is False
     loader = _shard_loader(11, rank=1, batch_size=2, drop_last=True)
     assert [x.tolist() for (x,) in loader] == [[1, 3], [5, 7]]  # 5 per rank, last incomplete batch dropped
     assert len(loader.sampler) == 5

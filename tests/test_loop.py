@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SCRIPTS, clean_env, run_python
 from loguru import logger
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import TensorDataset
 
-from conftest import SCRIPTS, clean_env, run_python
-from distfn import ConfigError, distributed
-from distfn import loop
+from distfn import ConfigError, distributed, loop
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 EVERY = 4
@@ -200,8 +199,8 @@ def test_loop_helpers_on_two_ranks(tmp_path: Path) -> None:
 # -- logging and threads: real scripts, stderr captured -----------------------------------------------------
 def _logs_run(tmp_path: Path, name: str, **env: str) -> tuple[list[int], str, str]:
     sink = tmp_path / f"{name}.log"
-    environment = {k: v for k, v in clean_env(**env).items()
-                   if not (k.startswith("DISTFN_LOG") and k not in env) and not (k == "OMP_NUM_THREADS" and k not in env)}
+    inherited = ("DISTFN_LOG_RANKS", "DISTFN_LOG_LEVEL", "OMP_NUM_THREADS")  # only what this run sets
+    environment = {k: v for k, v in clean_env(**env).items() if k not in inherited or k in env}
     proc = run_python([str(SCRIPTS / "logs_job.py"), str(sink)], env=environment)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr, sink.read_text()
@@ -300,10 +299,9 @@ def test_accumulate_without_ddp_and_grad_clipping() -> None:
             with acc:
                 ctx.backward(model(torch.ones(1, 2)).sum())
                 stepped.append(ctx.step(opt, max_grad_norm=0.5))
-        moved = (w0 - model.weight.detach()).flatten().tolist()  # 2 steps of the gradient [1, 1] clipped to norm 0.5
-        with pytest.raises(ConfigError, match="nested"):
-            with acc, acc:
-                pass
+        moved = (w0 - model.weight.detach()).flatten().tolist()  # 2 steps of grad [1, 1] clipped to norm 0.5
+        with pytest.raises(ConfigError, match="nested"), acc, acc:
+            pass
         # ctx.step after the block works too; a window left open holds only the call right after it.
         with ctx.accumulate(model, every=3):
             ctx.backward(model(torch.ones(1, 2)).sum())
