@@ -107,6 +107,7 @@ def main() -> None:
     last = result["history"][-1]
     print(f"done: {result['optimizer_steps']} optimizer steps, final train loss {last['train_loss']}, "
           f"test accuracy {last['test_accuracy']} on {last['test_samples']} samples")
+    print(result)
 
 
 if __name__ == "__main__":

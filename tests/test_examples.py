@@ -7,6 +7,7 @@ numbers (accuracy, loss, resume point, checkpoint contents), not only the exit s
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import re
 import subprocess
@@ -104,3 +105,18 @@ def test_markdown_examples_name_files_that_exist() -> None:
         text = md.read_text()
         for ref in re.findall(r"examples/[\w/.-]+\.(?:py|sbatch|md)", text):
             assert (EXAMPLES.parent / ref).exists(), f"{md.name} mentions {ref}, which does not exist"
+
+
+def test_train_loop(tmp_path: Path) -> None:
+    out, result = run_example("train_loop.py", "--epochs", "2", "--log-dir", str(tmp_path / "tb"), cwd=tmp_path)
+    assert result is not None and [h["epoch"] for h in result["history"]] == [0, 1]
+    assert "precision bf16; optimizer step = 32 x 2 ranks x 4 micro-batches = 256 samples" in out
+    assert result["optimizer_steps"] == 32  # 63 batches per rank and epoch: 15 windows of 4, then one of 3
+    last = result["history"][-1]
+    assert last["test_samples"] == 1001 and last["test_accuracy"] > 0.8  # every test sample exactly once
+    assert last["train_loss"] < result["history"][0]["train_loss"]
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # rank 0's writer, and only one file
+        assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    else:
+        assert "training without ctx.writer" in out
