@@ -861,3 +861,25 @@ def test_many_small_tensors_are_gathered_into_few_writes(tmp_path: pathlib.Path,
     path = checkpoint.save(state, tmp_path / "many.safetensors")
     assert len(calls) <= 3  # small ones, then the 8 MiB tensor straight from its memory
     _equal_state(load_file(path), state)
+
+
+def test_module_extra_state_round_trips(tmp_path: pathlib.Path) -> None:
+    class WithExtra(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.vocab = {"a": 1}
+
+        def get_extra_state(self) -> dict:
+            return {"vocab": self.vocab, "version": (1, 2)}
+
+        def set_extra_state(self, state: dict) -> None:
+            self.vocab = state["vocab"]
+
+    model = WithExtra()
+    model.vocab = {"a": 1, "b": 2}
+    path = checkpoint.save({"model": model}, tmp_path / "x.safetensors")
+    fresh = WithExtra()
+    checkpoint.load_into(path, {"model": fresh})
+    assert fresh.vocab == {"a": 1, "b": 2}
+    assert torch.equal(fresh.fc.weight, model.fc.weight)
