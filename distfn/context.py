@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset, DistributedSampler
 
     from .data import DistributedLoader
+    from .loop import Accumulator, Progress
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -197,7 +198,7 @@ class Context:
 
         return loop.no_sync(model)
 
-    def accumulate(self, model: nn.Module, every: int) -> Any:
+    def accumulate(self, model: nn.Module, every: int) -> Accumulator:
         """An accumulator for ``every`` micro-batches per optimizer step: ``with acc:`` around each micro-batch
         skips the all-reduce on all but the last one; inside it ``ctx.backward`` divides the loss by ``every``
         and ``ctx.step`` steps only when the window closes (also at the last batch of a ``ctx.dataloader``)."""
@@ -232,7 +233,9 @@ class Context:
 
         return loop.reduce_loss(loss)
 
-    def progress(self, iterable: Any, desc: str | None = None, total: int | None = None, **tqdm_kwargs: Any) -> Any:
+    def progress(
+        self, iterable: Any, desc: str | None = None, total: int | None = None, **tqdm_kwargs: Any
+    ) -> Progress[Any]:
         """Iterate ``iterable`` with a tqdm bar on rank 0 only; ``bar.log(loss=...)`` shows running means.
         Silent when the output is not a terminal (one summary line is logged at the end instead)."""
         from . import loop
