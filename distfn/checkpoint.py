@@ -455,19 +455,6 @@ def _dumps(value: Any, what: str = "state") -> str:
 # Writing
 
 
-def _umask() -> int:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)  # no race-free way to read it elsewhere; restore at once
-    os.umask(mask)
-    return mask
-
-
 def _write_all(fd: int, data: memoryview) -> None:
     view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     total = len(view)
@@ -540,15 +527,21 @@ def _fsync_dir(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _tmp_name(target: pathlib.Path) -> pathlib.Path:
+def _tmp_prefix(target: pathlib.Path) -> str:
+    """``.<name>.<host>.``: temporary files of this target written from this host (name cut to fit NAME_MAX)."""
     host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
-    return target.with_name(f".{target.name}.{host}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_MARK}")
+    return f".{target.name[:120]}.{host}."
+
+
+def _tmp_name(target: pathlib.Path) -> pathlib.Path:
+    # The pid lets a later save recognise (and remove) what a killed writer left; the random part keeps two
+    # concurrent writers of the same target apart.
+    return target.with_name(f"{_tmp_prefix(target)}{os.getpid()}.{secrets.token_hex(4)}{_TMP_MARK}")
 
 
 def _remove_stale_tmps(target: pathlib.Path) -> None:
     """Remove temporary files a killed writer of *this* target on *this* host left behind."""
-    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
-    pattern = re.compile(re.escape(f".{target.name}.{host}.") + r"(\d+)\.[0-9a-f]{8}" + re.escape(_TMP_MARK) + "$")
+    pattern = re.compile(re.escape(_tmp_prefix(target)) + r"(\d+)\.[0-9a-f]{8}" + re.escape(_TMP_MARK) + "$")
     try:
         names = os.listdir(target.parent)
     except OSError:

@@ -883,3 +883,10 @@ def test_module_extra_state_round_trips(tmp_path: pathlib.Path) -> None:
     checkpoint.load_into(path, {"model": fresh})
     assert fresh.vocab == {"a": 1, "b": 2}
     assert torch.equal(fresh.fc.weight, model.fc.weight)
+
+
+def test_long_file_names_still_fit(tmp_path: pathlib.Path) -> None:
+    name = "x" * 230 + ".safetensors"  # near NAME_MAX: the temporary name must not exceed it
+    path = checkpoint.save(Net(), tmp_path / name)
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert set(checkpoint.load(path)) == set(Net().state_dict())
