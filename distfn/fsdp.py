@@ -643,7 +643,7 @@ class _OptimizerTarget(torch.optim.Optimizer):
     checks the param-group layout against the live groups, then the full (indexed) state goes through
     ``set_optimizer_state_dict``, which keeps each rank's shard of every moment."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:  # noqa: D107
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         # Deliberately no super().__init__: this object only forwards load_state_dict.
         self.param_groups = optimizer.param_groups
         self._optimizer = optimizer

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SCRIPTS, run_python
 from safetensors import safe_open
 from torch import nn
 
-from conftest import SCRIPTS, run_python
 from distfn import ConfigError, distributed
 from distfn.decorator import Options
 from distfn.fsdp import FsdpOptions, MixedPrecision, _indexed, _named, parse_options, plan_units
@@ -170,9 +170,10 @@ def test_save_writes_one_full_file_that_loads_into_a_bare_model(job: tuple[dict,
         assert all(list(f.get_slice(k).get_shape()) == list(bare[k].shape) for k in bare)
     # The training-state file has the same layout as DDP mode's: same names, full shapes, close values.
     with safe_open(str(out / "fsdp-5.safetensors"), "pt") as a, safe_open(str(out / "ddp-5.safetensors"), "pt") as b:
-        assert set(a.keys()) == set(b.keys())
-        assert "optimizer.state.0.exp_avg" in a.keys() and "model.inp.weight" in a.keys()
-        for k in a.keys():
+        names = set(a.keys())  # safe_open handles are not mappings
+        assert names == set(b.keys())
+        assert "optimizer.state.0.exp_avg" in names and "model.inp.weight" in names
+        for k in names:
             assert torch.allclose(a.get_tensor(k), b.get_tensor(k), rtol=1e-4, atol=1e-6), k
         assert a.metadata()["distfn.tree"].count("param_groups") == 1
     assert not list(out.glob("never*")) and not list(out.glob(".*tmp"))
@@ -197,6 +198,8 @@ def test_save_on_rank0_only_is_an_error_not_a_hang(job: tuple[dict, Path]) -> No
     assert forward["message"] is not None and forward["ranks"][0] == 0
     assert "must be called on every rank" in forward["message"] and "rank 1 went on" in forward["message"]
     assert forward["seconds"] < 60
+    # that job ran with mixed_precision="bf16" and cpu_offload=True before its bad save
+    assert json.loads((job[1] / "mixed.json").read_text()) == {"output": "torch.bfloat16", "params": ["torch.float32"]}
     # Rank 1 blocked in a barrier leaves no trace: the save_timeout (1 s here) ends it with the same advice.
     assert barrier["message"] is not None and barrier["ranks"][0] == 0
     assert "must be called on every rank" in barrier["message"] and "waited 1 s" in barrier["message"]

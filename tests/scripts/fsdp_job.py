@@ -103,11 +103,20 @@ def fsdp_job(out: Path, ctx):
     return {"shards": ctx.gather_object(shards), "losses": straight, "bare_equal": bare_equal, "resumed": resumed}
 
 
-@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"module_classes": ["Block"]})
+# Also the pass-through of mixed precision and CPU offload (a no-op for placement on a CPU-only machine).
+@distributed(mode="fsdp", nprocs=2, seed=0,
+             fsdp={"module_classes": ["Block"], "mixed_precision": "bf16", "cpu_offload": True})
 def rank0_save_then_train(out: Path, ctx):
     model = ctx.wrap(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run_steps(ctx, model, opt, 1, 2)
+    with torch.no_grad():  # the Block units' forward (a collective: on every rank); the root's ends in fp32 scale
+        output = model.blocks(torch.zeros(2, 64)).dtype
+    if ctx.is_main:
+        (out / "mixed.json").write_text(json.dumps({
+            "output": str(output),  # computed in bf16
+            "params": sorted({str(p.dtype) for p in model.parameters()}),  # sharded master weights stay fp32
+        }))
     if ctx.is_main:  # the DDP habit: wrong in fsdp mode
         ctx.save(model, out / "never.safetensors")
     run_steps(ctx, model, opt, 3, 4)
