@@ -18,7 +18,7 @@ from loguru import logger
 
 from . import logs, preemption
 from .context import Context
-from .errors import ConfigError, LauncherError
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .decorator import Options
@@ -83,20 +83,22 @@ def apply_visible_devices(devices: tuple[int, ...] | None) -> None:
         )
 
 
-def select_device(mode: str, local_rank: int, local_world_size: int, backend: str | None) -> torch.device:
-    """The device for this rank: ``cuda:(local_rank % device_count)`` when CUDA is there, else the CPU."""
+def select_device(mode: str, topology: Topology, backend: str | None) -> torch.device:
+    """The device for this rank: ``cuda:(local_rank % device_count)`` when CUDA is there, else the CPU.
+
+    With NCCL (the default on GPUs) two ranks cannot share a GPU, so more ranks on a node than visible GPUs is
+    an error naming the fix, unless the launcher binds one GPU per task (``srun --gpus-per-task=1``).
+    """
     if not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if mode == "dp":
         return torch.device("cuda", 0)  # DataParallel scatters from device 0 over all visible GPUs
-    if backend is not None and "nccl" in backend and local_world_size > count:
-        raise LauncherError(
-            f"{local_world_size} processes on this node but only {count} visible GPU(s): NCCL cannot share one "
-            "GPU between ranks. Start at most one process per GPU (nprocs / --nproc_per_node / "
-            "--ntasks-per-node) or use backend='gloo'."
-        )
-    return torch.device("cuda", local_rank % count)
+    if backend is None or "nccl" in backend.lower():
+        from .topology import check_devices
+
+        check_devices(topology, count, env=os.environ)
+    return torch.device("cuda", topology.local_rank % count)
 
 
 def default_backend(device: torch.device) -> str:
@@ -116,15 +118,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device, lazily
 
 
-def size_thread_pool(local_world_size: int) -> None:
+def size_thread_pool(local_world_size: int) -> str:
     """Give each of the node's processes ``cpus // local_world_size`` threads unless OMP_NUM_THREADS is set,
-    so N processes on one machine do not oversubscribe its cores."""
-    if local_world_size <= 1 or "OMP_NUM_THREADS" in os.environ:
-        return
+    so N processes on one machine do not oversubscribe its cores. Returns a phrase for the start-up log."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"{torch.get_num_threads()} CPU threads per process (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+    if local_world_size <= 1:
+        return f"{torch.get_num_threads()} CPU threads"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cpus // local_world_size)
     torch.set_num_threads(threads)
-    logger.trace("{} CPU threads per process ({} CPUs / {} local processes)", threads, cpus, local_world_size)
+    return f"{threads} CPU thread(s) per process ({cpus} CPUs / {local_world_size} processes on this node)"
 
 
 def _init_method(topology: Topology, init_method: str | None) -> str:
@@ -166,10 +170,10 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     started_group = False
     stop_handlers = preemption.install()  # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only)
     try:
-        device = select_device(opts.mode, topology.local_rank, topology.local_world_size, opts.backend)
+        device = select_device(opts.mode, topology, opts.backend)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # before the process group, so NCCL binds the right GPU
-        size_thread_pool(topology.local_world_size)
+        threads = size_thread_pool(topology.local_world_size)
         if opts.seed is not None:
             seed_everything(opts.seed)
         backend: str | None = None
@@ -184,8 +188,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
 
                 fsdp.begin(topology.rank, topology.world_size, opts.fsdp)
         if topology.rank == 0:
-            log.info("launcher: {} ({}); world size {}, device {}, backend {}", topology.launcher,
-                     topology.reason, topology.world_size, device, backend)
+            log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}", topology.launcher,
+                     topology.reason, topology.world_size, device, backend, threads)
         ctx = Context(
             rank=topology.rank,
             local_rank=topology.local_rank,
