@@ -51,11 +51,14 @@ def _on_signal(signum: int, frame: Any) -> None:
 def install() -> dict[int, Any] | None:
     """Reset the state and handle the stop signals in this process; returns the handlers to give back.
 
-    Returns ``None`` (and installs nothing) outside the main thread, where Python cannot set handlers.
+    Returns ``None`` (and installs nothing) outside the main thread, where Python cannot set handlers, and
+    ``{}`` when they are installed already.
     """
     global _state
     if threading.current_thread() is not threading.main_thread():
         return None
+    if signal.getsignal(signal.SIGTERM) is _on_signal:
+        return {}  # a self-spawned worker installed them first thing: keep what arrived since
     _state = _State()
     previous: dict[int, Any] = {}
     for sig in STOP_SIGNALS:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from loguru import logger
 
-from . import worker
+from . import preemption, worker
 from .errors import ConfigError, Terminated, WorkerError
 
 if TYPE_CHECKING:
@@ -451,6 +451,9 @@ def _entry(
     except OSError:
         pass
     _arm_faulthandler(stack_conn)
+    # At once, not when the function starts: the launching process forwards SIGUSR2 as soon as the workers
+    # exist, and SIGUSR2's default action would kill a worker that is still starting up.
+    preemption.install()
     if listen_fd >= 0:
         try:
             os.close(listen_fd)  # forked copy of the launcher's rendezvous socket; only the launcher listens
