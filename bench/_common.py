@@ -116,12 +116,12 @@ def _fmt(value: float | None, unit: str) -> str:
 def format_table(tab: Mapping[str, Any]) -> str:
     """A Markdown table of one result table (also readable in a terminal)."""
     lines = [f"**{tab['title']}**", "",
-             f"| variant | median | ratio{' vs ' + tab['baseline'] if tab.get('baseline') else ''} | runs | note |",
-             "| --- | ---: | ---: | ---: | --- |"]
+             f"| variant | median | ratio{' vs ' + tab['baseline'] if tab.get('baseline') else ''} | min | runs | note |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
     for row in tab["rows"]:
         ratio = f"{row['ratio']:.3f}×" if row.get("ratio") is not None else "-"
         lines.append(f"| {row['variant']} | {_fmt(row['median'], tab['unit'])} | {ratio} | "
-                     f"{len(row['samples'])} | {row.get('note', '')} |")
+                     f"{_fmt(row.get('min'), tab['unit'])} | {len(row['samples'])} | {row.get('note', '')} |")
     for t in tab.get("targets", []):
         if "max_ratio" in t:
             goal = f"{t['variant']} ≤ {t['max_ratio']}× {tab.get('baseline')}"

@@ -56,6 +56,7 @@ def test_quickstart(tmp_path: Path) -> None:
 
 
 def test_real_dataset_reaches_its_accuracy(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn", reason="examples/real_dataset.py needs scikit-learn: pip install -e '.[examples]'")
     out, result = run_example("real_dataset.py", "--epochs", "12", "--out", str(tmp_path / "d.safetensors"),
                               cwd=tmp_path)
     assert result is not None
