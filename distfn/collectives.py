@@ -7,7 +7,7 @@ an ``if distributed:`` branch.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,16 @@ T = TypeVar("T")
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 
+# Called (without arguments) before every collective below. mode="fsdp" registers its ctx.save bookkeeping
+# (distfn.fsdp.note_progress): a rank entering a collective while another rank waits in a save it skipped is
+# caught there instead of both hanging.
+SYNC_HOOKS: list[Callable[[], None]] = []
+
+
+def _sync_point() -> None:
+    for hook in SYNC_HOOKS:
+        hook()
+
 
 def active() -> bool:
     """True when a default process group is initialised in this process."""
@@ -27,6 +37,7 @@ def active() -> bool:
 def barrier() -> None:
     """Block until every rank reaches this point (no-op without a process group)."""
     if active():
+        _sync_point()
         dist.barrier()
 
 
@@ -50,6 +61,7 @@ def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None
         if op == "mean" and not (out.is_floating_point() or out.is_complex()):
             out = out.to(torch.float64)
         if active():
+            _sync_point()
             dist.all_reduce(out, op=torch_op)
             if op == "mean":
                 out /= dist.get_world_size()
@@ -70,6 +82,7 @@ def gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj`` as a list indexed by rank, on every rank (objects must be picklable)."""
     if not active():
         return [obj]
+    _sync_point()
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -79,6 +92,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank (other ranks' arguments are ignored)."""
     if not active():
         return obj
+    _sync_point()
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]

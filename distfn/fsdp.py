@@ -18,14 +18,16 @@ Gathering a full state dict is a collective. If only rank 0 calls ``ctx.save`` (
 next forward's all-gather, and the job would hang until the 30-minute collective timeout, or worse, pair
 mismatched collectives. So before gathering, every rank checks in through the process group's key-value store
 (no collective) and waits for the others. A rank that skips the save is caught by positive evidence rather than
-a guess: every rank posts ``(saves, forwards)`` to the store at each forward of a wrapped model and on exit.
+a guess: every rank posts ``(saves, progress)`` to the store at each *sync point* (a forward of a wrapped model,
+a distfn collective such as ``ctx.barrier()`` / ``ctx.all_reduce``) and on exit. In a correct program every rank
+reaches the same number of sync points between two saves.
 
-* a rank that runs a forward while another rank waits in save number ``k`` it never started sees the pending
-  check-in and raises at once;
-* a waiting rank that sees another rank past the save point (more forwards than itself, or finished) without
-  having checked in raises at once;
-* anything else (e.g. the other rank blocked in a raw ``dist.barrier()``) ends after ``save_timeout`` seconds
-  (default 300) with the same error instead of a silent hang.
+* a rank that reaches a sync point while another rank waits in save number ``k`` it never started sees the
+  pending check-in and raises at once;
+* a waiting rank that sees another rank past the save point (more progress than itself, or finished) without
+  having checked in raises within about a second;
+* anything else (e.g. the other rank blocked in a raw ``torch.distributed`` call) ends after ``save_timeout``
+  seconds (default 300) with the same error instead of a silent hang.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from torch import nn
 
 from .errors import CheckpointError, ConfigError
 
-__all__ = ["FsdpOptions", "begin", "finish", "is_sharded", "load", "parse_options", "plan_units", "save", "wrap"]
+__all__ = ["FsdpOptions", "begin", "finish", "is_sharded", "load", "note_progress", "parse_options", "plan_units",
+           "save", "wrap"]
 
 DEFAULT_MIN_PARAMS: Final = 1_000_000
 DEFAULT_SAVE_TIMEOUT: Final = 300.0
@@ -364,16 +367,16 @@ class _Run:
     world_size: int
     options: FsdpOptions
     saves: int = 0  # gathering saves this rank started
-    forwards: int = 0  # forwards of wrapped models this rank started
+    progress: int = 0  # sync points this rank reached: forwards of wrapped models and distfn collectives
 
     def key(self, *parts: Any) -> str:
         return self.prefix + "/".join(map(str, parts))
 
-    def post(self, forwards: int | None = None) -> None:
-        self.store.set(self.key("rank", self.rank), f"{self.saves} {self.forwards if forwards is None else forwards}")
+    def post(self, progress: int | None = None) -> None:
+        self.store.set(self.key("rank", self.rank), f"{self.saves} {self.progress if progress is None else progress}")
 
     def read_all(self) -> dict[int, tuple[int, int]]:
-        """Every rank's posted ``(saves, forwards)``, in two store round trips when all ranks have posted."""
+        """Every rank's posted ``(saves, progress)``, in two store round trips when all ranks have posted."""
         keys = [self.key("rank", r) for r in range(self.world_size)]
         if self.store.check(keys):
             values = dict(zip(range(self.world_size), self.store.multi_get(keys)))
@@ -381,8 +384,8 @@ class _Run:
             values = {r: self.store.get(k) for r, k in enumerate(keys) if self.store.check([k])}
         out = {}
         for rank, raw in values.items():
-            saves, forwards = raw.decode().split()
-            out[rank] = (int(saves), int(forwards))
+            saves, progress = raw.decode().split()
+            out[rank] = (int(saves), int(progress))
         return out
 
 
@@ -415,15 +418,20 @@ def begin(rank: int, world_size: int, opts: FsdpOptions | None) -> None:
     _RUN = _Run(store, f"distfn/fsdp/{token}/", rank, world_size, opts or FsdpOptions())
     if store is not None:
         _RUN.post()
+        collectives.SYNC_HOOKS.append(note_progress)
 
 
 def finish() -> None:
     """End this rank's bookkeeping; tells ranks waiting in a save that this one will never join it."""
     global _RUN
+    from . import collectives
+
     run, _RUN = _RUN, None
+    if note_progress in collectives.SYNC_HOOKS:
+        collectives.SYNC_HOOKS.remove(note_progress)
     if run is not None and run.store is not None:
         try:
-            run.post(forwards=_EXITED)
+            run.post(progress=_EXITED)
         except Exception as exc:  # noqa: BLE001 - the store may be gone when the job is being torn down
             logger.trace("fsdp: could not post exit: {}", exc)
 
@@ -434,19 +442,26 @@ def _skip_message(rank: int, number: int, late_rank: int) -> str:
             f"every rank (not under `if ctx.is_main:`); only rank 0 writes the file.")
 
 
-def _on_forward(module: nn.Module, args: Any) -> None:
+def note_progress() -> None:
+    """A sync point: a forward of a wrapped model or a distfn collective, which every rank reaches equally often
+    in a correct program. Post it, then raise if another rank waits in a ``ctx.save`` this rank skipped."""
     run = _RUN
     if run is None or run.store is None:
         return
-    run.forwards += 1
+    run.progress += 1
     run.post()  # post first, then look: with the saver doing the opposite, one of the two always notices
     pending = run.key("save", run.saves + 1)
     if run.store.check([pending]):
         raise CheckpointError(
-            f"rank {run.rank} ran a forward pass while another rank is in ctx.save #{run.saves + 1}, which this "
-            "rank never called. In mode='fsdp' ctx.save gathers the sharded model (a collective) and must be "
-            "called on every rank, not under `if ctx.is_main:`; only rank 0 writes the file."
+            f"rank {run.rank} went on (a forward pass or a collective) while another rank is in ctx.save "
+            f"#{run.saves + 1}, which this rank never called. In mode='fsdp' ctx.save gathers the sharded model "
+            "(a collective) and must be called on every rank, not under `if ctx.is_main:`; only rank 0 writes "
+            "the file."
         )
+
+
+def _on_forward(module: nn.Module, args: Any) -> None:
+    note_progress()
 
 
 def _check_in(run: _Run) -> None:
@@ -478,7 +493,7 @@ def _check_in(run: _Run) -> None:
         states = run.read_all()
         missing = [r for r in range(run.world_size) if r not in states or states[r][0] < number]
         for other in missing:
-            if other in states and states[other][1] > run.forwards:  # a forward after this save point, or done
+            if other in states and states[other][1] > run.progress:  # went past this save point, or finished
                 raise CheckpointError(_skip_message(run.rank, number, other))
         if now >= deadline:
             raise CheckpointError(

@@ -193,14 +193,18 @@ def test_resume_from_fsdp_and_ddp_files_continues_the_same_losses(job: tuple[dic
 def test_save_on_rank0_only_is_an_error_not_a_hang(job: tuple[dict, Path]) -> None:
     result = job[0]
     forward, barrier = result["rank0_forward"], result["rank0_barrier"]
-    # Rank 1 went on training: caught from the store at once, far below save_timeout (300 s) and the
-    # collective timeout (30 min).
-    assert forward["message"] is not None and forward["ranks"][0] == 0
+    # Rank 1 went on training: caught through the store at once, far below save_timeout (300 s) and the
+    # collective timeout (30 min), by rank 1 itself or by rank 0, whichever looks second.
+    assert forward["message"] is not None
     assert "must be called on every rank" in forward["message"] and "rank 1 went on" in forward["message"]
     assert forward["seconds"] < 60
     # that job ran with mixed_precision="bf16" and cpu_offload=True before its bad save
     assert json.loads((job[1] / "mixed.json").read_text()) == {"output": "torch.bfloat16", "params": ["torch.float32"]}
-    # Rank 1 blocked in a barrier leaves no trace: the save_timeout (1 s here) ends it with the same advice.
-    assert barrier["message"] is not None and barrier["ranks"][0] == 0
-    assert "must be called on every rank" in barrier["message"] and "waited 1 s" in barrier["message"]
+    # Rank 1 went on into ctx.barrier() (DDP mode's documented pattern): a distfn collective is a sync point too.
+    assert barrier["message"] is not None and "rank 1 went on" in barrier["message"]
     assert barrier["seconds"] < 60
+    # Rank 1 blocked in a raw torch.distributed barrier leaves no trace: save_timeout (1 s here) ends it.
+    raw = result["rank0_raw"]
+    assert raw["message"] is not None and raw["ranks"][0] == 0
+    assert "must be called on every rank" in raw["message"] and "waited 1 s" in raw["message"]
+    assert raw["seconds"] < 60

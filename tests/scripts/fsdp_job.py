@@ -1,7 +1,7 @@
 """FSDP jobs for tests/test_fsdp.py: ``python fsdp_job.py OUT`` runs every case on 2 CPU ranks, writes OUT/result.json.
 
 Cases, in order: a DDP reference run (writes a step-5 checkpoint), an FSDP run (sharding, loss parity, full-file
-save, resume from its own and from the DDP checkpoint), and two jobs that wrongly call ctx.save on rank 0 only.
+save, resume from its own and from the DDP checkpoint), and three jobs that wrongly call ctx.save on rank 0 only.
 """
 
 from __future__ import annotations
@@ -122,12 +122,22 @@ def rank0_save_then_train(out: Path, ctx):
     run_steps(ctx, model, opt, 3, 4)
 
 
-@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"module_classes": [Block], "save_timeout": 1.0})
+@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"module_classes": [Block]})
 def rank0_save_then_barrier(out: Path, ctx):
+    model = ctx.wrap(Net())
+    if ctx.is_main:  # the pattern DDP mode documents: save on rank 0, then a barrier
+        ctx.save({"model": model}, out / "never.safetensors")
+    ctx.barrier()
+
+
+@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"module_classes": [Block], "save_timeout": 1.0})
+def rank0_save_then_raw_collective(out: Path, ctx):
+    import torch.distributed as dist
+
     model = ctx.wrap(Net())
     if ctx.is_main:
         ctx.save({"model": model}, out / "never.safetensors")
-    ctx.barrier()
+    dist.barrier()  # not through distfn: leaves no trace, so only save_timeout can end it
 
 
 def expect_failure(job, out: Path) -> dict:
@@ -144,4 +154,5 @@ if __name__ == "__main__":
     result = {"ddp": ddp_job(out), "fsdp": fsdp_job(out)}
     result["rank0_forward"] = expect_failure(rank0_save_then_train, out)
     result["rank0_barrier"] = expect_failure(rank0_save_then_barrier, out)
+    result["rank0_raw"] = expect_failure(rank0_save_then_raw_collective, out)
     (out / "result.json").write_text(json.dumps(result, default=str))
