@@ -57,8 +57,25 @@ Durability
 ``os.replace``\\ s it over the target and ``fsync``\\ s the directory: a crash or ``kill -9`` at any moment
 leaves either the old complete file or the new complete one. Permissions follow the umask like any newly
 created file. Tensors are copied to host memory one at a time (GPU tensors in bounded chunks through one
-pinned buffer; CPU tensors are written straight from their memory), so the extra host memory of a save is
-about one chunk, not the model.
+pinned buffer; CPU tensors are written straight from their memory, non-contiguous ones through one
+contiguous copy, and small ones gathered into few writes), so the extra host memory of a save is about one
+chunk, not the model. A temporary file left by a writer that was killed is removed by the next save of the
+same target from the same host.
+
+Loading
+-------
+:func:`load` returns ``{name: tensor}``; :func:`load_into` restores objects in place after validating all of
+them, and returns the rest of the file decoded (``load_into(path, {})`` decodes everything). CPU tensors are
+views of a private, copy-on-write memory map of the file, like ``safetensors.load_file``: nothing is read
+before it is used, writing to a tensor never changes the file, and a later save (a rename, so a new file)
+never changes tensors already loaded. Pickle files are refused with a one-line conversion.
+
+Random number generators
+------------------------
+:func:`rng_state` / :func:`set_rng_state` capture and restore Python, NumPy, torch CPU and (initialised)
+CUDA generators as tensors and JSON. :data:`RNG` is a stateful stand-in for "this process's generators" to
+put in a training state. For one state per rank, the caller gathers :func:`rng_state` from every rank and
+saves :func:`combine_rng_states` of the list; on load, :func:`rng_state_for_rank` picks a rank's state.
 """
 
 from __future__ import annotations
