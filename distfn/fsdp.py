@@ -616,6 +616,10 @@ class _ModuleTarget(nn.Module):
     ``state_dict()`` describes the *full* (unsharded) tensors without holding their data, so the checkpoint
     engine validates names, shapes and tied weights exactly as for a bare module; ``load_state_dict`` then
     receives full CPU tensors and hands them to ``set_model_state_dict``, which keeps each rank's shard.
+
+    Only rank 0's tensors are used (``broadcast_from_rank0``): they go out one at a time and every rank keeps
+    its slice. The engine's tensors are views of a memory-mapped file, so on the other ranks, which never touch
+    them, the full model is never read into memory: a node running 8 ranks does not hold 8 copies of it.
     """
 
     def __init__(self, model: nn.Module, strict: bool) -> None:
@@ -643,20 +647,22 @@ class _ModuleTarget(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full = dict(state_dict)  # set_model_state_dict replaces the values of the dict it is given
-        for alias, stored in self._ties.items():
-            if alias not in full and stored in full:
-                full[alias] = full[stored]
-            elif stored not in full and alias in full:
-                full[stored] = full[alias]
-        return set_model_state_dict(self._sharded, full,
-                                    options=StateDictOptions(full_state_dict=True, strict=self._strict))
+        full: dict[str, Any] = {}
+        if _rank() == 0:
+            full = dict(state_dict)  # set_model_state_dict replaces the values of the dict it is given
+            for alias, stored in self._ties.items():
+                if alias not in full and stored in full:
+                    full[alias] = full[stored]
+                elif stored not in full and alias in full:
+                    full[stored] = full[alias]
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=self._strict)
+        return set_model_state_dict(self._sharded, full, options=options)
 
 
 class _OptimizerTarget(torch.optim.Optimizer):
     """Stands in for an optimizer over sharded parameters inside :func:`distfn.checkpoint.load_into`: the engine
-    checks the param-group layout against the live groups, then the full (indexed) state goes through
-    ``set_optimizer_state_dict``, which keeps each rank's shard of every moment."""
+    checks the param-group layout against the live groups, then rank 0's full (indexed) state goes through
+    ``set_optimizer_state_dict(broadcast_from_rank0=True)``, and each rank keeps its shard of every moment."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         # Deliberately no super().__init__: this object only forwards load_state_dict.
@@ -667,11 +673,18 @@ class _OptimizerTarget(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        named = _named(state_dict, self._optimizer, self._model)
-        set_optimizer_state_dict(self._model, self._optimizer, named, options=StateDictOptions(full_state_dict=True))
+        named = _named(state_dict, self._optimizer, self._model) if _rank() == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(self._model, self._optimizer, named, options=options)
 
     def __repr__(self) -> str:
         return f"sharded {type(self._optimizer).__name__}"
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _targets(into: Any, models: Sequence[nn.Module], strict: bool) -> Any:
@@ -693,9 +706,10 @@ def load(
 ) -> dict[str, Any]:
     """``ctx.load`` in fsdp mode: restore sharded modules and optimizers (and everything else) from a full file.
 
-    Every rank reads the file (as in DDP mode) and keeps its own shard; the file may come from DDP or fsdp mode.
-    Collective when ``into`` holds sharded objects: call it on every rank. Returns the values not restored in
-    place (``step``, ...), like :func:`distfn.checkpoint.load_into`.
+    Every rank opens the file (as in DDP mode: header validation, plain values, unsharded objects); the sharded
+    tensors are read on rank 0 only and broadcast, each rank keeping its shard. The file may come from DDP or
+    fsdp mode, written by any world size. Collective when ``into`` holds sharded objects: call it on every rank.
+    Returns the values not restored in place (``step``, ...), like :func:`distfn.checkpoint.load_into`.
     """
     from . import checkpoint
 
