@@ -19,7 +19,6 @@ import datetime
 import errno
 import faulthandler
 import io
-import json
 import os
 import pickle
 import re
@@ -328,6 +327,7 @@ def report_in_place(rank: int, exc: BaseException) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    import json  # here: nothing else needs it, and the launch path stays lean
     stamp = int(time.time())
     if _PEER_LOSS.search(str(exc)):
         # torchrun names the failure with the smallest timestamp (whole seconds, ties go to the lowest rank):
