@@ -460,6 +460,7 @@ def note_progress() -> None:
         )
 
 
+@torch.compiler.disable  # store I/O: under torch.compile run it eagerly instead of tracing into it
 def _on_forward(module: nn.Module, args: Any) -> None:
     note_progress()
 
