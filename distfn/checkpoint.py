@@ -895,8 +895,10 @@ def _open(path: PathLike, device: str | torch.device) -> _Reader:
     return _Reader(pathlib.Path(os.fspath(path)).expanduser(), torch.device(device))
 
 
-def load(path: PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read every tensor of a safetensors file into a plain ``{name: tensor}`` dict.
+def load(
+    path: PathLike, device: str | torch.device = "cpu", *, prefix: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Read the tensors of a safetensors file into a plain ``{name: tensor}`` dict.
 
     Works outside any distributed run (e.g. for inference). Names are as stored: a module's bare keys, or the
     dotted key paths of a training state (``model.fc.weight``). Tied weights come back under all their names,
@@ -905,18 +907,32 @@ def load(path: PathLike, device: str | torch.device = "cpu") -> dict[str, torch.
     Args:
         path: a ``.safetensors`` file. Pickle files (``torch.save``) are refused with a conversion hint.
         device: where the tensors go.
+        prefix: only the tensors under this key path, with it removed: ``load("ckpt-100.safetensors",
+            prefix="model")`` is the model's state dict out of a training-state checkpoint.
 
     Returns:
         The tensors, in the file's header order.
     """
     with _open(path, device) as reader:
-        out = {name: reader.get(name) for name in reader.names()}
-        aliases = reader.header.metadata.get(_KEY_ALIASES)
-    if aliases:
-        for alias, stored in json.loads(aliases).items():
-            if stored not in out:
-                raise CheckpointError(f"'{path}': the tied name '{alias}' refers to a missing tensor '{stored}'")
-            out[alias] = out[stored]
+        names = reader.names()
+        aliases = json.loads(reader.header.metadata.get(_KEY_ALIASES, "{}"))
+        if prefix is not None:
+            start = prefix.rstrip(".") + "."
+            wanted = {n for n in [*names, *aliases] if n.startswith(start)}
+            if not wanted:
+                raise CheckpointError(f"'{path}' has no tensors under '{prefix}' (it holds "
+                                      f"{_describe(sorted({n.split('.')[0] for n in names}))})")
+            names = [n for n in names if n in wanted or n in {aliases.get(w) for w in wanted}]
+        stored = {name: reader.get(name) for name in names}
+    out = dict(stored)
+    for alias, target in aliases.items():
+        if target not in stored:
+            if prefix is None:
+                raise CheckpointError(f"'{path}': the tied name '{alias}' refers to a missing tensor '{target}'")
+            continue
+        out[alias] = stored[target]
+    if prefix is not None:
+        out = {n[len(start):]: t for n, t in out.items() if n.startswith(start)}
     return out
 
 

@@ -890,3 +890,17 @@ def test_long_file_names_still_fit(tmp_path: pathlib.Path) -> None:
     path = checkpoint.save(Net(), tmp_path / name)
     assert [p.name for p in tmp_path.iterdir()] == [name]
     assert set(checkpoint.load(path)) == set(Net().state_dict())
+
+
+def test_load_with_prefix_gives_the_model_state_dict(tmp_path: pathlib.Path) -> None:
+    model, tied = Net(), Tied()
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, 1)
+    path = checkpoint.save({"model": model, "lm": tied, "optimizer": opt, "step": 1}, tmp_path / "s.safetensors")
+    _equal_state(checkpoint.load(path, prefix="model"), model.state_dict())
+    lm = checkpoint.load(path, prefix="lm.")
+    assert set(lm) == {"embed.weight", "head.weight"} and lm["head.weight"] is lm["embed.weight"]
+    fresh = Net()
+    fresh.load_state_dict(checkpoint.load(path, prefix="model"))
+    with pytest.raises(CheckpointError, match="no tensors under 'nothing'.*'lm', 'model', 'optimizer'"):
+        checkpoint.load(path, prefix="nothing")
