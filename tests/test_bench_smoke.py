@@ -66,6 +66,7 @@ def test_run_py_summary_and_discovery() -> None:
     assert "| x | b | 4.000 s | 2.000× | ≤ 1.5×: MISSED |" in text and "**boom**" in text
 
 
+@pytest.mark.slow
 def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_checkpoint.py --tiny end to end: every save/load/RSS variant ran once, targets evaluated."""
     out = tmp_path / "bench.json"

@@ -618,6 +618,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_never_leaves_a_torn_file(tmp_path: pathlib.Path) -> None:
     target = tmp_path / "big.safetensors"
     script = tmp_path / "writer.py"
@@ -752,6 +753,7 @@ _RESUME = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_resume_is_bit_for_bit(tmp_path: pathlib.Path) -> None:
     script = tmp_path / "resume.py"
     script.write_text(_RESUME)
