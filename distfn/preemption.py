@@ -8,9 +8,9 @@ boundary even when the signal reached only some of them (the launching process f
 and SLURM signals every process of a step), and the loop can save a checkpoint and return together.
 
 SIGTERM is the one signal that also means "end now" (``kill``, torchrun and distfn itself stop ranks with it).
-A rank whose function never polled ``should_stop`` raises :class:`distfn.errors.Terminated` on the first
-SIGTERM instead, so ``finally`` blocks run and the rank exits; once it polled, SIGTERM only sets the flag and
-the loop decides. Either way a rank that ignores the request is killed by whoever sent it after a grace.
+A rank whose function does not poll ``should_stop`` (its code never mentions it, and it has not read it yet)
+raises :class:`distfn.errors.Terminated` on the first SIGTERM instead, so ``finally`` blocks run and the rank
+exits; a function that polls only gets the flag set, and the loop decides. Either way a rank that ignores the request is killed by whoever sent it after a grace.
 """
 
 from __future__ import annotations
@@ -48,9 +48,26 @@ def _on_signal(signum: int, frame: Any) -> None:
         )
 
 
-def install() -> dict[int, Any] | None:
+def polls(fn: Any) -> bool:
+    """True when ``fn``'s code (or a function nested in it) reads an attribute named ``should_stop``.
+
+    Such a function stops by itself, so SIGTERM must not raise in it even before its first poll (a loop that
+    checks once per epoch would otherwise get ``Terminated`` during the first epoch).
+    """
+    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+    stack = [code] if code is not None else []
+    while stack:
+        code = stack.pop()
+        if "should_stop" in code.co_names:
+            return True
+        stack.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return False
+
+
+def install(opt_in: bool = False) -> dict[int, Any] | None:
     """Reset the state and handle the stop signals in this process; returns the handlers to give back.
 
+    ``opt_in``: the function polls ``should_stop`` (see :func:`polls`), so SIGTERM only sets the flag.
     Returns ``None`` (and installs nothing) outside the main thread, where Python cannot set handlers, and
     ``{}`` when they are installed already.
     """
@@ -58,8 +75,9 @@ def install() -> dict[int, Any] | None:
     if threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGTERM) is _on_signal:
+        _state.polled = _state.polled or opt_in
         return {}  # a self-spawned worker installed them first thing: keep what arrived since
-    _state = _State()
+    _state = _State(polled=opt_in)
     previous: dict[int, Any] = {}
     for sig in STOP_SIGNALS:
         previous[sig] = signal.signal(sig, _on_signal)

@@ -168,7 +168,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     mark_active(True)
     log = logs.setup(topology.rank, topology.world_size)
     started_group = False
-    stop_handlers = preemption.install()  # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only)
+    # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
+    stop_handlers = preemption.install(opt_in=preemption.polls(fn))
     try:
         device = select_device(opts.mode, topology, opts.backend)
         if device.type == "cuda":

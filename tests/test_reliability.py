@@ -235,10 +235,18 @@ def test_should_stop_and_terminated_in_one_process() -> None:
     def polls(cfg, ctx):
         first = ctx.should_stop
         os.kill(os.getpid(), signal.SIGUSR2)
-        os.kill(os.getpid(), signal.SIGTERM)  # after polling: only sets the flag
+        os.kill(os.getpid(), signal.SIGTERM)  # a function that polls: only sets the flag
         return first, ctx.should_stop, preemption.requested()
 
     assert polls() == (False, True, "SIGUSR2")
+
+    @distributed(mode="single")
+    def polls_later(cfg, ctx):
+        os.kill(os.getpid(), signal.SIGTERM)  # before its first poll: its code polls, so no Terminated
+        time.sleep(0.01)
+        return ctx.should_stop, preemption.requested()
+
+    assert polls_later() == (True, "SIGTERM")
 
     @distributed(mode="single")
     def ignores(cfg, ctx):

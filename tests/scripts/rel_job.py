@@ -60,15 +60,11 @@ def body(cfg, ctx):
             for i, _ in enumerate(loader):
                 if i == 3 and ctx.rank == 1:
                     raise RuntimeError("failed while DataLoader workers run")
-        if case in ("sigint", "sigterm", "preempt", "stubborn"):
-            # wait here until the test signals the launching process; should_stop is polled in "preempt" only
+        if case in ("sigint", "sigterm", "stubborn"):
+            # wait here until the test signals the launching process (this function never polls should_stop)
             steps = 0
             while True:
-                if case == "preempt":
-                    if ctx.should_stop:
-                        return {"rank": ctx.rank, "steps": ctx.gather_object(steps)}
-                else:
-                    ctx.barrier()
+                ctx.barrier()
                 steps += 1
                 if steps == 3:
                     _mark(cfg, ctx, "ready")
@@ -81,7 +77,23 @@ def body(cfg, ctx):
             time.sleep(60)  # a finally block that does not end: only a second Ctrl-C (SIGKILL) stops it
 
 
+def preempt_body(cfg, ctx):
+    """Steps until ctx.should_stop, then returns the step count every rank stopped at."""
+    _mark(cfg, ctx, "pid")
+    try:
+        steps = 0
+        while not ctx.should_stop:
+            steps += 1
+            if steps == 3:
+                _mark(cfg, ctx, "ready")
+            time.sleep(0.05)
+        return {"rank": ctx.rank, "steps": ctx.gather_object(steps)}
+    finally:
+        _mark(cfg, ctx, "finally")
+
+
 job = distributed(nprocs=2, timeout=10)(body)
+preempt_job = distributed(nprocs=2, timeout=10)(preempt_body)
 
 
 def main() -> int:
@@ -93,7 +105,7 @@ def main() -> int:
         t0 = time.monotonic()
         record = {"case": case, "ok": True, "value": None, "error": None, "type": None}
         try:
-            value = job({"case": case, "marks": marks})
+            value = (preempt_job if case == "preempt" else job)({"case": case, "marks": marks})
             record["value"] = repr(value)
             status = 0
         except WorkerError as exc:
