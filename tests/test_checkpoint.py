@@ -983,3 +983,63 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint(tmp_path: pathlib.P
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert sorted(p.name for p in (tmp_path / "crashed").iterdir()) == ["ckpt-6.safetensors", "ckpt-7.safetensors"]
+
+
+_TWO_RANKS = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from torch import nn
+    import distfn
+    from distfn import checkpoint, distributed
+
+    @distributed(mode="ddp", seed=0, nprocs=2)
+    def job(cfg, ctx):
+        calls = []
+        real = checkpoint.save
+        checkpoint.save = lambda *a, **k: (calls.append(ctx.rank), real(*a, **k))[1]  # count real writes
+        model = ctx.wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(ctx.rank))
+        model(x).square().mean().backward()
+        opt.step()
+        # 1) called by every rank: only rank 0 writes, every rank gets the path back
+        path = ctx.save({"model": model, "optimizer": opt, "step": 1}, os.path.join(cfg["dir"], "all.safetensors"))
+        # 2) called under `if ctx.is_main:` only: must not hang (no collective inside)
+        if ctx.is_main:
+            ctx.save(model, os.path.join(cfg["dir"], "main.safetensors"))
+        ctx.barrier()
+        fresh = ctx.wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+        rest = ctx.load(path, into={"model": fresh, "optimizer": fresh_opt})
+        same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+        return ctx.gather_object({"rank": ctx.rank, "calls": calls, "path": str(path), "rest": rest,
+                                  "same": same, "lr": fresh_opt.param_groups[0]["lr"]})
+
+    if __name__ == "__main__":
+        print("RESULT " + json.dumps(job({"dir": sys.argv[1]})))
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_ranks_one_write_no_collective_and_ddp_round_trip(tmp_path: pathlib.Path) -> None:
+    script = tmp_path / "two.py"
+    script.write_text(_TWO_RANKS)
+    env = {k: v for k, v in _env().items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith(("TORCHELASTIC_", "DISTFN_", "SLURM_", "OMPI_", "PMI_"))}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    results = json.loads(line.removeprefix("RESULT "))
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["calls"] == [0, 0] and results[1]["calls"] == []  # rank 0 wrote both files, rank 1 none
+    assert {r["path"] for r in results} == {str(tmp_path / "all.safetensors")}
+    assert all(r["same"] and r["rest"] == {"step": 1} and r["lr"] == 0.1 for r in results)
+    for name in ("all.safetensors", "main.safetensors"):
+        keys = set(load_file(tmp_path / name))
+        assert not any("module." in k for k in keys)  # DDP's prefix never reaches the file
+    assert set(load_file(tmp_path / "main.safetensors")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all.safetensors", "main.safetensors", "two.py"]
