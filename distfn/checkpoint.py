@@ -1230,7 +1230,8 @@ def load_into(
 
     Args:
         path: a ``.safetensors`` file (written by :func:`save` or by other tools).
-        into: a module (possibly wrapped) for a module file, or a mapping naming the entries of a training
+        into: a module (possibly wrapped) for a module file (or any single object the file was saved from,
+            e.g. an optimizer), or a mapping naming the entries of a training
             state to restore, e.g. ``{"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler,
             "rng": RNG}``. Values may be modules, optimizers, schedulers, ``GradScaler``\\ s, tensors, objects
             with ``load_state_dict()``, nested mappings of those, or ``None`` (skipped). Module entries accept
@@ -1242,7 +1243,7 @@ def load_into(
 
     Returns:
         The file's top-level entries that ``into`` did not name (``step``, ``epoch``, ``best``, ...), decoded:
-        tensors on ``device``, other values as saved. ``{}`` when ``into`` is a module.
+        tensors on ``device``, other values as saved. ``{}`` when ``into`` is a single object.
 
     Raises:
         CheckpointError: unreadable or pickle file, missing/unexpected keys (strict), the first shape mismatch
@@ -1252,14 +1253,14 @@ def load_into(
     with _open(path, dev) as reader:
         tree = _tree(reader.header)
         restorer = _Restorer(reader, dev, strict)
-        if isinstance(into, nn.Module):
-            restorer.plan(into, tree, ())
-            leftovers: dict[Any, Any] = {}
-        elif isinstance(into, Mapping):
-            leftovers = restorer.mapping(into, tree, ())
+        if isinstance(into, Mapping):
+            leftovers: dict[Any, Any] = restorer.mapping(into, tree, ())
+        elif isinstance(into, (nn.Module, torch.Tensor)) or _is_stateful(into):
+            restorer.plan(into, tree, ())  # a file saved from this one object (e.g. save(optimizer, path))
+            leftovers = {}
         else:
-            raise CheckpointError(f"into= must be a module or a mapping of objects to restore, got "
-                                  f"{type(into).__qualname__}")
+            raise CheckpointError(f"into= must be a module, a stateful object or a mapping of objects to restore, "
+                                  f"got {type(into).__qualname__}")
         for step in restorer.steps:
             step.apply()
         result = {k: _decode(v, reader, dev) for k, v in leftovers.items()}

@@ -1043,3 +1043,16 @@ def test_two_ranks_one_write_no_collective_and_ddp_round_trip(tmp_path: pathlib.
         assert not any("module." in k for k in keys)  # DDP's prefix never reaches the file
     assert set(load_file(tmp_path / "main.safetensors")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["all.safetensors", "main.safetensors", "two.py"]
+
+
+def test_single_stateful_objects_at_the_top(tmp_path: pathlib.Path) -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, 2)
+    path = checkpoint.save(opt, tmp_path / "opt.safetensors")
+    assert "state.0.exp_avg" in load_file(path)
+    opt2 = torch.optim.Adam(Net().parameters())
+    assert checkpoint.load_into(path, opt2) == {}
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(CheckpointError, match="into= must be"):
+        checkpoint.load_into(path, 42)  # type: ignore[arg-type]
