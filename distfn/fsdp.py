@@ -138,8 +138,8 @@ def _min_params(value: Any) -> int:
     return value
 
 
-def _reshard(value: Any) -> bool | int:
-    if isinstance(value, bool) or isinstance(value, int) and value >= 1:
+def _reshard(value: Any) -> bool | int | None:
+    if value is None or isinstance(value, bool) or isinstance(value, int) and value >= 1:
         return value
     raise ConfigError(f"fsdp={{'reshard_after_forward': {value!r}}} must be a bool or a positive int "
                       "(the size of the smaller world to reshard to)")
@@ -180,6 +180,8 @@ class FsdpOptions:
         pin_memory: pin the offloaded memory (only with CUDA; ignored on CPU-only machines).
         reshard_after_forward: free gathered parameters after forward (``True``, ZeRO-3-like), keep them until
             backward (``False``, ZeRO-2-like: faster, more memory) or reshard to a smaller world (an int).
+            ``None`` (default) is torch's own default: ``True`` for every unit but the root, whose parameters
+            backward needs first anyway.
         save_timeout: seconds a rank waits in ``ctx.save`` for the other ranks before reporting that they did not
             call it.
     """
@@ -189,14 +191,16 @@ class FsdpOptions:
     mixed_precision: MixedPrecision | None = attrs.field(default=None, converter=MixedPrecision.parse)
     cpu_offload: bool = False
     pin_memory: bool = True
-    reshard_after_forward: bool | int = attrs.field(default=True, converter=_reshard)
+    reshard_after_forward: bool | int | None = attrs.field(default=None, converter=_reshard)
     save_timeout: float = attrs.field(default=DEFAULT_SAVE_TIMEOUT, converter=_timeout)
 
     def fully_shard_kwargs(self, device: torch.device) -> dict[str, Any]:
         """Keyword arguments for ``fully_shard`` (the same for every unit)."""
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
+        kwargs: dict[str, Any] = {}
+        if self.reshard_after_forward is not None:
+            kwargs["reshard_after_forward"] = self.reshard_after_forward
         if self.mixed_precision is not None:
             kwargs["mp_policy"] = self.mixed_precision.policy()
         if self.cpu_offload:
