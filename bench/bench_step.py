@@ -1,8 +1,8 @@
 """Step overhead: median time of one DDP training step through distfn vs the same loop hand-written.
 
-Both variants run the identical loop (same model, same seeded init, same per-rank data, same thread budget)
-on 2 ranks with gloo, each in a fresh ``python`` process per round, interleaved. The first ``--warmup`` steps
-are dropped; a round's sample is rank 0's median step time. The final weights of every run must be
+Both variants run the identical loop (same model, same seeded init, same per-rank data, same thread budget, same
+loopback interface) on 2 ranks with gloo, each in a fresh ``python`` process per round, interleaved. The first
+``--warmup`` steps are dropped; a round's sample is rank 0's median step time. The final weights of every run must be
 bit-identical across variants and rounds (Lightning's parity-test design). Target: ratio ≤ 1.01.
 """
 
@@ -74,6 +74,8 @@ def handwritten_worker(rank: int, port: int, cfg: dict[str, Any]) -> None:
     # the same thread budget distfn gives each of the node's processes (cpus // processes), so the comparison
     # is of the loop, not of oversubscription
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORLD))
+    # and the same network path: distfn's self-spawned ranks talk over the loopback interface
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     torch.manual_seed(SEED)
     model = DDP(make_model(cfg["width"]))
@@ -123,8 +125,8 @@ def _identical(runs: dict[str, list[Path]]) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = c.parser(__doc__.splitlines()[0], rounds=7)
-    p.add_argument("--steps", type=int, default=120)
+    p = c.parser(__doc__.splitlines()[0], rounds=15)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--width", type=int, default=1024)
