@@ -107,13 +107,18 @@ def chart(results: list[dict[str, Any]], path: Path) -> Path | None:
     tables = [t for r in results for t in r["tables"] if any(row["median"] is not None for row in t["rows"])]
     if not tables:
         return None
-    fig, axes = plt.subplots(len(tables), 1, figsize=(9, 1.2 + 0.45 * sum(len(t["rows"]) + 2 for t in tables)),
-                             squeeze=False)
-    for ax, tab in zip(axes[:, 0], tables):
+    cols = 2 if len(tables) > 3 else 1
+    grid = [tables[i:i + cols] for i in range(0, len(tables), cols)]
+    heights = [max(len(t["rows"]) for t in row) + 2 for row in grid]
+    fig, axes = plt.subplots(len(grid), cols, figsize=(9 * cols, 0.5 + 0.42 * sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax in axes.flat[len(tables):]:
+        ax.set_visible(False)
+    for ax, tab in zip(axes.flat, tables):
         rows = [r for r in tab["rows"] if r["median"] is not None]
         scale, unit = (1000.0, "ms") if tab["unit"] == "s" and max(r["median"] for r in rows) < 1 else (1.0, tab["unit"])
         values = [r["median"] * scale for r in rows]
-        colors = ["#d9480f" if r["variant"].startswith("distfn") else "#868e96" for r in rows]
+        colors = ["#d9480f" if r["variant"].startswith(("distfn", "ctx.")) else "#868e96" for r in rows]
         bars = ax.barh([r["variant"] for r in rows], values, color=colors)
         ax.invert_yaxis()
         for bar, r in zip(bars, rows):
