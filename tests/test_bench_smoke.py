@@ -115,7 +115,8 @@ def test_fsdp_bench_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["benchmark"] == "fsdp" and result["identical_losses"] is True
-    step, held = result["tables"]
+    step, held, sync = result["tables"]
+    assert sync["rows"][0]["median"] > 0
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in step["rows"])
     assert step["targets"][0]["variant"] == "distfn fsdp" and step["targets"][0]["met"] in (True, False)
     ratios = {r["variant"]: r["ratio"] for r in held["rows"]}
