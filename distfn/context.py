@@ -314,7 +314,7 @@ class Context:
         on every rank, onto ``ctx.device``; returns the non-tensor values saved with it (``step``, ...).
 
         In ``mode="fsdp"`` sharded models and optimizers get their shard of the full tensors in the file (written
-        in fsdp or ddp mode); call it on every rank."""
+        in fsdp or ddp mode); call it on every rank (calling it on rank 0 only is detected and raises)."""
         from . import checkpoint
 
         if self.mode == "fsdp":

@@ -440,10 +440,16 @@ def finish() -> None:
             logger.trace("fsdp: could not post exit: {}", exc)
 
 
-def _skip_message(rank: int, number: int, late_rank: int) -> str:
-    return (f"ctx.save in mode='fsdp' must be called on every rank: it gathers the sharded model, a collective. "
-            f"Rank {rank} is in save #{number} but rank {late_rank} went on without calling it. Call ctx.save on "
-            f"every rank (not under `if ctx.is_main:`); only rank 0 writes the file.")
+_WHY: Final = {
+    "ctx.save": "it gathers the sharded model, a collective; only rank 0 writes the file",
+    "ctx.load": "every rank receives its shard from rank 0, a collective",
+}
+
+
+def _skip_message(what: str, rank: int, number: int, late_rank: int) -> str:
+    return (f"{what} in mode='fsdp' must be called on every rank ({_WHY[what]}). Rank {rank} is in {what} "
+            f"(checkpoint call #{number}) but rank {late_rank} went on without calling it. Call {what} on every "
+            "rank, not under `if ctx.is_main:`.")
 
 
 def note_progress() -> None:
@@ -456,11 +462,11 @@ def note_progress() -> None:
     run.post()  # post first, then look: with the saver doing the opposite, one of the two always notices
     pending = run.key("save", run.saves + 1)
     if run.store.check([pending]):
+        what = run.store.get(pending + "/what").decode() if run.store.check([pending + "/what"]) else "ctx.save"
         raise CheckpointError(
-            f"rank {run.rank} went on (a forward pass or a collective) while another rank is in ctx.save "
-            f"#{run.saves + 1}, which this rank never called. In mode='fsdp' ctx.save gathers the sharded model "
-            "(a collective) and must be called on every rank, not under `if ctx.is_main:`; only rank 0 writes "
-            "the file."
+            f"rank {run.rank} went on (a forward pass or a collective) while another rank is in {what} (checkpoint "
+            f"call #{run.saves + 1}), which this rank never called. In mode='fsdp' {what} must be called on every "
+            f"rank ({_WHY.get(what, 'a collective')}), not under `if ctx.is_main:`."
         )
 
 
@@ -469,12 +475,14 @@ def _on_forward(module: nn.Module, args: Any) -> None:
     note_progress()
 
 
-def _check_in(run: _Run) -> None:
-    """Wait until every rank has entered this save, or raise ``CheckpointError`` naming the rank that will not."""
+def _check_in(run: _Run, what: str) -> None:
+    """Wait until every rank has entered this checkpoint call (``what``: ``"ctx.save"`` or ``"ctx.load"``, which
+    share one count), or raise ``CheckpointError`` naming the rank that will not."""
     run.saves += 1
     number = run.saves
     run.post()
     key = run.key("save", number)
+    run.store.set(key + "/what", what)  # before the key exists: whoever sees the key can name the call
     everyone = run.key("save", number, "all")
     if run.store.add(key, 1) >= run.world_size:
         run.store.set(everyone, "1")  # the last to arrive releases the others
@@ -499,12 +507,13 @@ def _check_in(run: _Run) -> None:
         missing = [r for r in range(run.world_size) if r not in states or states[r][0] < number]
         for other in missing:
             if other in states and states[other][1] > run.progress:  # went past this save point, or finished
-                raise CheckpointError(_skip_message(run.rank, number, other))
+                raise CheckpointError(_skip_message(what, run.rank, number, other))
         if now >= deadline:
             raise CheckpointError(
-                f"ctx.save in mode='fsdp' must be called on every rank; rank {run.rank} waited "
-                f"{run.options.save_timeout:g} s in save #{number} and rank(s) {missing or 'unknown'} did not "
-                "arrive. Call ctx.save on every rank (not under `if ctx.is_main:`); if some rank legitimately "
+                f"{what} in mode='fsdp' must be called on every rank; rank {run.rank} waited "
+                f"{run.options.save_timeout:g} s in {what} (checkpoint call #{number}) and rank(s) "
+                f"{missing or 'unknown'} did not arrive. Call {what} on every rank (not under `if ctx.is_main:`); "
+                "if some rank legitimately "
                 "arrives much later, allow a longer wait with the fsdp option for it (docs/modes.md)."
             )
 
@@ -604,7 +613,7 @@ def save(
     found = _walk(obj)
     if any(is_sharded(x) for x in found):
         if _RUN is not None and _RUN.store is not None:
-            _check_in(_RUN)
+            _check_in(_RUN, "ctx.save")
         obj = _gather(obj, [m for m in found if isinstance(m, nn.Module) and is_sharded(m)])
     if rank == 0:
         return checkpoint.save(obj, path, metadata=metadata, keep=keep)
@@ -718,5 +727,8 @@ def load(
     """
     from . import checkpoint
 
-    models = [m for m in _walk(into) if isinstance(m, nn.Module) and is_sharded(m)]
+    found = _walk(into)
+    if any(is_sharded(x) for x in found) and _RUN is not None and _RUN.store is not None:
+        _check_in(_RUN, "ctx.load")
+    models = [m for m in found if isinstance(m, nn.Module) and is_sharded(m)]
     return checkpoint.load_into(path, _targets(into, models, strict), device=device, strict=strict)

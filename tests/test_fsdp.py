@@ -208,3 +208,9 @@ def test_save_on_rank0_only_is_an_error_not_a_hang(job: tuple[dict, Path]) -> No
     assert raw["message"] is not None and raw["ranks"][0] == 0
     assert "must be called on every rank" in raw["message"] and "waited 1 s" in raw["message"]
     assert raw["seconds"] < 60
+    # ctx.load has the same check-in: rank 0 alone would wait forever in the broadcast of the shards.
+    load = result["rank0_load"]
+    assert load["message"] is not None
+    assert ("ctx.load in mode='fsdp' must be called on every rank" in load["message"]
+            or "while another rank is in ctx.load" in load["message"])
+    assert load["seconds"] < 60

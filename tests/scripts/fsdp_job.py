@@ -1,7 +1,7 @@
 """FSDP jobs for tests/test_fsdp.py: ``python fsdp_job.py OUT`` runs every case on 2 CPU ranks, writes OUT/result.json.
 
 Cases, in order: a DDP reference run (writes a step-5 checkpoint), an FSDP run (sharding, loss parity, full-file
-save, resume from its own and from the DDP checkpoint), and three jobs that wrongly call ctx.save on rank 0 only.
+save, resume from its own and from the DDP checkpoint), and jobs that wrongly call ctx.save / ctx.load on rank 0 only.
 """
 
 from __future__ import annotations
@@ -140,6 +140,15 @@ def rank0_save_then_raw_collective(out: Path, ctx):
     dist.barrier()  # not through distfn: leaves no trace, so only save_timeout can end it
 
 
+@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"min_params": 1000})
+def rank0_load_then_train(out: Path, ctx):
+    model = ctx.wrap(Net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if ctx.is_main:  # e.g. "load pretrained weights on the main rank": every rank must receive its shard
+        ctx.load(out / "final.safetensors", into=model)
+    run_steps(ctx, model, opt, 1, 2)
+
+
 def expect_failure(job, out: Path) -> dict:
     start = time.monotonic()
     try:
@@ -155,4 +164,5 @@ if __name__ == "__main__":
     result["rank0_forward"] = expect_failure(rank0_save_then_train, out)
     result["rank0_barrier"] = expect_failure(rank0_save_then_barrier, out)
     result["rank0_raw"] = expect_failure(rank0_save_then_raw_collective, out)
+    result["rank0_load"] = expect_failure(rank0_load_then_train, out)
     (out / "result.json").write_text(json.dumps(result, default=str))
