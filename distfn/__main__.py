@@ -58,8 +58,8 @@ def _cuda(env: Mapping[str, str]) -> dict[str, Any]:
         "initialized": torch.cuda.is_initialized(),
     }
     try:
-        info["available"] = torch.cuda.is_available()
-        info["device_count"] = torch.cuda.device_count() if info["available"] else 0
+        info["device_count"] = torch.cuda.device_count()  # NVML first, like distfn's launching process
+        info["available"] = info["device_count"] > 0
     except Exception as exc:  # noqa: BLE001 - a broken driver is exactly what this command should show
         info["error"] = f"{type(exc).__name__}: {exc}"
         return info
@@ -107,7 +107,19 @@ def _versions() -> dict[str, Any]:
     }
 
 
-def _plan(describe: Mapping[str, Any], cuda: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+def _start_method() -> tuple[str | None, str]:
+    """What ``start_method="auto"`` would choose in this process. Asked before anything touches CUDA here:
+    reading the device names below initialises CUDA, after which the answer would always be spawn."""
+    try:
+        from . import spawn
+
+        return spawn.choose_start_method("auto")
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _plan(describe: Mapping[str, Any], cuda: Mapping[str, Any], env: Mapping[str, str],
+          start_method: tuple[str | None, str] = (None, "")) -> dict[str, Any]:
     """Ranks, device per rank and backend that a decorated ``mode="ddp"`` call would use here."""
     count = cuda["device_count"]
     plan: dict[str, Any] = {"backend": "nccl" if count else "gloo"}
@@ -120,12 +132,7 @@ def _plan(describe: Mapping[str, Any], cuda: Mapping[str, Any], env: Mapping[str
             nprocs, source = str(count or 1), ("visible CUDA devices" if count else "no CUDA: one process")
         plan["nprocs"] = nprocs
         plan["nprocs_source"] = source
-        try:
-            from . import spawn
-
-            plan["start_method"], plan["start_method_reason"] = spawn.choose_start_method("auto")
-        except Exception as exc:  # noqa: BLE001
-            plan["start_method"], plan["start_method_reason"] = None, f"{type(exc).__name__}: {exc}"
+        plan["start_method"], plan["start_method_reason"] = start_method
         local_ranks = range(int(nprocs)) if nprocs.isdigit() else range(0)
     elif topo is not None:
         local_ranks = range(topo["local_rank"], topo["local_rank"] + 1)
@@ -153,6 +160,7 @@ def collect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = N
 
     env = dict(os.environ if env is None else env)
     detected = describe(env, tuple(argv or ()), launcher)
+    start_method = _start_method()
     cuda = _cuda(env)
     variables = dict(detected.pop("variables"))
     variables.update({k: env[k] for k in _EXTRA_VARIABLES if k in env})
@@ -161,7 +169,7 @@ def collect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = N
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "launcher": detected,
-        "plan": _plan(detected, cuda, env),
+        "plan": _plan(detected, cuda, env, start_method),
         "cuda": cuda,
         "versions": _versions(),
         "variables": dict(sorted(variables.items())),
