@@ -911,7 +911,9 @@ def load(
             prefix="model")`` is the model's state dict out of a training-state checkpoint.
 
     Returns:
-        The tensors, in the file's header order.
+        The tensors, in the file's header order. CPU tensors are copy-on-write views of a memory map of the
+        file (read on first use): another tool must not rewrite the file *in place* while they are in use
+        (distfn's own saves replace it by rename, which is safe); ``.clone()`` them to detach from the file.
     """
     with _open(path, device) as reader:
         names = reader.names()
