@@ -1220,7 +1220,7 @@ def _kind(node: Any) -> str:
 
 def load_into(
     path: PathLike,
-    into: Mapping[str, Any] | nn.Module,
+    into: Mapping[str, Any] | nn.Module | torch.optim.Optimizer | Any,
     *,
     device: str | torch.device = "cpu",
     strict: bool = True,
