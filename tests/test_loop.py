@@ -213,6 +213,7 @@ def test_logging_levels_ranks_user_sinks_and_thread_sizing(tmp_path: Path) -> No
     assert "info from rank 0" in err and "info from rank 1" not in err
     assert "warning from rank 0" in err and "warning from rank 1" in err
     assert "debug from rank" not in err
+    assert any("launcher: spawn" in line and "(OMP_NUM_THREADS=2)" in line for line in err.splitlines())
     assert any("rank 1/2" in line and "warning from rank 1" in line for line in err.splitlines())
     for rank in (0, 1):  # the user's own sink is kept and sees everything it asked for
         assert f"debug from rank {rank}" in user and f"info from rank {rank}" in user
@@ -220,7 +221,9 @@ def test_logging_levels_ranks_user_sinks_and_thread_sizing(tmp_path: Path) -> No
     threads, err, _ = _logs_run(tmp_path, "all", DISTFN_LOG_RANKS="all", DISTFN_LOG_LEVEL="TRACE")
     assert threads == [max(1, cpus // 2)] * 2  # OMP_NUM_THREADS unset: the cores are split between the ranks
     assert "info from rank 1" in err and "debug from rank 1" in err
-    assert sum("CPU threads per process" in line for line in err.splitlines()) == 2
+    sized = [line for line in err.splitlines() if "CPU thread(s) per process" in line]
+    assert len(sized) == 1 and "rank 0/2" in sized[0]  # rank 0's start-up line says how the cores were split
+    assert f"{max(1, cpus // 2)} CPU thread(s) per process ({cpus} CPUs / 2 processes on this node)" in sized[0]
 
 
 # -- in this process ------------------------------------------------------------------------------------------
