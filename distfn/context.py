@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import collectives
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset, DistributedSampler
@@ -284,6 +284,7 @@ class Context:
         metadata: Mapping[str, Any] | None = None,
         *,
         keep: int | None = None,
+        rng: bool = False,
     ) -> Path:
         """Write ``obj`` to ``path`` as safetensors from rank 0; other ranks return at once.
 
@@ -296,8 +297,19 @@ class Context:
         In ``mode="fsdp"``, when ``obj`` holds a sharded model or optimizer, **every rank must call it**: it
         gathers full state dicts to the CPU of rank 0 (a collective), which writes the same single file as DDP
         mode. Calling it on rank 0 only is detected and raises ``CheckpointError`` instead of hanging.
+
+        ``rng=True`` also stores every rank's random generator states (Python, NumPy, torch, CUDA) under
+        ``"rng"``, so that ``ctx.load(..., rng=True)`` continues bit-for-bit. Gathering them is a collective:
+        with ``rng=True`` every rank must call ``ctx.save`` (not only rank 0). ``obj`` must then be a mapping.
         """
         from . import checkpoint
+
+        if rng:
+            if not isinstance(obj, Mapping):
+                raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
+                                  "{'model': model, 'optimizer': opt, 'step': step}")
+            states = collectives.gather_object(checkpoint.rng_state())
+            obj = {**obj, "rng": checkpoint.combine_rng_states(states)}
 
         if self.mode == "fsdp":
             from . import fsdp
@@ -308,10 +320,18 @@ class Context:
         return Path(path)
 
     def load(
-        self, path: str | os.PathLike[str], into: nn.Module | Mapping[str, Any], *, strict: bool = True
+        self,
+        path: str | os.PathLike[str],
+        into: nn.Module | Mapping[str, Any],
+        *,
+        strict: bool = True,
+        rng: bool = False,
     ) -> dict[str, Any]:
         """Restore ``into`` (a module, or a mapping of modules/optimizers/schedulers/...) in place from ``path``
         on every rank, onto ``ctx.device``; returns the non-tensor values saved with it (``step``, ...).
+
+        ``rng=True`` restores this rank's random generator states saved by ``ctx.save(..., rng=True)`` (no
+        collective); a file without them is an error.
 
         In ``mode="fsdp"`` sharded models and optimizers get their shard of the full tensors in the file (written
         in fsdp or ddp mode); call it on every rank (calling it on rank 0 only is detected and raises)."""
@@ -320,5 +340,12 @@ class Context:
         if self.mode == "fsdp":
             from . import fsdp
 
-            return fsdp.load(path, into, device=self.device, strict=strict)
-        return checkpoint.load_into(path, into, device=self.device, strict=strict)
+            values = fsdp.load(path, into, device=self.device, strict=strict)
+        else:
+            values = checkpoint.load_into(path, into, device=self.device, strict=strict)
+        if rng:
+            saved = values.pop("rng", None)
+            if saved is None:
+                raise CheckpointError(f"{path} holds no RNG states; write it with ctx.save(..., rng=True)")
+            checkpoint.set_rng_state(checkpoint.rng_state_for_rank(saved, self.rank, self.world_size))
+        return values
