@@ -3,6 +3,7 @@ leftovers. Writes the rows as JSON too.
 
     python bench/stress_faults.py --runs 5 --json stress_faults.json
     python bench/stress_faults.py --runs 2 --cases raise,segv,sigterm
+    python bench/stress_faults.py --runs 2 --start-method forkserver
 
 In-process cases run ``tests/scripts/rel_job.py CASE - N`` (N launches in one Python process, 2 ranks each);
 "seconds" is the time from the decorated call to the ``WorkerError`` (or the return value). Signal cases start
@@ -58,7 +59,8 @@ def _env(**extra: str) -> dict[str, str]:
 def _after_exit(sid: int, tmp: str, shm_before: set[str]) -> list[str]:
     time.sleep(0.2)  # let the kernel reap what was just killed
     left = processes(sid, session=True) + shm_segments(shm_before)
-    left += [f"temp {n}" for n in os.listdir(tmp)]
+    # torchinductor_<user>: torch's compile cache, which a fresh interpreter (spawn) may create; kept on purpose
+    left += [f"temp {n}" for n in os.listdir(tmp) if not n.startswith("torchinductor_")]
     return left
 
 
@@ -142,7 +144,9 @@ def main() -> None:
     parser.add_argument("--hang-runs", type=int, default=1, help="runs of the 10 s collective-timeout case")
     parser.add_argument("--cases", default=",".join([*EXPECT, *SIGNAL_CASES]))
     parser.add_argument("--json", default="stress_faults.json", help="where to write the rows")
+    parser.add_argument("--start-method", default="auto", help="auto (fork here), spawn or forkserver")
     args = parser.parse_args()
+    os.environ["REL_START_METHOD"] = args.start_method
     table = []
     for case in args.cases.split(","):
         if case in EXPECT:
@@ -169,8 +173,8 @@ def main() -> None:
             "signal to the KeyboardInterrupt/WorkerError/return in the launching process (parent-kill: to the "
             "last worker's death)")
     print(f"\n{note}")
-    Path(args.json).write_text(json.dumps({"rows": table, "note": note, "python": sys.version.split()[0]},
-                                          indent=2))
+    Path(args.json).write_text(json.dumps({"rows": table, "note": note, "python": sys.version.split()[0],
+                                           "start_method": args.start_method}, indent=2))
     print(f"wrote {args.json}")
 
 

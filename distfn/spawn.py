@@ -406,14 +406,18 @@ def _arm_faulthandler(conn: Connection) -> None:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this worker when the launching process dies, even by SIGKILL (no orphans)."""
+    """Ask Linux to SIGKILL this worker when its parent dies, even by SIGKILL (no orphans).
+
+    The parent is the launching process (fork, spawn), or under forkserver the fork server, which exits when
+    the launching process does; ``parent_pid`` is 0 then, and only the launching process's own check applies.
+    """
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if parent_pid and os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
@@ -483,6 +487,9 @@ def _entry(
             failure = Failure.from_exception(rank, exc)
     except BaseException as exc:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
         failure = Failure.from_exception(rank, exc)
+    # The function is over: a SIGTERM now (the launching process stopping the job) just ends the process,
+    # rather than raising Terminated into the report being sent or into interpreter shutdown.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         conn.send(("error", failure) if failure is not None else ("ok", payload))
         conn.close()
@@ -818,7 +825,8 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
             stack_reader, stack_writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=_entry,
-                args=(rank, nprocs, port, fn, cfg, opts, writer, stack_writer, os.getpid(),
+                args=(rank, nprocs, port, fn, cfg, opts, writer, stack_writer,
+                      os.getpid() if method != "forkserver" else 0,
                       listener.fileno() if method == "fork" else -1),
                 name=f"distfn-rank{rank}",
                 daemon=False,  # daemonic processes may not have children: DataLoader workers need them
@@ -859,8 +867,14 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
         elif forwarder.deadline is not None:
             # SIGTERM was forwarded: the workers are already stopping (saving, running finally blocks)
             _stop(workers, None, forwarder.remaining())
-        elif failures or any(w.process.exitcode is None for w in workers):
-            _stop(workers, signal.SIGTERM, STOP_GRACE if not failures else 2.0)
+        elif failures:
+            _stop(workers, signal.SIGTERM, 2.0)
+        elif all(w.ok for w in workers):
+            # every rank returned: let them exit by themselves (flushing their output, joining their own
+            # children); only one that does not within the grace is killed
+            _stop(workers, None, STOP_GRACE)
+        else:
+            _stop(workers, signal.SIGTERM, STOP_GRACE)  # this process failed (e.g. the store did not start)
         # Errors the other ranks reported while being stopped come after the first one; a rank that distfn
         # itself stopped after the first failure reports Terminated, which is no news.
         stopped: list[Failure] = []

@@ -24,7 +24,7 @@ from distfn import ConfigError, Terminated, distributed
 from distfn import preemption, spawn
 
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import alive, decode_addr, listening  # noqa: E402
+from rel_leftovers import alive, decode_addr, listening, processes  # noqa: E402
 
 JOB = str(SCRIPTS / "rel_job.py")
 HOST = socket.gethostname()
@@ -87,6 +87,22 @@ def test_twenty_launches_report_each_failure_and_leave_nothing_behind(tmp_path: 
     # the launching process's exit status follows its last launch (it raised)
     assert proc.returncode == 1
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_forkserver_reports_crashes_and_leaves_nothing_after_exit(tmp_path: Path) -> None:
+    """The same reports through forkserver (workers are children of the fork server, not of the launcher)."""
+    proc = _start(["segv,ok", "-"], TMPDIR=str(tmp_path), REL_START_METHOD="forkserver")
+    out, err = proc.communicate(timeout=240)
+    recs = _records(out)
+    assert [r["case"] for r in recs] == ["segv", "ok"], err[-3000:]
+    segv, ok = recs
+    assert "was killed by SIGSEGV" in segv["error"] and " in body" in segv["error"]
+    assert ok["ok"] and "'ranks': [0, 1]" in ok["value"]
+    assert all(r["leftovers"] == [] for r in recs), recs
+    time.sleep(0.5)  # the fork server and resource tracker exit with the launching process
+    assert processes(proc.pid, session=True) == []
+    assert [n for n in os.listdir(tmp_path) if not n.startswith("torchinductor_")] == []
 
 
 def test_collective_timeout_names_timeout_missing_rank_and_stacks() -> None:

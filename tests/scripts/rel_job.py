@@ -6,7 +6,8 @@ Runs the cases in turn, REPEAT times over (default 1), in this process and print
 ``{"case", "ok", "value", "error", "type", "seconds", "ended", "leftovers"}``; ``leftovers`` lists what the launch left
 behind in this process (child processes, listening sockets, /dev/shm segments named after its pids).
 With MARK_DIR, every rank writes ``MARK_DIR/<case>.rank<r>.pid`` at start and ``...finally`` in its ``finally``.
-Exit status: 0 when the last launch returned, 1 when it raised. REL_UNCAUGHT=1 lets a WorkerError propagate.
+Exit status: 0 when the last launch returned, 1 when it raised. REL_UNCAUGHT=1 lets a WorkerError propagate;
+REL_START_METHOD picks the start method (default auto, i.e. fork here).
 """
 
 import ctypes
@@ -92,8 +93,9 @@ def preempt_body(cfg, ctx):
         _mark(cfg, ctx, "finally")
 
 
-job = distributed(nprocs=2, timeout=10)(body)
-preempt_job = distributed(nprocs=2, timeout=10)(preempt_body)
+METHOD = os.environ.get("REL_START_METHOD", "auto")
+job = distributed(nprocs=2, timeout=10, start_method=METHOD)(body)
+preempt_job = distributed(nprocs=2, timeout=10, start_method=METHOD)(preempt_body)
 
 
 def main() -> int:

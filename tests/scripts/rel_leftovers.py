@@ -3,6 +3,10 @@
 ``leftovers(pid)`` lists: live processes of this session (or children of ``pid`` when it leads no session),
 sockets of ``pid`` still listening, new /dev/shm segments that no live process uses, and new temp entries of
 multiprocessing/torch/distfn. "New" means not there when this module was imported.
+
+While the launching process lives, Python's own multiprocessing helpers are not counted: the resource tracker
+(spawn, forkserver), the fork server and its ``pymp-*`` socket directory (forkserver). They serve every launch
+of the process and exit with it; ``processes(sid, session=True)`` after the process ended counts everything.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import re
 import tempfile
 
 _SHM = "/dev/shm"
-_TEMP_NAMES = re.compile(r"^(pymp-|torch|distfn|tmp.*distfn)")
+# torchinductor_<user> is torch's compile cache, kept across runs on purpose (a fresh interpreter may make it)
+_TEMP_NAMES = re.compile(r"^(?!torchinductor_)(torch|distfn|tmp.*distfn)")
+_MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def _listdir(path: str) -> set[str]:
@@ -54,6 +60,7 @@ def processes(pid: int, *, session: bool | None = None) -> list[str]:
     session whose leader has exited already), else its children."""
     if session is None:
         session = os.getsid(pid) == pid
+    launcher_alive = alive(pid)
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == pid:
@@ -62,7 +69,10 @@ def processes(pid: int, *, session: bool | None = None) -> list[str]:
         if fields is None or fields[0] == "Z":
             continue
         if int(fields[3] if session else fields[1]) == pid:
-            found.append(f"process {entry} ({_cmdline(entry)})")
+            cmd = _cmdline(entry)
+            if launcher_alive and any(h in cmd for h in _MP_HELPERS):
+                continue  # Python's own helpers: they live as long as the launching process (see above)
+            found.append(f"process {entry} ({cmd})")
     return found
 
 
