@@ -304,6 +304,12 @@ class Context:
         """
         from . import checkpoint
 
+        checked_in = False
+        if rng and self.mode == "fsdp":
+            from . import fsdp
+
+            fsdp.check_in("ctx.save")  # before the RNG gather: a rank-0-only call must fail there, not hang in it
+            checked_in = True
         if rng:
             if not isinstance(obj, Mapping):
                 raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
@@ -314,7 +320,7 @@ class Context:
         if self.mode == "fsdp":
             from . import fsdp
 
-            return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep)
+            return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in)
         if self.is_main:
             return checkpoint.save(obj, path, metadata=metadata, keep=keep)
         return Path(path)

@@ -48,7 +48,7 @@ from torch import nn
 
 from .errors import CheckpointError, ConfigError
 
-__all__ = ["FsdpOptions", "begin", "finish", "is_sharded", "load", "note_progress", "parse_options", "plan_units",
+__all__ = ["FsdpOptions", "begin", "check_in", "finish", "is_sharded", "load", "note_progress", "parse_options", "plan_units",
            "save", "wrap"]
 
 DEFAULT_MIN_PARAMS: Final = 1_000_000
@@ -475,6 +475,14 @@ def _on_forward(module: nn.Module, args: Any) -> None:
     note_progress()
 
 
+def check_in(what: str) -> None:
+    """Every rank calls this before the collectives of a checkpoint call (``what``: ``"ctx.save"`` or
+    ``"ctx.load"``): it returns once all ranks are in, and raises ``CheckpointError`` naming a rank that went on
+    without calling it (or after ``save_timeout``). A no-op outside an fsdp run."""
+    if _RUN is not None and _RUN.store is not None:
+        _check_in(_RUN, what)
+
+
 def _check_in(run: _Run, what: str) -> None:
     """Wait until every rank has entered this checkpoint call (``what``: ``"ctx.save"`` or ``"ctx.load"``, which
     share one count), or raise ``CheckpointError`` naming the rank that will not."""
@@ -602,18 +610,20 @@ def save(
     rank: int,
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = None,
+    checked_in: bool = False,
 ) -> Path:
     """``ctx.save`` in fsdp mode: gather full state dicts to CPU on rank 0, which writes one safetensors file.
 
     When ``obj`` holds a sharded module or optimizer this must run on every rank (checked, see the module
-    docstring); otherwise it behaves exactly like DDP mode (rank 0 writes, no collective).
+    docstring; ``checked_in=True`` when the caller already did, see :func:`check_in`); otherwise it behaves
+    exactly like DDP mode (rank 0 writes, no collective).
     """
     from . import checkpoint
 
     found = _walk(obj)
     if any(is_sharded(x) for x in found):
-        if _RUN is not None and _RUN.store is not None:
-            _check_in(_RUN, "ctx.save")
+        if not checked_in:
+            check_in("ctx.save")
         obj = _gather(obj, [m for m in found if isinstance(m, nn.Module) and is_sharded(m)])
     if rank == 0:
         return checkpoint.save(obj, path, metadata=metadata, keep=keep)
@@ -728,7 +738,7 @@ def load(
     from . import checkpoint
 
     found = _walk(into)
-    if any(is_sharded(x) for x in found) and _RUN is not None and _RUN.store is not None:
-        _check_in(_RUN, "ctx.load")
+    if any(is_sharded(x) for x in found):
+        check_in("ctx.load")
     models = [m for m in found if isinstance(m, nn.Module) and is_sharded(m)]
     return checkpoint.load_into(path, _targets(into, models, strict), device=device, strict=strict)

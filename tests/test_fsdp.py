@@ -177,6 +177,9 @@ def test_save_writes_one_full_file_that_loads_into_a_bare_model(job: tuple[dict,
             assert torch.allclose(a.get_tensor(k), b.get_tensor(k), rtol=1e-4, atol=1e-6), k
         assert a.metadata()["distfn.tree"].count("param_groups") == 1
     assert not list(out.glob("never*")) and not list(out.glob(".*tmp"))
+    with safe_open(str(out / "rng.safetensors"), "pt") as f:  # rng=True in fsdp mode: full model + RNG states
+        names = set(f.keys())
+        assert {f"model.{k}" for k in bare} <= names and any(k.startswith("rng.") for k in names)
 
 
 @pytest.mark.slow

@@ -88,6 +88,7 @@ def fsdp_job(out: Path, ctx):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     straight = run_steps(ctx, model, opt, 1, STEPS, out / "fsdp-5.safetensors")
     ctx.save(model, out / "final.safetensors")
+    ctx.save({"model": model, "step": STEPS}, out / "rng.safetensors", rng=True)  # check-in, RNG gather, gather
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     bare_equal = None
     if ctx.is_main:
@@ -125,8 +126,8 @@ def rank0_save_then_train(out: Path, ctx):
 @distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"module_classes": [Block]})
 def rank0_save_then_barrier(out: Path, ctx):
     model = ctx.wrap(Net())
-    if ctx.is_main:  # the pattern DDP mode documents: save on rank 0, then a barrier
-        ctx.save({"model": model}, out / "never.safetensors")
+    if ctx.is_main:  # the pattern DDP mode documents: save on rank 0, then a barrier (rng=True: a gather first)
+        ctx.save({"model": model}, out / "never.safetensors", rng=True)
     ctx.barrier()
 
 
