@@ -1,0 +1,94 @@
+"""Failures and signals under a real Slurm (issue 5): what docs/failures.md promises for srun.
+
+* ``scancel --signal=USR2`` (what ``#SBATCH --signal=USR2@T`` does at T seconds before the end) makes
+  ``ctx.should_stop`` true on every rank at the same step, whether the ranks are srun tasks on two nodes or
+  workers distfn self-spawned inside a one-task step (where Slurm signals the workers *and* their launching
+  process, so each worker gets the signal twice);
+* a rank that raises under ``srun --kill-on-bad-exit=1`` ends the step with a non-zero status, its traceback
+  logged with its rank.
+
+Skipped with the reason where Slurm is not running (``.ci/slurm-setup.sh up``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_cluster import job_name, launch_env, require_slurm
+
+JOB = str(Path(__file__).resolve().parents[1] / "scripts" / "rel_job.py")
+TIMEOUT = 240
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def _srun(name: str, *args: str) -> list[str]:
+    return ["srun", "-O", "--kill-on-bad-exit=1", "-J", name, *args]
+
+
+def _signal_when_ready(cmd: list[str], env: dict[str, str], marks: Path, ready: int, name: str,
+                       signal_name: str) -> subprocess.CompletedProcess[str]:
+    """Start ``cmd``; once ``ready`` ranks are stepping, ``scancel --signal`` the job; wait for the end."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while len(list(marks.glob("*.ready"))) < ready:
+            if proc.poll() is not None:
+                pytest.fail(f"job ended before it was signalled:\n{proc.communicate()[0][-4000:]}")
+            assert time.monotonic() < deadline, "the ranks never started stepping"
+            time.sleep(0.1)
+        subprocess.run(["scancel", f"--signal={signal_name}", "--name", name], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _steps(output: str) -> list[list[int]]:
+    """The ``steps`` lists (each rank's step count, gathered) of every record the job printed."""
+    records = [line for line in output.splitlines() if line.startswith('{"case": "preempt"')]
+    return [ast.literal_eval(json.loads(r)["value"])["steps"] for r in records]
+
+
+def test_srun_tasks_on_two_nodes_stop_together_on_usr2(tmp_path: Path) -> None:
+    require_slurm(2)
+    name = job_name()
+    done = _signal_when_ready(_srun(name, "-N2", "-n2", sys.executable, JOB, "preempt", str(tmp_path)),
+                              launch_env(tmp_path), tmp_path, 2, name, "USR2")
+    assert done.returncode == 0, done.stdout[-4000:]
+    steps = _steps(done.stdout)
+    assert len(steps) == 2, done.stdout[-4000:]  # in place: every rank returns its own value
+    assert steps[0] == steps[1] and steps[0][0] == steps[0][1]  # all ranks stopped at the same step
+    assert len(list(tmp_path.glob("*.finally"))) == 2
+
+
+def test_self_spawned_workers_in_one_task_step_stop_together_on_term(tmp_path: Path) -> None:
+    require_slurm(1)
+    name = job_name()
+    done = _signal_when_ready(_srun(name, "-N1", "-n1", sys.executable, JOB, "preempt", str(tmp_path)),
+                              launch_env(tmp_path), tmp_path, 2, name, "TERM")
+    assert done.returncode == 0, done.stdout[-4000:]
+    (steps,) = _steps(done.stdout)  # one launching process, rank 0's value
+    assert steps[0] == steps[1]
+
+
+def test_failing_rank_ends_the_srun_step_with_its_traceback(tmp_path: Path) -> None:
+    require_slurm(2)
+    name = job_name()
+    proc = subprocess.run(_srun(name, "-N2", "-n2", sys.executable, JOB, "raise"),
+                          env=launch_env(tmp_path, REL_UNCAUGHT="1"), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "| rank 1/2 | rank 1 failed with ValueError: boom on rank 1" in out
+    assert 'raise ValueError("boom on rank 1")' in out
