@@ -1,13 +1,13 @@
-"""Failures and signals under a real Slurm (issue 5): what docs/failures.md promises for srun.
+"""Failures and signals under a real Slurm and Open MPI (issue 5): what docs/failures.md promises.
 
 * ``scancel --signal=USR2`` (what ``#SBATCH --signal=USR2@T`` does at T seconds before the end) makes
   ``ctx.should_stop`` true on every rank at the same step, whether the ranks are srun tasks on two nodes or
   workers distfn self-spawned inside a one-task step (where Slurm signals the workers *and* their launching
   process, so each worker gets the signal twice);
-* a rank that raises under ``srun --kill-on-bad-exit=1`` ends the step with a non-zero status, its traceback
-  logged with its rank.
+* a rank that raises under ``srun --kill-on-bad-exit=1`` or ``mpirun`` ends the job with a non-zero status, its
+  traceback logged with its rank.
 
-Skipped with the reason where Slurm is not running (``.ci/slurm-setup.sh up``).
+Skipped with the reason where Slurm or Open MPI is missing (``.ci/slurm-setup.sh up``, ``.ci/mpi-setup.sh up``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cluster import job_name, launch_env, require_slurm
+from test_cluster import job_name, launch_env, require_slurm, require_tool
 
 JOB = str(Path(__file__).resolve().parents[1] / "scripts" / "rel_job.py")
 TIMEOUT = 240
@@ -92,3 +92,14 @@ def test_failing_rank_ends_the_srun_step_with_its_traceback(tmp_path: Path) -> N
     out = proc.stdout + proc.stderr
     assert "| rank 1/2 | rank 1 failed with ValueError: boom on rank 1" in out
     assert 'raise ValueError("boom on rank 1")' in out
+
+
+def test_failing_rank_ends_the_mpirun_job_with_its_traceback(tmp_path: Path) -> None:
+    mpirun = require_tool("mpirun")
+    proc = subprocess.run([mpirun, "-n", "2", sys.executable, JOB, "raise"],
+                          env=launch_env(tmp_path, REL_UNCAUGHT="1"), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "| rank 1/2 | rank 1 failed with ValueError: boom on rank 1" in out
+    assert "exited with non-zero status" in out or "non-zero exit" in out
