@@ -134,6 +134,10 @@ def _check_init_method(init_method: str | None) -> str | None:
 
 def _check_fsdp(value: Any) -> Any:
     """``fsdp={...}`` -> ``distfn.fsdp.FsdpOptions`` (unknown keys are an error naming the valid ones)."""
+    if value is None:
+        # distfn.fsdp imports torch._dynamo (1-2 s, measured by bench/bench_launch.py): only scripts that
+        # use FSDP options may pay for it
+        return None
     from .fsdp import parse_options
 
     return parse_options(value)
