@@ -34,8 +34,9 @@ def _srun(name: str, *args: str) -> list[str]:
 
 
 def _signal_when_ready(cmd: list[str], env: dict[str, str], marks: Path, ready: int, name: str,
-                       signal_name: str) -> subprocess.CompletedProcess[str]:
-    """Start ``cmd``; once ``ready`` ranks are stepping, ``scancel --signal`` the job; wait for the end."""
+                       signal_name: str, batch: bool = False) -> subprocess.CompletedProcess[str]:
+    """Start ``cmd``; once ``ready`` ranks are stepping, ``scancel --signal`` the job (its batch shell only
+    with ``batch``); wait for the end."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + TIMEOUT
@@ -45,7 +46,8 @@ def _signal_when_ready(cmd: list[str], env: dict[str, str], marks: Path, ready: 
                 pytest.fail(f"job ended before it was signalled:\n{proc.communicate()[0][-4000:]}")
             assert time.monotonic() < deadline, "the ranks never started stepping"
             time.sleep(0.1)
-        subprocess.run(["scancel", f"--signal={signal_name}", "--name", name], check=True, timeout=30)
+        subprocess.run(["scancel", f"--signal={signal_name}", *(["--batch"] if batch else []), "--name", name],
+                       check=True, timeout=30)
         out, _ = proc.communicate(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
@@ -103,3 +105,20 @@ def test_failing_rank_ends_the_mpirun_job_with_its_traceback(tmp_path: Path) -> 
     out = proc.stdout + proc.stderr
     assert "| rank 1/2 | rank 1 failed with ValueError: boom on rank 1" in out
     assert "exited with non-zero status" in out or "non-zero exit" in out
+
+
+def test_sbatch_signal_to_the_batch_shell_reaches_self_spawned_workers(tmp_path: Path) -> None:
+    """`#SBATCH --signal=B:USR2@T` signals the batch shell only; with `exec python ...` that is distfn's
+    launching process, which forwards it (here sent at once with `scancel --batch --signal=USR2`)."""
+    require_slurm(1)
+    require_tool("sbatch")
+    name = job_name()
+    script = tmp_path / "job.sh"
+    out = tmp_path / "out.txt"
+    script.write_text(f"#!/bin/bash\n#SBATCH -J {name} -N1 -n1 -O -o {out}\n"
+                      f"exec {sys.executable} {JOB} preempt {tmp_path}\n")
+    done = _signal_when_ready(["sbatch", "--wait", str(script)], launch_env(tmp_path), tmp_path, 2, name,
+                              "USR2", batch=True)
+    assert done.returncode == 0, out.read_text()[-4000:] if out.exists() else done.stdout
+    (steps,) = _steps(out.read_text())
+    assert steps[0] == steps[1]
