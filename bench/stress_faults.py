@@ -23,14 +23,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 JOB = str(SCRIPTS / "rel_job.py")
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import alive, processes, shm_segments, shm_snapshot  # noqa: E402
+from rel_leftovers import alive, processes, shm_segments, shm_snapshot
 
 # In-process cases: what the report must say (every needle), or for "ok" what the value must hold.
 EXPECT: dict[str, list[str]] = {

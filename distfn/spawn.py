@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import ctypes
-import datetime
 import errno
 import faulthandler
 import io
@@ -28,8 +27,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -206,18 +206,17 @@ def sendable(fn: Callable[..., Any]) -> Callable[..., Any]:
     be found. The worker unwraps either way.
     """
     inner = getattr(fn, "__wrapped__", None)
-    if inner is None:
-        return fn
+    if inner is None or _pickles(fn) or not _pickles(inner):
+        return fn  # when neither pickles, check_picklable explains the wrapper's problem
+    return inner
+
+
+def _pickles(obj: Any) -> bool:
     try:
-        pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
-        return fn
-    except Exception:  # noqa: BLE001 - try the bare function next
-        pass
-    try:
-        pickle.dumps(inner, protocol=pickle.HIGHEST_PROTOCOL)
-        return inner
-    except Exception:  # noqa: BLE001 - neither: check_picklable explains the wrapper's problem
-        return fn
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - any pickling failure means no
+        return False
+    return True
 
 
 def check_picklable(fn: Callable[..., Any], cfg: Any, method: str) -> None:

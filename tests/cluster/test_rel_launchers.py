@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_cluster import job_name, launch_env, require_slurm, require_tool
 
 JOB = str(Path(__file__).resolve().parents[1] / "scripts" / "rel_job.py")
@@ -52,7 +51,7 @@ def _signal_when_ready(cmd: list[str], env: dict[str, str], marks: Path, ready: 
     finally:
         if proc.poll() is None:
             proc.kill()
-            subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
+            subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30, check=False)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
@@ -89,7 +88,7 @@ def test_failing_rank_ends_the_srun_step_with_its_traceback(tmp_path: Path) -> N
     name = job_name()
     proc = subprocess.run(_srun(name, "-N2", "-n2", sys.executable, JOB, "raise"),
                           env=launch_env(tmp_path, REL_UNCAUGHT="1"), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+                          timeout=TIMEOUT, check=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "| rank 1/2 | rank 1 failed with ValueError: boom on rank 1" in out
@@ -100,7 +99,7 @@ def test_failing_rank_ends_the_mpirun_job_with_its_traceback(tmp_path: Path) -> 
     mpirun = require_tool("mpirun")
     proc = subprocess.run([mpirun, "-n", "2", sys.executable, JOB, "raise"],
                           env=launch_env(tmp_path, REL_UNCAUGHT="1"), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+                          timeout=TIMEOUT, check=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "| rank 1/2 | rank 1 failed with ValueError: boom on rank 1" in out

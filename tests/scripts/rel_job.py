@@ -23,7 +23,7 @@ import torch
 from distfn import WorkerError, distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rel_leftovers import leftovers  # noqa: E402
+from rel_leftovers import leftovers
 
 
 def _mark(cfg, ctx, what: str) -> None:
