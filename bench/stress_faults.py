@@ -33,9 +33,10 @@ JOB = str(SCRIPTS / "rel_job.py")
 sys.path.insert(0, str(SCRIPTS))
 from rel_leftovers import alive, processes, shm_segments, shm_snapshot
 
-# In-process cases: what the report must say (every needle), or for "ok" what the value must hold.
+# In-process cases: what the report must say (every needle), or for "ok"/"env_ok" what the value must hold.
 EXPECT: dict[str, list[str]] = {
     "ok": ["'ranks': [0, 1]"],
+    "env_ok": ["0"],
     "raise": ["rank 1 (pid", "failed with ValueError: boom on rank 1", 'raise ValueError("boom on rank 1")'],
     "sigkill": ["was killed by SIGKILL: often the out-of-memory killer"],
     "segv": ["was killed by SIGSEGV", "Fatal Python error: Segmentation fault", " in body"],
@@ -77,8 +78,9 @@ def run_in_process(case: str, runs: int) -> list[dict[str, Any]]:
         if not line.startswith("{"):
             continue
         rec = json.loads(line)
-        text = rec["value"] if case == "ok" else rec["error"]
-        passed = (rec["ok"] == (case == "ok")) and all(n in (text or "") for n in EXPECT[case])
+        succeeds = case in ("ok", "env_ok")
+        text = rec["value"] if succeeds else rec["error"]
+        passed = rec["ok"] == succeeds and all(n in (text or "") for n in EXPECT[case])
         rows.append({"passed": passed and not rec["leftovers"], "seconds": rec["seconds"],
                      "leftovers": rec["leftovers"]})
     if not rows:

@@ -478,6 +478,10 @@ def _entry(
     payload: bytes | None = None
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, False, opts.timeout)
+        if opts.init_method == "env://":
+            # the environment is the one set above, whose store this process's launcher hosts: join it (with
+            # env:// rank 0 would try to host a second store on the same port)
+            opts = attrs.evolve(opts, init_method=None)
         result = worker.run(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store)
         if rank == 0:
             payload = _pickle_result(result)
