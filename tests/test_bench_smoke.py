@@ -123,3 +123,21 @@ def test_fsdp_bench_smoke(tmp_path: Path) -> None:
     # half, but for Adam's scalar step counters, which every rank keeps whole
     assert ratios == {"hand-written fully_shard": pytest.approx(0.5, rel=1e-3),
                       "distfn fsdp": pytest.approx(0.5, rel=1e-3), "distfn ddp": 1.0}
+
+
+def test_import_and_decoration_stay_light() -> None:
+    """What keeps `bench_import` / `bench_launch` fast, as a behaviour: importing distfn and decorating a DDP
+    function load none of the heavy or optional modules (torch._dynamo alone costs 1-2 s here)."""
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "from distfn import distributed\n"
+        "@distributed(mode='ddp', nprocs=2, seed=0)\n"
+        "def train(cfg, ctx): pass\n"
+        "heavy = ('torch._dynamo', 'torch._inductor', 'distfn.fsdp', 'torch.distributed.fsdp', 'tqdm', "
+        "'tensorboard', 'torch.utils.tensorboard', 'mpi4py', 'matplotlib', 'sklearn', 'safetensors')\n"
+        "print(sorted(m for m in heavy if m in sys.modules and m not in before))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", f"imported at decoration time: {proc.stdout.strip()}"
