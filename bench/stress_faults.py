@@ -60,7 +60,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _after_exit(sid: int, tmp: str, shm_before: set[str]) -> list[str]:
     time.sleep(0.2)  # let the kernel reap what was just killed
-    left = processes(sid, session=True) + shm_segments(shm_before)
+    forked = os.environ.get("REL_START_METHOD", "auto") in ("auto", "fork")  # auto forks in rel_job.py
+    left = processes(sid, session=True) + shm_segments(shm_before, forked=forked)
     # torchinductor_<user>: torch's compile cache, which a fresh interpreter (spawn) may create; kept on purpose
     left += [f"temp {n}" for n in os.listdir(tmp) if not n.startswith("torchinductor_")]
     return left

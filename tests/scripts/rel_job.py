@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from distfn import WorkerError, distributed
+from distfn.spawn import choose_start_method
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rel_leftovers import leftovers
@@ -94,6 +95,7 @@ def preempt_body(cfg, ctx):
 
 
 METHOD = os.environ.get("REL_START_METHOD", "auto")
+FORKED = choose_start_method(METHOD)[0] == "fork"  # what distfn picks for the launches below
 job = distributed(nprocs=2, timeout=10, start_method=METHOD)(body)
 preempt_job = distributed(nprocs=2, timeout=10, start_method=METHOD)(preempt_body)
 env_job = distributed(nprocs=2, timeout=10, start_method=METHOD, init_method="env://")(body)  # case "env_ok"
@@ -123,7 +125,7 @@ def main() -> int:
             raise
         record["ended"] = time.time()  # wall clock, for the time from a signal sent by another process
         record["seconds"] = round(time.monotonic() - t0, 3)
-        record["leftovers"] = leftovers(os.getpid())
+        record["leftovers"] = leftovers(os.getpid(), forked=FORKED)
         print(json.dumps(record), flush=True)
     return status
 

@@ -144,10 +144,16 @@ def shm_snapshot() -> set[str]:
     return _listdir(_SHM)
 
 
-def shm_segments(before: set[str] | None = None) -> list[str]:
+def shm_segments(before: set[str] | None = None, *, forked: bool = False) -> list[str]:
     """New /dev/shm entries (since ``before``, default: this module's import) that no live process uses (a
-    leak; a segment in use belongs to someone alive, e.g. another program creating its semaphores now)."""
+    leak; a segment in use belongs to someone alive, e.g. another program creating its semaphores now).
+
+    ``forked``: the job used the fork start method, whose multiprocessing semaphores are unlinked the moment
+    they are made, so a ``sem.mp-*`` entry is another program's (a shared machine), not the job's.
+    """
     new = _listdir(_SHM) - (_BEFORE_SHM if before is None else before)
+    if forked:
+        new = {n for n in new if not n.startswith("sem.mp-")}
     if not new:
         return []
     new -= _shm_in_use()
@@ -161,6 +167,6 @@ def temp_files() -> list[str]:
             if _TEMP_NAMES.match(name)]
 
 
-def leftovers(pid: int) -> list[str]:
-    """Everything above, after giving just-killed processes a moment to be reaped."""
-    return processes(pid) + listening(pid) + shm_segments() + temp_files()
+def leftovers(pid: int, *, forked: bool = False) -> list[str]:
+    """Everything above (``forked``: see :func:`shm_segments`)."""
+    return processes(pid) + listening(pid) + shm_segments(forked=forked) + temp_files()
