@@ -7,8 +7,15 @@ Shape (after ``torch/multiprocessing/spawn.py``, with its rough edges filed off)
   race) and the rendezvous store is reachable from this machine only;
 * each worker reports exactly once through its own pipe: ``("ok", pickled_result_or_None)`` or
   ``("error", Failure)``; a worker that dies without reporting is described from its exit code / signal;
-* the first failure (by the time it happened) stops the others within ``STOP_GRACE`` seconds, and becomes one
-  ``WorkerError``.
+* a second pipe per worker carries its ``faulthandler`` output: the Python stack of a crash (SIGSEGV, ...),
+  and on request (``DUMP_SIGNAL``) every rank's stack when a collective timed out;
+* the root cause leads (deaths, then the ranks' own errors, then errors about a lost peer), the others are
+  stopped at once (SIGTERM, SIGKILL after a grace, the worker's whole process group), and it all becomes one
+  ``WorkerError``;
+* Ctrl-C, SIGTERM and SIGUSR2 reaching this process are forwarded to the workers (see ``preemption.py`` for
+  what they do there); every worker also dies with this process (PR_SET_PDEATHSIG).
+
+Under torchrun / srun / mpirun none of this runs: ``report_in_place`` is all a failing rank does there.
 """
 
 from __future__ import annotations
