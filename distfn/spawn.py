@@ -307,7 +307,8 @@ class Failure:
                        exitcode=exitcode)
         return cls(
             rank, socket.gethostname(), pid, "ExitCode",
-            f"exited with code {exitcode} without reporting a result (sys.exit / os._exit in the function?)",
+            f"exited with code {exitcode} without reporting a result: os._exit in the function, or a failure "
+            "while the worker started (importing your script under spawn, for one); see its stderr above",
             exitcode=exitcode,
         )
 
