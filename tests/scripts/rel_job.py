@@ -102,6 +102,9 @@ env_job = distributed(nprocs=2, timeout=10, start_method=METHOD, init_method="en
 
 
 def main() -> int:
+    # Ctrl-C must mean KeyboardInterrupt here even when started in the background of a shell script (`cmd &`),
+    # which makes the process ignore SIGINT (and Python then keeps ignoring it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cases = sys.argv[1].split(",")
     marks = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None
     repeat = int(sys.argv[3]) if len(sys.argv) > 3 else 1
