@@ -144,6 +144,20 @@ def _init_method(topology: Topology, init_method: str | None) -> str:
     return f"tcp://{host}:{topology.master_port}"
 
 
+def _torchrun_store(timeout: datetime.timedelta) -> Any:
+    """torchrun's agent store with a key space of its own for each restart attempt, or ``None``.
+
+    torchrun keeps one store across ``--max-restarts`` attempts and never clears it, so the ranks of a
+    restarted attempt can read the previous attempt's addresses and fail with gloo's "Connection refused"
+    (reproduced with torch 2.13). Prefixing the keys with ``TORCHELASTIC_RESTART_COUNT`` separates attempts.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+        return None
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False, timeout)
+    return dist.PrefixStore(f"distfn/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def init_process_group(
     topology: Topology,
     backend: str,
@@ -156,6 +170,8 @@ def init_process_group(
     kwargs: dict[str, Any] = dict(
         backend=backend, rank=topology.rank, world_size=topology.world_size, timeout=timeout
     )
+    if store is None and init_method is None and topology.launcher == "torchrun":
+        store = _torchrun_store(timeout)
     if store is not None and init_method is None:
         kwargs["store"] = store
     else:
