@@ -135,6 +135,37 @@ def chart(results: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def merge(latest: Path, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The benchmarks of ``latest`` (a previous run.py JSON) with those in ``results`` replaced, in display order.
+    A benchmark that failed this time keeps its previous result."""
+    by_name: dict[str, dict[str, Any]] = {}
+    if latest.exists():
+        try:
+            by_name = {b["benchmark"]: b for b in json.loads(latest.read_text()).get("benchmarks", [])}
+        except (ValueError, KeyError, TypeError):
+            by_name = {}
+    for res in results:
+        if not res.get("error") or res["benchmark"] not in by_name:
+            by_name[res["benchmark"]] = res
+    order = [n for n in ORDER if n in by_name] + sorted(n for n in by_name if n not in ORDER)
+    return [by_name[n] for n in order]
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """The tables the documentation includes, each benchmark with where and when it was measured."""
+    md = []
+    for res in results:
+        m = res.get("machine", {})
+        md.append(f"### {res['benchmark']}\n")
+        md.append(f"Measured {m.get('when', '?')} on `{m.get('host', '?')}` ({m.get('cpus', '?')} CPUs, torch "
+                  f"{m.get('torch', '?')}, Python {m.get('python', '?')}, commit {m.get('commit', '?')}).\n")
+        if res.get("error"):
+            md.append(f"**{res['error']}**\n")
+        md += [c.format_table(t) + "\n" for t in res["tables"]]
+        md += [f"- {n}" for n in res.get("notes", [])] + [""]
+    return "\n".join(md) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run all distfn benchmarks side by side.")
     p.add_argument("--only", default="", help="comma-separated subset, e.g. launch,step")
@@ -167,17 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     parts.rmdir() if parts.exists() else None
     c.log(f"results: {out}")
     if not args.tiny:
-        (args.out / "latest.json").write_text(out.read_text())
-        drawn = chart(results, ASSETS / "benchmarks.png")
+        # latest.json keeps the newest result of every benchmark, so `--only step` refreshes just that part
+        merged = merge(args.out / "latest.json", results)
+        (args.out / "latest.json").write_text(json.dumps({"machine": combined["machine"], "benchmarks": merged},
+                                                         indent=2, default=str) + "\n")
+        drawn = chart(merged, ASSETS / "benchmarks.png")
         if drawn:
             c.log(f"chart: {drawn}")
-        machine = combined["machine"]
-        md = [f"Measured {machine['when']} on `{machine['host']}` ({machine['cpus']} CPUs, torch {machine['torch']}, "
-              f"Python {machine['python']}, commit {machine['commit']}) with `python bench/run.py`.", ""]
-        md += [c.format_table(t) + "\n" for r in results for t in r["tables"]]
-        md += [f"- {n}" for r in results for n in r.get("notes", [])]
         ASSETS.mkdir(parents=True, exist_ok=True)
-        (ASSETS / "benchmarks.md").write_text("\n".join(md) + "\n")
+        (ASSETS / "benchmarks.md").write_text(markdown(merged))
     else:
         chart(results, args.out / "tiny-chart.png")
     return 1 if any(r.get("error") for r in results) else 0
