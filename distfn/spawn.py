@@ -811,6 +811,7 @@ class _Forwarder:
 
 def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
     """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``)."""
+    check_port_free(opts.init_method)
     method, reason = choose_start_method(opts.start_method)
     if method == "fork":
         logger.trace("starting {} workers with fork: {}", nprocs, reason)
@@ -818,7 +819,6 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
         logger.info("starting {} workers with {}: {}", nprocs, method, reason)
         fn = sendable(fn)
         check_picklable(fn, cfg, method)
-    check_port_free(opts.init_method)
     context = mp.get_context(method)
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

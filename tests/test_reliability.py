@@ -207,7 +207,7 @@ def test_busy_explicit_port_is_refused_before_any_worker() -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        f = distributed(nprocs=2, init_method=f"tcp://127.0.0.1:{port}")(lambda cfg, ctx: ctx.rank)
+        f = distributed(nprocs=2, init_method=f"tcp://127.0.0.1:{port}")(_plain)
         t0 = time.monotonic()
         with pytest.raises(ConfigError) as info:
             f()
