@@ -153,7 +153,19 @@ def merge(latest: Path, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     """The tables the documentation includes, each benchmark with where and when it was measured."""
-    md = []
+    md = ["| benchmark | target | measured | |", "| --- | --- | ---: | --- |"]
+    for res in results:
+        for tab in res["tables"]:
+            for t in tab.get("targets", []):
+                if "max_ratio" in t:
+                    goal = f"{t['variant']} ≤ {t['max_ratio']}× {tab.get('baseline')}"
+                    got = f"{t['ratio']:.3f}×" if t.get("ratio") is not None else "no data"
+                else:
+                    goal = f"{t['variant']} ≤ {c._fmt(t['max_value'], tab['unit'])}"
+                    got = c._fmt(t.get("median"), tab["unit"])
+                verdict = {True: "met", False: "**missed**", None: "no data"}[t.get("met")]
+                md.append(f"| {res['benchmark']} | {goal} | {got} | {verdict} |")
+    md.append("")
     for res in results:
         m = res.get("machine", {})
         md.append(f"### {res['benchmark']}\n")
@@ -173,9 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="one tiny round of each (smoke test); docs/ untouched")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
+    p.add_argument("--redraw", action="store_true",
+                   help="run nothing: redraw the docs' chart and tables from bench/results/latest.json")
     p.add_argument("--peers-python", default=None,
                    help="interpreter with accelerate / lightning / ignite installed, for the launch and import peers")
     args = p.parse_args(argv)
+    if args.redraw:
+        merged = merge(args.out / "latest.json", [])
+        chart(merged, ASSETS / "benchmarks.png")
+        (ASSETS / "benchmarks.md").write_text(markdown(merged))
+        return 0
     names = discover()
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
