@@ -123,15 +123,20 @@ def format_table(tab: Mapping[str, Any]) -> str:
         lines.append(f"| {row['variant']} | {_fmt(row['median'], tab['unit'])} | {ratio} | "
                      f"{_fmt(row.get('min'), tab['unit'])} | {len(row['samples'])} | {row.get('note', '')} |")
     for t in tab.get("targets", []):
-        if "max_ratio" in t:
-            goal = f"{t['variant']} ≤ {t['max_ratio']}× {tab.get('baseline')}"
-            got = f"{t['ratio']:.3f}×" if t.get("ratio") is not None else "no data"
-        else:
-            goal = f"{t['variant']} ≤ {_fmt(t['max_value'], tab['unit'])}"
-            got = _fmt(t.get("median"), tab["unit"])
-        verdict = {True: "met", False: "MISSED", None: "unknown"}[t.get("met")]
-        lines.append(f"\ntarget {goal}: {got} ({verdict})")
+        goal, got, verdict = describe_target(t, tab)
+        lines.append(f"\ntarget {t['variant']} {goal}: {got} ({verdict})")
     return "\n".join(lines)
+
+
+def describe_target(target: Mapping[str, Any], tab: Mapping[str, Any]) -> tuple[str, str, str]:
+    """``(goal, measured, verdict)`` of one target of ``tab``, e.g. ``("≤ 1.1× raw fork", "1.001×", "met")``."""
+    if "max_ratio" in target:
+        goal = f"≤ {target['max_ratio']}× {tab.get('baseline')}"
+        got = f"{target['ratio']:.3f}×" if target.get("ratio") is not None else "no data"
+    else:
+        goal = f"≤ {_fmt(target['max_value'], tab['unit'])}"
+        got = _fmt(target.get("median"), tab["unit"])
+    return goal, got, {True: "met", False: "MISSED", None: "no data"}[target.get("met")]
 
 
 def machine() -> dict[str, Any]:

@@ -85,9 +85,8 @@ def summary(results: list[dict[str, Any]]) -> str:
                 goal = goals.get(row["variant"])
                 target = ""
                 if goal is not None:
-                    limit = (f"≤ {goal['max_ratio']}×" if "max_ratio" in goal
-                             else f"≤ {c._fmt(goal['max_value'], tab['unit'])}")
-                    target = f"{limit}: {({True: 'met', False: 'MISSED', None: 'no data'})[goal.get('met')]}"
+                    limit, _, verdict = c.describe_target(goal, tab)
+                    target = f"{limit}: {verdict}"
                 ratio = f"{row['ratio']:.3f}×" if row.get("ratio") is not None else ""
                 lines.append(f"| {res['benchmark']} | {row['variant']} | {c._fmt(row['median'], tab['unit'])} | "
                              f"{ratio} | {target} |")
@@ -157,14 +156,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
     for res in results:
         for tab in res["tables"]:
             for t in tab.get("targets", []):
-                if "max_ratio" in t:
-                    goal = f"{t['variant']} ≤ {t['max_ratio']}× {tab.get('baseline')}"
-                    got = f"{t['ratio']:.3f}×" if t.get("ratio") is not None else "no data"
-                else:
-                    goal = f"{t['variant']} ≤ {c._fmt(t['max_value'], tab['unit'])}"
-                    got = c._fmt(t.get("median"), tab["unit"])
-                verdict = {True: "met", False: "**missed**", None: "no data"}[t.get("met")]
-                md.append(f"| {res['benchmark']} | {goal} | {got} | {verdict} |")
+                goal, got, verdict = c.describe_target(t, tab)
+                verdict = "**missed**" if verdict == "MISSED" else verdict
+                md.append(f"| {res['benchmark']} | {t['variant']} {goal} | {got} | {verdict} |")
     md.append("")
     for res in results:
         m = res.get("machine", {})

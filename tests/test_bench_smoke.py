@@ -63,7 +63,7 @@ def test_run_py_summary_and_discovery() -> None:
     assert [r["median"] for r in table["rows"]] == [2.0, 4.0]
     assert table["rows"][1]["ratio"] == 2.0 and table["targets"][0]["met"] is False
     text = run.summary([{"benchmark": "x", "tables": [table]}, {"benchmark": "y", "tables": [], "error": "boom"}])
-    assert "| x | b | 4.000 s | 2.000× | ≤ 1.5×: MISSED |" in text and "**boom**" in text
+    assert "| x | b | 4.000 s | 2.000× | ≤ 1.5× a: MISSED |" in text and "**boom**" in text
 
 
 @pytest.mark.slow
