@@ -8,6 +8,7 @@ bit-identical across variants and rounds (Lightning's parity-test design). Targe
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--worker", choices=("distfn", "handwritten"), help=argparse_hidden())
-    p.add_argument("--cfg", help=argparse_hidden())
+    p.add_argument("--worker", choices=("distfn", "handwritten"), help=argparse.SUPPRESS)
+    p.add_argument("--cfg", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         _worker_main(args.worker, json.loads(args.cfg))
@@ -164,12 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"median of the per-round ratios distfn / hand-written: {paired:.3f}")
     c.emit({"benchmark": "step", "tables": [tab], "identical_weights": same, "notes": notes}, args.json)
     return 0 if same else 1
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
