@@ -61,26 +61,23 @@ def _steps(output: str) -> list[list[int]]:
     return [ast.literal_eval(json.loads(r)["value"])["steps"] for r in records]
 
 
-def test_srun_tasks_on_two_nodes_stop_together_on_usr2(tmp_path: Path) -> None:
-    require_slurm(2)
+@pytest.mark.parametrize(
+    ("nodes", "signal_name", "records"),
+    [(2, "USR2", 2),  # one rank per srun task on two nodes: every rank returns its own value
+     (1, "TERM", 1)],  # one task, distfn self-spawns 2 workers that Slurm signals directly too; rank 0's value
+    ids=["srun-tasks-usr2", "self-spawn-in-one-task-step-term"],
+)
+def test_scancel_signal_stops_every_rank_at_the_same_step(tmp_path: Path, nodes: int, signal_name: str,
+                                                          records: int) -> None:
+    require_slurm(nodes)
     name = job_name()
-    done = _signal_when_ready(_srun(name, "-N2", "-n2", sys.executable, JOB, "preempt", str(tmp_path)),
-                              launch_env(tmp_path), tmp_path, 2, name, "USR2")
+    cmd = _srun(name, f"-N{nodes}", f"-n{nodes}", sys.executable, JOB, "preempt", str(tmp_path))
+    done = _signal_when_ready(cmd, launch_env(tmp_path), tmp_path, 2, name, signal_name)
     assert done.returncode == 0, done.stdout[-4000:]
     steps = _steps(done.stdout)
-    assert len(steps) == 2, done.stdout[-4000:]  # in place: every rank returns its own value
-    assert steps[0] == steps[1] and steps[0][0] == steps[0][1]  # all ranks stopped at the same step
+    assert len(steps) == records, done.stdout[-4000:]
+    assert all(s == steps[0] and s[0] == s[1] for s in steps)  # all ranks stopped at the same step
     assert len(list(tmp_path.glob("*.finally"))) == 2
-
-
-def test_self_spawned_workers_in_one_task_step_stop_together_on_term(tmp_path: Path) -> None:
-    require_slurm(1)
-    name = job_name()
-    done = _signal_when_ready(_srun(name, "-N1", "-n1", sys.executable, JOB, "preempt", str(tmp_path)),
-                              launch_env(tmp_path), tmp_path, 2, name, "TERM")
-    assert done.returncode == 0, done.stdout[-4000:]
-    (steps,) = _steps(done.stdout)  # one launching process, rank 0's value
-    assert steps[0] == steps[1]
 
 
 def test_failing_rank_ends_the_srun_step_with_its_traceback(tmp_path: Path) -> None:
