@@ -1,4 +1,5 @@
-"""Step overhead: median time of one DDP training step through distfn vs the same loop hand-written.
+"""Step overhead: median time of one DDP training step through distfn vs the same loop hand-written (and, when
+``--peers-python`` has them, through Lightning Fabric and Accelerate).
 
 Both variants run the identical loop (same model, same seeded init, same per-rank data, same thread budget, same
 loopback interface) on 2 ranks with gloo, each in a fresh ``python`` process per round, interleaved. The first
@@ -31,12 +32,19 @@ def make_model(width: int) -> Any:
     return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
-def train_loop(model: Any, rank: int, cfg: dict[str, int]) -> list[float]:
-    """The loop both variants run; returns the wall time of every step."""
+def train_loop(model: Any, rank: int, cfg: dict[str, int], prepare: Any = None, backward: Any = None) -> list[float]:
+    """The loop every variant runs; returns the wall time of every step.
+
+    ``prepare(model, optimizer) -> (model, optimizer)`` and ``backward(loss)`` are the peers' hooks
+    (``fabric.setup`` / ``fabric.backward``, ``accelerator.prepare`` / ``accelerator.backward``).
+    """
     import torch
     import torch.nn.functional as F
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if prepare is not None:
+        model, opt = prepare(model, opt)
+    backward = backward or torch.Tensor.backward
     g = torch.Generator().manual_seed(1000 + rank)
     xs = torch.randn(cfg["steps"], cfg["batch"], 256, generator=g)
     ys = torch.randint(0, 10, (cfg["steps"], cfg["batch"]), generator=g)
@@ -44,7 +52,7 @@ def train_loop(model: Any, rank: int, cfg: dict[str, int]) -> list[float]:
     for i in range(cfg["steps"]):
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(xs[i]), ys[i]).backward()
+        backward(F.cross_entropy(model(xs[i]), ys[i]))
         opt.step()
         times.append(time.perf_counter() - start)
     return times
@@ -86,8 +94,51 @@ def handwritten_worker(rank: int, port: int, cfg: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
+# -- peers (only when --peers-python can import them) -------------------------------------------------------------
+def _same_budget() -> None:
+    import torch
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORLD))
+
+
+def fabric_main(cfg: dict[str, Any]) -> None:
+    import torch
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy="ddp")
+    fabric.launch()  # re-runs this command line for the other rank
+    _same_budget()
+    torch.manual_seed(SEED)
+    bare = make_model(cfg["width"])
+    times = train_loop(bare, fabric.global_rank, cfg, prepare=fabric.setup, backward=fabric.backward)
+    if fabric.global_rank == 0:
+        _write(cfg["out"], times, bare)
+
+
+def accelerate_job(cfg: dict[str, Any]) -> None:
+    import torch
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    _same_budget()
+    torch.manual_seed(SEED)
+    bare = make_model(cfg["width"])
+    times = train_loop(bare, acc.process_index, cfg, prepare=acc.prepare, backward=acc.backward)
+    if acc.is_main_process:
+        _write(cfg["out"], times, bare)
+
+
+PEERS = {"fabric": "lightning.fabric", "accelerate": "accelerate"}
+
+
 def _worker_main(kind: str, cfg: dict[str, Any]) -> None:
-    if kind == "distfn":
+    if kind == "fabric":
+        fabric_main(cfg)
+    elif kind == "accelerate":
+        from accelerate import notebook_launcher
+
+        notebook_launcher(accelerate_job, args=(cfg,), num_processes=WORLD)
+    elif kind == "distfn":
         from distfn import distributed
 
         distributed(nprocs=WORLD, seed=SEED, backend="gloo")(distfn_job)(cfg)
@@ -98,15 +149,21 @@ def _worker_main(kind: str, cfg: dict[str, Any]) -> None:
 
 
 # -- harness ----------------------------------------------------------------------------------------------------
-def _round(kind: str, cfg: dict[str, Any], runs: list[Path], warmup: int) -> float:
+def _round(kind: str, cfg: dict[str, Any], runs: list[Path], warmup: int, python: str = sys.executable) -> float:
     import statistics
 
     out = Path(tempfile.mkdtemp(prefix=f"step-{kind}-", dir=cfg["tmp"]))
-    c.timed_run([sys.executable, __file__, "--worker", kind, "--cfg", json.dumps({**cfg, "out": str(out)})],
-                env=c.clean_env(), timeout=600)
+    # every variant's ranks talk over loopback, as distfn's self-spawned ones do
+    c.timed_run([python, __file__, "--worker", kind, "--cfg", json.dumps({**cfg, "out": str(out)})],
+                env=c.clean_env(GLOO_SOCKET_IFNAME="lo"), timeout=600)
     runs.append(out)
     times = json.loads((out / "times.json").read_text())
     return statistics.median(times[warmup:])
+
+
+def _importable(python: str, module: str) -> bool:
+    code = f"import importlib.util as u, sys; sys.exit(0 if u.find_spec({module.split('.')[0]!r}) else 1)"
+    return subprocess.run([python, "-c", code], capture_output=True, timeout=120).returncode == 0
 
 
 def _identical(runs: dict[str, list[Path]]) -> tuple[bool, str]:
@@ -131,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--worker", choices=("distfn", "handwritten"), help=argparse.SUPPRESS)
+    p.add_argument("--peers-python", default=sys.executable,
+                   help="interpreter with lightning / accelerate installed (their loops join the table)")
+    p.add_argument("--worker", choices=("distfn", "handwritten", *PEERS), help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -146,14 +205,24 @@ def main(argv: list[str] | None = None) -> int:
             "hand-written DDP": lambda: _round("handwritten", cfg, runs["hand-written DDP"], args.warmup),
             "distfn": lambda: _round("distfn", cfg, runs["distfn"], args.warmup),
         }
+        peer_runs: dict[str, list[Path]] = {}
+        for kind, module in ([] if args.tiny else PEERS.items()):
+            if _importable(args.peers_python, module):
+                c.warm_bytecode(args.peers_python, ("torch", module))
+                name = {"fabric": "lightning fabric (ddp)", "accelerate": "accelerate"}[kind]
+                peer_runs[name] = []
+                variants[name] = (lambda kind=kind, name=name:
+                                  _round(kind, cfg, peer_runs[name], args.warmup, args.peers_python))
         c.log(f"step: {', '.join(variants)}; {args.rounds} round(s) of {args.steps} steps")
         samples = c.interleave(variants, args.rounds, c.log)
         same, how = _identical(runs)
+        peers_same = [f"{name}: {'bit-identical to' if _identical({**runs, name: ps})[0] else 'different from'} "
+                      f"distfn's final weights" for name, ps in peer_runs.items() if ps]
     tab = c.table(f"Step time: DDP, {WORLD} ranks (gloo, CPU), MLP 256-{args.width}-{args.width}-10, batch "
                   f"{args.batch}/rank, median of steps {args.warmup + 1}..{args.steps}", "s", samples,
                   baseline="hand-written DDP", targets=[{"variant": "distfn", "max_ratio": 1.01}])
     tab["identical_weights"] = same
-    notes = [how]
+    notes = [how, *peers_same]
     hand, ours = samples["hand-written DDP"], samples["distfn"]
     if len(hand) == len(ours) == args.rounds and args.rounds > 1:
         import statistics

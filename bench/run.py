@@ -40,7 +40,7 @@ def discover() -> list[str]:
 
 
 #: Benchmarks that compare against peers installed in another interpreter (``--peers-python``).
-WITH_PEERS = ("launch", "import")
+WITH_PEERS = ("launch", "import", "step")
 
 
 def run_one(name: str, json_path: Path, tiny: bool, rounds: int | None, timeout: float,
