@@ -86,6 +86,34 @@ def _thread_ids() -> frozenset[str]:
 _BASELINE_THREADS = _thread_ids()
 
 
+def _cuda_blocks_fork() -> str | None:
+    """Why forked workers of this process could not use CUDA, or ``None``.
+
+    Initialising CUDA is one way. Another is invisible from here: any call into the CUDA driver (e.g.
+    ``torch.cuda.is_available()`` where NVML is not used) marks the process, and only a *child* can see the mark
+    (``torch.cuda._is_in_bad_fork()``), so a throwaway child is asked. Only on CUDA builds with GPUs visible
+    (counted through NVML, which leaves no mark): without GPUs nothing can break.
+    """
+    if torch.cuda.is_initialized():
+        return "CUDA is already initialised in this process, and forked workers could not use it"
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return None
+    if worker.visible_gpus() == 0:
+        return None
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child only reads a flag and exits
+        try:
+            os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) == 1:
+        return ("this process already called into the CUDA driver (e.g. torch.cuda.is_available()), after which "
+                "forked workers cannot use CUDA; count GPUs with torch.cuda.device_count() before the call to "
+                "keep the faster fork start")
+    return None
+
+
 def choose_start_method(requested: str) -> tuple[str, str]:
     """Return ``(method, reason)``. ``"auto"`` forks when provably safe (fastest: torch is not re-imported),
     and falls back to ``spawn`` otherwise."""
@@ -95,16 +123,17 @@ def choose_start_method(requested: str) -> tuple[str, str]:
             raise ConfigError(
                 f"start_method={requested!r} is not available on {sys.platform}; use one of {available}"
             )
-        if requested == "fork" and torch.cuda.is_initialized():
+        blocked = _cuda_blocks_fork() if requested == "fork" else None
+        if blocked is not None:
             raise ConfigError(
-                "start_method='fork' but CUDA is already initialised in this process: forked workers cannot "
-                "use CUDA. Use start_method='spawn' or 'auto', or do not touch CUDA before the call."
+                f"start_method='fork' cannot work here: {blocked}. Use start_method='spawn' or 'auto'."
             )
         return requested, f"start_method={requested!r} was asked for"
     if "fork" not in available or sys.platform == "darwin":
         return "spawn", f"fork is not safe on {sys.platform}"
-    if torch.cuda.is_initialized():
-        return "spawn", "CUDA is already initialised in this process, and forked workers could not use it"
+    blocked = _cuda_blocks_fork()
+    if blocked is not None:
+        return "spawn", blocked
     new = _thread_ids() - _BASELINE_THREADS
     if new:
         return "spawn", (

@@ -55,7 +55,7 @@ def batch(step: int, rank: int, world: int, size: int = 64) -> tuple[torch.Tenso
 
 # module_classes: each Block is one FSDP unit (the transformer recipe); mixed_precision / cpu_offload would go here
 # too, e.g. fsdp={"module_classes": [Block], "mixed_precision": "bf16"} on GPUs.
-@distributed(mode="fsdp", seed=0, nprocs=None if torch.cuda.is_available() else 2,
+@distributed(mode="fsdp", seed=0, nprocs=None if torch.cuda.device_count() else 2,
              fsdp={"module_classes": [Block]})
 def train(cfg: dict, ctx) -> dict:
     model = ctx.wrap(Model())

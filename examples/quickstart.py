@@ -30,7 +30,8 @@ def make_dataset(n: int = 2048, seed: int = 0) -> TensorDataset:
 
 
 # With no GPU, run 2 CPU workers so the example is distributed on a laptop too (DISTFN_NPROCS overrides).
-@distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.is_available() else 2)
+# device_count() asks NVML, which keeps this process safe to fork; is_available() would make distfn spawn.
+@distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.device_count() else 2)
 def train(cfg: dict, ctx) -> dict:
     dataset = make_dataset()
     sampler = ctx.sampler(dataset, shuffle=True)            # this rank's share, reshuffled per epoch

@@ -102,7 +102,7 @@ def main() -> None:
            "log_dir": args.log_dir, "tensorboard": tensorboard}
     # With no GPU, run 2 CPU workers so the example is distributed on a laptop too (DISTFN_NPROCS overrides).
     job = distributed(mode="ddp", seed=0, precision=args.precision,
-                      nprocs=None if torch.cuda.is_available() else 2)(train)
+                      nprocs=None if torch.cuda.device_count() else 2)(train)
     result = job(cfg)
     last = result["history"][-1]
     print(f"done: {result['optimizer_steps']} optimizer steps, final train loss {last['train_loss']}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import distfn
 from distfn import LauncherError
 from distfn.topology import Topology
 from distfn.worker import select_device
@@ -54,3 +55,22 @@ def test_slurm_gpu_per_task_binding_is_accepted(gpus, monkeypatch: pytest.Monkey
 def test_dp_uses_device_zero(gpus) -> None:
     gpus(4)
     assert select_device("dp", _topo(0, 1), None) == torch.device("cuda", 0)
+
+
+# -- fork safety on CUDA builds (faked: the child of the probe inherits the patched functions) -----------------
+def test_fork_refused_after_a_cuda_driver_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from distfn import spawn
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(spawn, "_BASELINE_THREADS", spawn._thread_ids())
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)  # what a child sees after is_available()
+    method, reason = spawn.choose_start_method("auto")
+    assert method == "spawn" and "torch.cuda.is_available()" in reason and "device_count" in reason
+    with pytest.raises(distfn.ConfigError, match="start_method='fork' cannot work here"):
+        spawn.choose_start_method("fork")
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)  # only NVML was asked: fork is fine
+    assert spawn.choose_start_method("auto")[0] == "fork"
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # no GPU: nothing for the mark to break
+    assert spawn.choose_start_method("auto")[0] == "fork"
