@@ -9,8 +9,10 @@ safetensors file, written atomically by rank 0: a crash or ``kill -9`` at any mo
 the new checkpoint, never a torn one. A resumed run ends with bit-identical weights to an uninterrupted one:
 the data order comes from ``loader.set_epoch(epoch)``, everything else from the checkpoint.
 
-Under SLURM, ``#SBATCH --signal=TERM@120`` (or ``scancel --signal=TERM``) makes ``ctx.should_stop`` true on
-every rank: the loop saves at the end of the epoch and exits cleanly, and the requeued job resumes.
+Under SLURM, ``#SBATCH --signal=B:TERM@120`` with ``exec python examples/resume.py`` in the batch script (or
+``--signal=TERM@120`` when the ranks are ``srun`` tasks; ``scancel --signal=TERM`` by hand) makes
+``ctx.should_stop`` true on every rank: the loop saves at the end of the epoch and exits cleanly, and the requeued
+job resumes. ``B:`` is what sends the signal to a script run directly in the batch shell (docs/failures.md).
 """
 
 from __future__ import annotations
