@@ -81,6 +81,7 @@ saves :func:`combine_rng_states` of the list; on load, :func:`rng_state_for_rank
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import mmap
@@ -480,10 +481,23 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, view[done : done + _WRITE_CHUNK])
 
 
+def _memory(flat: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor's own memory, without NumPy (not a dependency of distfn).
+
+    The view holds a reference to the tensor (on the ctypes array behind it), so memory made for it (the
+    contiguous copy of a strided tensor) lives exactly as long as the view.
+    """
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    array = (ctypes.c_ubyte * nbytes).from_address(flat.data_ptr())
+    array._distfn_owner = flat  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
+
+
 def _cpu_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in C order, as a memoryview over the tensor's own memory when contiguous."""
-    flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return _memory(tensor.resolve_conj().resolve_neg().contiguous().reshape(-1))
 
 
 class _Staging:
@@ -503,7 +517,7 @@ class _Staging:
             n = min(step, size - start)
             part = self._buffer[:n]
             part.copy_(flat[start : start + n])  # synchronous: the buffer is reused right after the write
-            yield memoryview(part.numpy()).cast("B")
+            yield _memory(part)
 
 
 class _Sink:

@@ -1056,3 +1056,27 @@ def test_single_stateful_objects_at_the_top(tmp_path: pathlib.Path) -> None:
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     with pytest.raises(CheckpointError, match="into= must be"):
         checkpoint.load_into(path, 42)  # type: ignore[arg-type]
+
+
+def test_save_and_load_work_without_numpy(tmp_path: pathlib.Path) -> None:
+    """NumPy is not a dependency of distfn (nor of torch's CPU wheel): writing must not need it."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["numpy"] = None  # any `import numpy` now fails, as on a machine without it
+        import torch
+        from torch import nn
+        from safetensors.torch import load_file
+        from distfn import checkpoint
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        strided = torch.randn(6, 5).t()[1:]  # a non-contiguous view: written through a temporary copy
+        path = checkpoint.save({{"model": model, "strided": strided, "step": 2}}, {str(tmp_path / "n.safetensors")!r})
+        back = load_file(str(path))
+        assert torch.equal(back["strided"], strided) and torch.equal(back["model.1.weight"], model[1].weight)
+        assert torch.equal(checkpoint.load(path)["model.0.bias"], model[0].bias)
+        print("OK")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
