@@ -25,17 +25,6 @@ if TYPE_CHECKING:
     from .loop import Accumulator, Progress
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare module under any DDP / DataParallel / FSDP-less / ``torch.compile`` wrappers."""
-    while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):  # torch.compile
-            model = model._orig_mod
-        else:
-            return model
-
-
 @attrs.define(eq=False)
 class Context:
     """Everything one rank knows about the run, handed to the decorated function as ``ctx``.
@@ -181,7 +170,9 @@ class Context:
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
         """The bare module (strips DDP, DataParallel and ``torch.compile`` wrappers)."""
-        return unwrap(model)
+        from .checkpoint import unwrap_module
+
+        return unwrap_module(model)
 
     # -- training loop (distfn/loop.py) ---------------------------------------------------------------------
     def _loop_state(self) -> Any:
