@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,13 @@ def clean_env(**extra: str) -> dict[str, str]:
            if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))}
     env.update(extra)
     return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_python(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SCRIPTS, clean_env, run_python
+from conftest import SCRIPTS, clean_env, free_port, run_python
 
 JOB = str(SCRIPTS / "core_job.py")
 
@@ -108,7 +108,7 @@ def test_legacy_launch_local_rank_argument(tmp_path: Path) -> None:
         "@distributed\ndef f(cfg, ctx):\n    return (ctx.launcher, ctx.rank, ctx.local_rank, ctx.world_size)\n"
         "if __name__ == '__main__':\n    print('RESULT', f())\n"
     )
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen([sys.executable, str(script), f"--local-rank={r}"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
@@ -120,11 +120,3 @@ def test_legacy_launch_local_rank_argument(tmp_path: Path) -> None:
         assert p.returncode == 0, stderr
     assert "RESULT ('torchrun', 0, 0, 2)" in outs[0][0]
     assert "RESULT ('torchrun', 1, 1, 2)" in outs[1][0]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

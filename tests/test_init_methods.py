@@ -4,25 +4,18 @@ self-spawn and under torchrun."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, run_python
+from conftest import SCRIPTS, free_port, run_python
 
 JOB = str(SCRIPTS / "init_job.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("kind", ["tcp", "file"])
 def test_self_spawn_with_explicit_init_method(tmp_path: Path, kind: str) -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}" if kind == "tcp" else f"file://{tmp_path / 'rendezvous'}"
+    init = f"tcp://127.0.0.1:{free_port()}" if kind == "tcp" else f"file://{tmp_path / 'rendezvous'}"
     done = run_python([JOB, str(tmp_path), init], timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads((tmp_path / "result-caller.json").read_text())

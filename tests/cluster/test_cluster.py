@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "script.py"
 SETUP_HINTS = {
@@ -349,16 +351,8 @@ def test_mpirun_on_two_nodes_without_a_rendezvous_fails_fast(out_dir: Path, tmp_
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_two_agents_four_ranks(out_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = launch_env(out_dir)
     agents = []
     for node_rank in (0, 1):
