@@ -1,0 +1,79 @@
+"""CUDA paths (skipped without GPUs; run them where a GPU exists): device pinning with NCCL, checkpoints of
+GPU tensors through the pinned staging buffer, and the fork probe after a CUDA driver call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_python
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs CUDA GPUs")]
+
+_DDP = """
+import sys, torch
+from torch import nn
+from distfn import distributed
+from safetensors.torch import load_file
+
+@distributed(seed=0)  # one process per visible GPU, NCCL
+def f(cfg, ctx):
+    model = ctx.wrap(nn.Linear(8, 4))
+    out = model(torch.randn(16, 8, device=ctx.device)).sum()
+    out.backward()
+    ctx.save(model, cfg)
+    ctx.barrier()
+    w = ctx.unwrap(model).weight.detach().cpu()
+    return (str(ctx.device), ctx.backend, ctx.world_size, torch.equal(load_file(cfg)["weight"], w),
+            ctx.all_reduce(1.0, op="sum"), next(ctx.unwrap(model).parameters()).device.type)
+
+if __name__ == "__main__":
+    print("RESULT", f(sys.argv[1]))
+"""
+
+
+def test_ddp_on_gpus_pins_devices_and_saves_cpu_copies(tmp_path: Path) -> None:
+    script = tmp_path / "gpu_ddp.py"
+    script.write_text(_DDP)
+    done = run_python([str(script), str(tmp_path / "m.safetensors")], timeout=300)
+    assert done.returncode == 0, done.stderr
+    world = torch.cuda.device_count()
+    assert f"RESULT ('cuda:0', 'nccl', {world}, True, {float(world)}, 'cuda')" in done.stdout
+
+
+def test_checkpoint_round_trip_of_gpu_training_state(tmp_path: Path) -> None:
+    from distfn import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    path = checkpoint.save({"model": model, "optimizer": opt, "step": 1}, tmp_path / "g.safetensors")
+    assert next(model.parameters()).device.type == "cuda"  # the live model never moves
+    fresh = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    values = checkpoint.load_into(path, {"model": fresh, "optimizer": fresh_opt}, device=torch.device("cuda"))
+    assert values["step"] == 1
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert b.device.type == "cuda" and torch.equal(a, b)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_fork_is_refused_after_cuda_is_available(tmp_path: Path) -> None:
+    script = tmp_path / "poisoned.py"
+    script.write_text(
+        "import torch\nfrom distfn import distributed\n"
+        "torch.cuda.is_available()  # calls into the CUDA driver: forked workers could not use CUDA\n"
+        "@distributed(nprocs=2, backend='gloo')\ndef f(cfg, ctx):\n"
+        "    return torch.ones(1, device=ctx.device).sum().item()\n"
+        "if __name__ == '__main__':\n    print('RESULT', f())\n"
+    )
+    done = run_python([str(script)], timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "with spawn" in done.stderr and "CUDA driver" in done.stderr
+    assert "RESULT 1.0" in done.stdout
