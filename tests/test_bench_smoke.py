@@ -28,6 +28,17 @@ def _run_tiny(tmp_path: Path, only: str) -> dict:
     return {b["benchmark"]: b for b in json.loads(result.read_text())["benchmarks"]}
 
 
+def _run_module_tiny(tmp_path: Path, name: str, *extra: str) -> dict:
+    """``bench/bench_<name>.py --tiny [extra] --json``: its exit status checked, its JSON returned."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH / f"bench_{name}.py"), "--tiny", *extra, "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == name
+    return result
+
+
 @pytest.mark.slow
 def test_launch_import_step_benchmarks_run_once(tmp_path: Path) -> None:
     results = _run_tiny(tmp_path, "launch,import,step")
@@ -71,14 +82,7 @@ def test_run_py_summary_and_discovery() -> None:
 @pytest.mark.slow
 def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_checkpoint.py --tiny end to end: every save/load/RSS variant ran once, targets evaluated."""
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_checkpoint.py"), "--tiny", "--dir", str(tmp_path), "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["benchmark"] == "checkpoint"
+    result = _run_module_tiny(tmp_path, "checkpoint", "--dir", str(tmp_path))
     save, load_touch, load_call, rss = result["tables"]
     rows = {r["variant"]: r for r in save["rows"]}
     assert set(rows) >= {"distfn.save", "torch.save", "save_file", "dd", "dd+fdatasync"}
@@ -94,12 +98,8 @@ def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
 
 def test_accumulation_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_accumulation.py --tiny: both loops ran, no_sync all-reduces k times less, same update."""
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "bench_accumulation.py"), "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["benchmark"] == "accumulation" and result["same_update"] is True
+    result = _run_module_tiny(tmp_path, "accumulation")
+    assert result["same_update"] is True
     times, calls, mbytes = result["tables"]
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in times["rows"])
     per_step = {r["variant"]: r["median"] for r in calls["rows"]}
@@ -111,12 +111,8 @@ def test_accumulation_bench_smoke(tmp_path: Path) -> None:
 def test_fsdp_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_fsdp.py --tiny: the three variants ran, both FSDP variants trained identically, and each rank
     holds half of DDP's training state."""
-    out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "bench_fsdp.py"), "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["benchmark"] == "fsdp" and result["identical_losses"] is True
+    result = _run_module_tiny(tmp_path, "fsdp")
+    assert result["identical_losses"] is True
     step, held, sync = result["tables"]
     assert sync["rows"][0]["median"] > 0
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in step["rows"])
