@@ -195,16 +195,20 @@ def _check_signature(fn: Callable[..., Any]) -> None:
         ) from None
 
 
-def _nprocs_default(opts: Options) -> int:
+def _requested_nprocs(opts: Options) -> int | None:
+    """The process count asked for: ``DISTFN_NPROCS`` (validated) over ``nprocs=``, or ``None``."""
     env = os.environ.get("DISTFN_NPROCS")
     if env is not None and env.strip():
-        n = _check_nprocs(env, "DISTFN_NPROCS")
-        assert n is not None
-        if opts.mode in ("single", "dp") and n != 1:
-            raise ConfigError(f"DISTFN_NPROCS={n} but mode={opts.mode!r} runs one process")
-        return n
-    if opts.nprocs is not None:
-        return opts.nprocs
+        return _check_nprocs(env, "DISTFN_NPROCS")
+    return opts.nprocs
+
+
+def _nprocs_default(opts: Options) -> int:
+    requested = _requested_nprocs(opts)
+    if requested is not None:
+        if opts.mode in ("single", "dp") and requested != 1:  # nprocs= itself was checked at decoration time
+            raise ConfigError(f"DISTFN_NPROCS={requested} but mode={opts.mode!r} runs one process")
+        return requested
     if opts.mode in ("single", "dp"):
         return 1
     if opts.devices is not None:
@@ -236,8 +240,8 @@ def _call(fn: Callable[..., R], wrapper: Callable[..., R], opts: Options, cfg: A
         if opts.mode in ("single", "dp") and topo.world_size > 1:
             raise ConfigError(f"mode={opts.mode!r} runs one process, but {topo.launcher} started "
                               f"{topo.world_size}; use mode='ddp' or launch one process")
-        requested = os.environ.get("DISTFN_NPROCS") or opts.nprocs
-        if requested is not None and int(requested) != topo.world_size and topo.rank == 0:
+        requested = _requested_nprocs(opts)
+        if requested is not None and requested != topo.world_size and topo.rank == 0:
             logger.info("nprocs={} is ignored: {} started {} processes", requested, topo.launcher, topo.world_size)
         return worker.run(fn, cfg, opts, topo)
     nprocs = _nprocs_default(opts)
