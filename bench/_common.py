@@ -115,8 +115,9 @@ def _fmt(value: float | None, unit: str) -> str:
 
 def format_table(tab: Mapping[str, Any]) -> str:
     """A Markdown table of one result table (also readable in a terminal)."""
+    versus = f" vs {tab['baseline']}" if tab.get("baseline") else ""
     lines = [f"**{tab['title']}**", "",
-             f"| variant | median | ratio{' vs ' + tab['baseline'] if tab.get('baseline') else ''} | min | runs | note |",
+             f"| variant | median | ratio{versus} | min | runs | note |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
     for row in tab["rows"]:
         ratio = f"{row['ratio']:.3f}×" if row.get("ratio") is not None else "-"

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"steps": args.steps, "batch": args.batch, "width": args.width, "tmp": tmp,
                "min_params": args.width * args.width // 2}
         records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in VARIANTS.values()}
-        variants = {name: (lambda kind=kind: _round(kind, cfg, records, args.warmup)) for name, kind in VARIANTS.items()}
+        variants = {name: (lambda kind=kind: _round(kind, cfg, records, args.warmup))
+                    for name, kind in VARIANTS.items()}
         c.log(f"fsdp: {', '.join(variants)}; {args.rounds} round(s) of {args.steps} steps")
         samples = c.interleave(variants, args.rounds, c.log)
     step = c.table(f"Step time, {WORLD} ranks (gloo, CPU), MLP 256-{args.width}x3-10, Adam, batch {args.batch}/rank, "

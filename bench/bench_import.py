@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+import _common as c
 
 TARGET_S = 0.050
 PEERS = {"accelerate": "accelerate", "ignite": "ignite.distributed", "lightning fabric": "lightning.fabric"}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+import _common as c
 
 WORLD = 2
 SEED = 0
@@ -167,8 +167,8 @@ def _importable(python: str, module: str) -> bool:
 
 
 def _identical(runs: dict[str, list[Path]]) -> tuple[bool, str]:
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     all_runs = [(k, p) for k, ps in runs.items() for p in ps]
     if not all_runs:
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # each round ran both variants back to back: the ratio within a round is immune to slow drifts of a
         # shared machine's load, which the ratio of the two medians is not
-        paired = statistics.median(o / h for o, h in zip(ours, hand))
+        paired = statistics.median(o / h for o, h in zip(ours, hand, strict=True))
         tab["paired_ratio"] = paired
         notes.append(f"median of the per-round ratios distfn / hand-written: {paired:.3f}")
     c.emit({"benchmark": "step", "tables": [tab], "identical_weights": same, "notes": notes}, args.json)

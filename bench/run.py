@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+import _common as c
 
 _common = c
 
@@ -113,14 +113,15 @@ def chart(results: list[dict[str, Any]], path: Path) -> Path | None:
                              gridspec_kw={"height_ratios": heights})
     for ax in axes.flat[len(tables):]:
         ax.set_visible(False)
-    for ax, tab in zip(axes.flat, tables):
+    for ax, tab in zip(axes.flat, tables, strict=False):  # spare axes hidden above
         rows = [r for r in tab["rows"] if r["median"] is not None]
-        scale, unit = (1000.0, "ms") if tab["unit"] == "s" and max(r["median"] for r in rows) < 1 else (1.0, tab["unit"])
+        small = tab["unit"] == "s" and max(r["median"] for r in rows) < 1
+        scale, unit = (1000.0, "ms") if small else (1.0, tab["unit"])
         values = [r["median"] * scale for r in rows]
         colors = ["#d9480f" if r["variant"].startswith(("distfn", "ctx.")) else "#868e96" for r in rows]
         bars = ax.barh([r["variant"] for r in rows], values, color=colors)
         ax.invert_yaxis()
-        for bar, r in zip(bars, rows):
+        for bar, r in zip(bars, rows, strict=True):
             label = f" {bar.get_width():.3g} {unit}" + (f"  ({r['ratio']:.2f}×)" if r.get("ratio") is not None else "")
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
         ax.set_title(tab["title"], fontsize=9, loc="left")

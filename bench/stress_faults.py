@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 JOB = str(SCRIPTS / "rel_job.py")
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import alive, processes, shm_segments, shm_snapshot
+from rel_leftovers import alive, processes, shm_segments, shm_snapshot  # noqa: E402 - tests/scripts, on sys.path above
 
 # In-process cases: what the report must say (every needle), or for "ok"/"env_ok" what the value must hold.
 EXPECT: dict[str, list[str]] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -36,6 +37,15 @@ def run_python(args: list[str], *, env: dict[str, str] | None = None, timeout: f
     """``python ARGS`` with a clean launcher environment; fails the test (not hangs) past ``timeout``."""
     return subprocess.run([sys.executable, *args], env=env or clean_env(), cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def requires(module: str, extra: str) -> pytest.MarkDecorator:
+    """Skip a test unless ``module`` is importable, with a reason naming the extra that installs it.
+
+    CI also runs the suite in a venv with no extras (``.ci/run``): there these tests skip, every other one runs.
+    """
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"needs {module}, from the '{extra}' extra: pip install -e '.[{extra}]'")
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ import torch
 
 import distfn
 
+from conftest import requires
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 pytestmark = pytest.mark.slow
 
@@ -55,8 +57,8 @@ def test_quickstart(tmp_path: Path) -> None:
     assert weights and not any(k.startswith("module.") for k in weights)
 
 
+@requires("sklearn", "examples")  # examples/real_dataset.py loads scikit-learn's digits
 def test_real_dataset_reaches_its_accuracy(tmp_path: Path) -> None:
-    pytest.importorskip("sklearn", reason="examples/real_dataset.py needs scikit-learn: pip install -e '.[examples]'")
     out, result = run_example("real_dataset.py", "--epochs", "12", "--out", str(tmp_path / "d.safetensors"),
                               cwd=tmp_path)
     assert result is not None

@@ -59,7 +59,7 @@ def test_checkpoint_round_trip_of_gpu_training_state(tmp_path: Path) -> None:
     fresh_opt = torch.optim.Adam(fresh.parameters())
     values = checkpoint.load_into(path, {"model": fresh, "optimizer": fresh_opt}, device=torch.device("cuda"))
     assert values["step"] == 1
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert b.device.type == "cuda" and torch.equal(a, b)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
 
