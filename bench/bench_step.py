@@ -74,7 +74,7 @@ def distfn_job(cfg: dict[str, Any], ctx: Any) -> None:
         _write(cfg["out"], times, ctx.unwrap(model))
 
 
-# -- variant 2: hand-written DDP, as the seeds write it ----------------------------------------------------------
+# -- variant 2: hand-written DDP, the usual recipe ----------------------------------------------------------
 def handwritten_worker(rank: int, port: int, cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist

@@ -36,7 +36,7 @@ def _version(package: str) -> str | None:
 
 
 def _visible_mapping(env: Mapping[str, str], count: int) -> list[dict[str, Any]]:
-    """Program index -> physical GPU, as CUDA applies ``CUDA_VISIBLE_DEVICES`` (the seeds' ``'0,5'`` example:
+    """Program index -> physical GPU, as CUDA applies ``CUDA_VISIBLE_DEVICES`` (``'0,5'``:
     ``cuda:1`` is physical GPU 5)."""
     raw = env.get("CUDA_VISIBLE_DEVICES")
     entries = [e.strip() for e in raw.split(",")] if raw is not None else []
@@ -111,9 +111,9 @@ def _start_method() -> tuple[str | None, str]:
     """What ``start_method="auto"`` would choose in this process. Asked before anything touches CUDA here:
     reading the device names below initialises CUDA, after which the answer would always be spawn."""
     try:
-        from . import spawn
+        from . import preflight
 
-        return spawn.choose_start_method("auto")
+        return preflight.choose_start_method("auto")
     except Exception as exc:  # noqa: BLE001
         return None, f"{type(exc).__name__}: {exc}"
 

@@ -1,5 +1,5 @@
 """``mode="dp"``: one process, ``nn.DataParallel`` over the visible GPUs, with the loss computed inside
-``forward`` (the seeds' recipe for balancing DataParallel's GPU 0).
+``forward`` (the usual recipe for balancing DataParallel's GPU 0).
 
     python examples/dp_loss_in_forward.py            # all visible GPUs, or the CPU here
     python examples/dp_loss_in_forward.py --epochs 3
@@ -25,7 +25,7 @@ from distfn import distributed
 
 
 class Net(nn.Module):
-    """A classifier whose ``forward`` returns the loss when labels are given, as in the seeds."""
+    """A classifier whose ``forward`` returns the loss when labels are given, so each replica returns its own loss."""
 
     def __init__(self) -> None:
         super().__init__()

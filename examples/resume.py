@@ -1,8 +1,12 @@
 """Resume after an interruption: checkpoint every epoch, pick up from the newest one on the next run.
 
-    python examples/resume.py --dir runs/resume                  # trains 6 epochs, one checkpoint each
     python examples/resume.py --dir runs/resume --crash-at 3     # rank 1 crashes in epoch 3 ...
     python examples/resume.py --dir runs/resume                  # ... the rerun resumes at epoch 3
+
+The first run trains epochs 0-2 (one checkpoint each), then rank 1 crashes in epoch 3 on purpose: distfn stops
+the other rank and raises a WorkerError naming rank 1. The second run finds the newest checkpoint (epoch 2),
+resumes at epoch 3 and trains to epoch 5. Without ``--crash-at`` a run trains all 6 epochs; run again, it
+finds them done.
 
 The state saved each epoch is the whole training state (model, Adam moments, LR scheduler, epoch) in one
 safetensors file, written atomically by rank 0: a crash or ``kill -9`` at any moment leaves either the old or

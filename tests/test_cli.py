@@ -84,7 +84,7 @@ def test_forced_launcher_and_bad_option(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_visible_devices_mapping_per_rank() -> None:
-    """The seeds' example: CUDA_VISIBLE_DEVICES='0,5' makes cuda:1 physical GPU 5."""
+    """CUDA_VISIBLE_DEVICES='0,5' makes cuda:1 physical GPU 5."""
     env = {"CUDA_VISIBLE_DEVICES": "0,5", "DISTFN_NPROCS": "2"}
     cuda = {"device_count": 2, "mapping": cli._visible_mapping(env, 2)}
     plan = cli._plan({"launcher": "spawn", "topology": None}, cuda, env)

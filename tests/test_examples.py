@@ -89,6 +89,20 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path: Path) -> No
     assert resumed["loss"] == full["loss"]
 
 
+def test_resume_demo_in_the_docstring_crashes_then_resumes(tmp_path: Path) -> None:
+    """The commands at the top of examples/resume.py, run as written: the first crashes, the second resumes."""
+    doc = ast.get_docstring(ast.parse((EXAMPLES / "resume.py").read_text())) or ""
+    commands = [line.split("#")[0].split()[2:] for line in doc.splitlines()
+                if line.strip().startswith("python examples/resume.py")]
+    assert len(commands) == 2 and "--crash-at" in commands[0]
+    out, _ = run_example("resume.py", *commands[0], cwd=tmp_path, ok=False)
+    assert "WorkerError" in out and "rank 1" in out and "simulated crash in epoch 3" in out
+    assert distfn.latest(tmp_path / "runs/resume").name == "ckpt-2.safetensors"
+    out, resumed = run_example("resume.py", *commands[1], cwd=tmp_path)
+    assert "resumed from" in out and "(epoch 2 was done" in out
+    assert resumed is not None and resumed["epochs_run"] == 3  # epochs 3, 4 and 5
+
+
 def test_dp_loss_in_forward(tmp_path: Path) -> None:
     out, result = run_example("dp_loss_in_forward.py", "--epochs", "2", cwd=tmp_path)
     assert result is not None and result["accuracy"] > 0.8
