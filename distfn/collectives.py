@@ -72,7 +72,7 @@ def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None
         reduced = all_reduce(t, op)
         if op == "mean":
             return float(reduced.item())  # type: ignore[return-value]
-        return type(value)(reduced.item())  # type: ignore[return-value]
+        return type(value)(reduced.item())
     raise ConfigError(
         f"all_reduce takes a tensor or a Python number, got {type(value).__name__}; "
         "for arbitrary objects use gather_object"

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from . import collectives
 from .errors import ConfigError
+from .tree import tree_leaves, tree_unflatten
 
 _MASK64 = (1 << 64) - 1
 
@@ -57,6 +58,8 @@ class DistributedLoader(DataLoader):
         next_epoch: the epoch the next iteration will use.
         global_batch_size: ``batch_size * num_replicas`` (samples per step over all ranks).
     """
+
+    sampler: DistributedSampler  # checked in __init__
 
     def __init__(self, *args: Any, seed_parts: tuple[int, int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -204,26 +207,15 @@ def dataloader(
 
 
 # -- gather_for_metrics -----------------------------------------------------------------------------------------
-def _leaves(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    if isinstance(value, (list, tuple)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    raise ConfigError(
-        f"gather_for_metrics takes tensors (or dicts / lists / tuples of them), got {type(value).__name__}; "
-        "for other Python objects use ctx.gather_object"
-    )
-
-
-def _rebuild(value: Any, leaves: Iterator[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return next(leaves)
-    if isinstance(value, dict):
-        return type(value)((k, _rebuild(v, leaves)) for k, v in value.items())
-    items = [_rebuild(v, leaves) for v in value]
-    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuple or list/tuple
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    leaves = tree_leaves(value)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise ConfigError(
+                f"gather_for_metrics takes tensors (or dicts / lists / tuples of them), got {type(leaf).__name__}; "
+                "for other Python objects use ctx.gather_object"
+            )
+    return leaves
 
 
 def _all_gather_rows(t: torch.Tensor, sizes: list[int], device: torch.device | None) -> list[torch.Tensor]:
@@ -238,7 +230,7 @@ def _all_gather_rows(t: torch.Tensor, sizes: list[int], device: torch.device | N
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in sizes]
     torch.distributed.all_gather(parts, padded.contiguous())
-    return [p[:n].to(home) for p, n in zip(parts, sizes)]
+    return [p[:n].to(home) for p, n in zip(parts, sizes, strict=True)]
 
 
 def gather_for_metrics(
@@ -257,13 +249,13 @@ def gather_for_metrics(
     ``dataset[i]``. Without a distfn loader the ranks' rows are concatenated in rank order, unfiltered.
     ``device``: where tensors travel for the collective (CUDA for NCCL); results come back on the input's device.
     """
-    leaves = _leaves(value)
+    leaves = _tensor_leaves(value)
     if not leaves:
         return value
-    rows = {leaf.shape[0] if leaf.dim() > 0 else None for leaf in leaves}
-    if None in rows:
+    if any(leaf.dim() == 0 for leaf in leaves):
         raise ConfigError("gather_for_metrics needs per-sample tensors (batch dimension first); "
                           "for a scalar use ctx.all_reduce")
+    rows = {leaf.shape[0] for leaf in leaves}
     if len(rows) != 1:
         raise ConfigError(f"gather_for_metrics: the tensors have different row counts {sorted(rows)}")
     n = rows.pop()
@@ -285,4 +277,4 @@ def gather_for_metrics(
             order = torch.argsort(torch.tensor([q for _, pos in everyone for q in pos], dtype=torch.int64))
             gathered = [g[order.to(g.device)] for g in gathered]
         leaves = gathered
-    return _rebuild(value, iter(leaves))
+    return tree_unflatten(value, leaves)

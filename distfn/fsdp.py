@@ -2,40 +2,25 @@
 
 What lives here, and who calls it:
 
-* :class:`FsdpOptions` / :func:`parse_options`: the ``fsdp={...}`` mapping of ``@distributed``, validated at
+* `FsdpOptions` / `parse_options`: the ``fsdp={...}`` mapping of ``@distributed``, validated at
   decoration time (``decorator.Options``).
-* :func:`plan_units` / :func:`wrap`: the wrap policy (``Context.wrap``). Sub-modules become their own FSDP unit
+* `plan_units` / `wrap`: the wrap policy (``Context.wrap``). Sub-modules become their own FSDP unit
   bottom-up, either by size (``min_params``) or by class (``module_classes``); the root is always sharded last.
-* :func:`save` / :func:`load`: full-state-dict checkpoints (``Context.save`` / ``Context.load``). The file is the
-  same single safetensors file as in DDP mode, written by :func:`distfn.checkpoint.save` on rank 0, so a model
+* `save` / `load`: full-state-dict checkpoints (``Context.save`` / ``Context.load``). The file is the
+  same single safetensors file as in DDP mode, written by `distfn.checkpoint.save` on rank 0, so a model
   trained with FSDP loads into a bare model with ``distfn.load``, and a DDP file resumes an FSDP run.
-* :func:`begin` / :func:`finish`: per-run bookkeeping (``worker.run``) for the save check-in below.
+* `begin` / `finish`: per-run bookkeeping (``worker.run``): the run's options and the save check-in.
 
-Why a check-in before every gathering save
-------------------------------------------
-Gathering a full state dict is a collective. If only rank 0 calls ``ctx.save`` (the habit from DDP mode:
-``if ctx.is_main: ctx.save(...)``), rank 0 would block in the all-gather while the other ranks block in their
-next forward's all-gather, and the job would hang until the 30-minute collective timeout, or worse, pair
-mismatched collectives. So before gathering, every rank checks in through the process group's key-value store
-(no collective) and waits for the others. A rank that skips the save is caught by positive evidence rather than
-a guess: every rank posts ``(saves, progress)`` to the store at each *sync point* (a forward of a wrapped model,
-a distfn collective such as ``ctx.barrier()`` / ``ctx.all_reduce``) and on exit. In a correct program every rank
-reaches the same number of sync points between two saves.
-
-* a rank that reaches a sync point while another rank waits in save number ``k`` it never started sees the
-  pending check-in and raises at once;
-* a waiting rank that sees another rank past the save point (more progress than itself, or finished) without
-  having checked in raises within about a second;
-* anything else (e.g. the other rank blocked in a raw ``torch.distributed`` call) ends after ``save_timeout``
-  seconds (default 300) with the same error instead of a silent hang.
+The store-based check-in that turns a rank-0-only `ctx.save` into an error instead of a hang is in
+`distfn.checkin`. The rest stays in one module of ~600 lines on purpose: options, wrap policy and the
+full-state save/load are one feature that only `mode="fsdp"` loads, and importing this module costs ~1.5 s
+(`torch.compiler.disable` pulls in `torch._dynamo`), paid once instead of per piece.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import secrets
-import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,14 +31,15 @@ import torch
 from loguru import logger
 from torch import nn
 
+from . import checkin
 from .errors import CheckpointError, ConfigError
+from .tree import tree_leaves, tree_map
 
-__all__ = ["FsdpOptions", "begin", "check_in", "finish", "is_sharded", "load", "note_progress", "parse_options", "plan_units",
-           "save", "wrap"]
+__all__ = ["FsdpOptions", "MixedPrecision", "begin", "finish", "indexed_optimizer_state", "is_sharded", "load",
+           "named_optimizer_state", "options", "parse_options", "plan_units", "save", "wrap"]
 
 DEFAULT_MIN_PARAMS: Final = 1_000_000
 DEFAULT_SAVE_TIMEOUT: Final = 300.0
-_EXITED: Final = 2**62  # the forward count a finished rank posts: "past every save point"
 
 _DTYPE_NAMES: Final[dict[str, torch.dtype]] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -108,12 +94,17 @@ class MixedPrecision:
         cast = value.get("cast_forward_inputs", True)
         if not isinstance(cast, bool):
             raise ConfigError(f"fsdp={{'mixed_precision': ...}}: cast_forward_inputs must be a bool, got {cast!r}")
-        return cls(*(_dtype(value.get(f), f) for f in _MP_FIELDS[:3]), cast_forward_inputs=cast)
+        param, reduce, output = (_dtype(value.get(f), f) for f in _MP_FIELDS[:3])
+        return cls(param, reduce, output, cast_forward_inputs=cast)
 
     def policy(self) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(self.param_dtype, self.reduce_dtype, self.output_dtype, self.cast_forward_inputs)
+
+
+def _mixed_precision(value: Any) -> MixedPrecision | None:
+    return MixedPrecision.parse(value)
 
 
 def _classes(value: Any) -> tuple[type | str, ...]:
@@ -123,7 +114,7 @@ def _classes(value: Any) -> tuple[type | str, ...]:
                           "[Block] or ['Block']")
     out: list[type | str] = []
     for item in items:
-        if isinstance(item, type) and issubclass(item, nn.Module) or isinstance(item, str) and item:
+        if (isinstance(item, type) and issubclass(item, nn.Module)) or (isinstance(item, str) and item):
             out.append(item)
         else:
             raise ConfigError(f"fsdp={{'module_classes': ...}}: {item!r} is not an nn.Module subclass or a class name")
@@ -139,7 +130,7 @@ def _min_params(value: Any) -> int:
 
 
 def _reshard(value: Any) -> bool | int | None:
-    if value is None or isinstance(value, bool) or isinstance(value, int) and value >= 1:
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value >= 1):
         return value
     raise ConfigError(f"fsdp={{'reshard_after_forward': {value!r}}} must be a bool or a positive int "
                       "(the size of the smaller world to reshard to)")
@@ -188,7 +179,7 @@ class FsdpOptions:
 
     min_params: int = attrs.field(default=DEFAULT_MIN_PARAMS, converter=_min_params)
     module_classes: tuple[type | str, ...] = attrs.field(default=(), converter=_classes)
-    mixed_precision: MixedPrecision | None = attrs.field(default=None, converter=MixedPrecision.parse)
+    mixed_precision: MixedPrecision | None = attrs.field(default=None, converter=_mixed_precision)
     cpu_offload: bool = False
     pin_memory: bool = True
     reshard_after_forward: bool | int | None = attrs.field(default=None, converter=_reshard)
@@ -296,7 +287,8 @@ def plan_units(model: nn.Module, options: FsdpOptions) -> list[nn.Module]:
         inside = dict.fromkeys(uncovered, 1)
         for child in module.children():
             if id(child) in visited:  # a shared sub-module: its parameters were collected under its first parent
-                sub_uncovered, sub_inside = {}, visited[id(child)]
+                sub_uncovered: dict[int, nn.Parameter] = {}
+                sub_inside = visited[id(child)]
             else:
                 sub_uncovered, sub_inside = visit(child, False)
             uncovered.update(sub_uncovered)
@@ -358,172 +350,34 @@ def is_sharded(obj: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# Save check-in (see the module docstring)
+# Per-run state (the save check-in itself is in distfn.checkin)
 
-
-@attrs.define
-class _Run:
-    """This rank's view of the current fsdp run's save bookkeeping in the store."""
-
-    store: Any
-    prefix: str
-    rank: int
-    world_size: int
-    options: FsdpOptions
-    saves: int = 0  # gathering saves this rank started
-    progress: int = 0  # sync points this rank reached: forwards of wrapped models and distfn collectives
-
-    def key(self, *parts: Any) -> str:
-        return self.prefix + "/".join(map(str, parts))
-
-    def post(self, progress: int | None = None) -> None:
-        self.store.set(self.key("rank", self.rank), f"{self.saves} {self.progress if progress is None else progress}")
-
-    def read_all(self) -> dict[int, tuple[int, int]]:
-        """Every rank's posted ``(saves, progress)``, in two store round trips when all ranks have posted."""
-        keys = [self.key("rank", r) for r in range(self.world_size)]
-        if self.store.check(keys):
-            values = dict(zip(range(self.world_size), self.store.multi_get(keys)))
-        else:  # a rank that never got going: read the others one by one (get() would block on a missing key)
-            values = {r: self.store.get(k) for r, k in enumerate(keys) if self.store.check([k])}
-        out = {}
-        for rank, raw in values.items():
-            saves, progress = raw.decode().split()
-            out[rank] = (int(saves), int(progress))
-        return out
-
-
-_RUN: _Run | None = None
+_OPTIONS: FsdpOptions | None = None  # the current run's fsdp={...} options
 
 
 def options() -> FsdpOptions:
     """The current run's options (defaults outside a run)."""
-    return _RUN.options if _RUN is not None else FsdpOptions()
+    return _OPTIONS if _OPTIONS is not None else FsdpOptions()
 
 
 def begin(rank: int, world_size: int, opts: FsdpOptions | None) -> None:
-    """Start this rank's bookkeeping for an fsdp run. Collective (one broadcast): call on every rank right after
-    the process group is up.
-
-    The run gets a fresh key prefix from rank 0, so keys of an earlier run in the same store (torchrun restarts,
-    several decorated calls in one process) never count.
-    """
-    global _RUN
-    import torch.distributed as dist
-
-    from . import collectives
-
-    token = collectives.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
-    try:
-        store = dist.distributed_c10d._get_default_store()  # private, but stable since torch 1.x
-    except (AttributeError, RuntimeError) as exc:
-        logger.warning("fsdp: no process-group store ({}); ctx.save on rank 0 only cannot be detected", exc)
-        store = None
-    _RUN = _Run(store, f"distfn/fsdp/{token}/", rank, world_size, opts or FsdpOptions())
-    if store is not None:
-        _RUN.post()
-        collectives.SYNC_HOOKS.append(note_progress)
+    """Start this rank's fsdp run: remember its options and start the save check-in bookkeeping
+    (`distfn.checkin`). Collective (one broadcast): call on every rank right after the process group is up."""
+    global _OPTIONS
+    _OPTIONS = opts or FsdpOptions()
+    checkin.begin(rank, world_size, _OPTIONS.save_timeout)
 
 
 def finish() -> None:
-    """End this rank's bookkeeping; tells ranks waiting in a save that this one will never join it."""
-    global _RUN
-    from . import collectives
-
-    run, _RUN = _RUN, None
-    if note_progress in collectives.SYNC_HOOKS:
-        collectives.SYNC_HOOKS.remove(note_progress)
-    if run is not None and run.store is not None:
-        try:
-            run.post(progress=_EXITED)
-        except Exception as exc:  # noqa: BLE001 - the store may be gone when the job is being torn down
-            logger.trace("fsdp: could not post exit: {}", exc)
-
-
-_WHY: Final = {
-    "ctx.save": "it gathers the sharded model, a collective; only rank 0 writes the file",
-    "ctx.load": "every rank receives its shard from rank 0, a collective",
-}
-
-
-def _skip_message(what: str, rank: int, number: int, late_rank: int) -> str:
-    return (f"{what} in mode='fsdp' must be called on every rank ({_WHY[what]}). Rank {rank} is in {what} "
-            f"(checkpoint call #{number}) but rank {late_rank} went on without calling it. Call {what} on every "
-            "rank, not under `if ctx.is_main:`.")
-
-
-def note_progress() -> None:
-    """A sync point: a forward of a wrapped model or a distfn collective, which every rank reaches equally often
-    in a correct program. Post it, then raise if another rank waits in a ``ctx.save`` this rank skipped."""
-    run = _RUN
-    if run is None or run.store is None:
-        return
-    run.progress += 1
-    run.post()  # post first, then look: with the saver doing the opposite, one of the two always notices
-    pending = run.key("save", run.saves + 1)
-    if run.store.check([pending]):
-        what = run.store.get(pending + "/what").decode() if run.store.check([pending + "/what"]) else "ctx.save"
-        raise CheckpointError(
-            f"rank {run.rank} went on (a forward pass or a collective) while another rank is in {what} (checkpoint "
-            f"call #{run.saves + 1}), which this rank never called. In mode='fsdp' {what} must be called on every "
-            f"rank ({_WHY.get(what, 'a collective')}), not under `if ctx.is_main:`."
-        )
+    """End this rank's fsdp run; tells ranks waiting in a save that this one will never join it."""
+    global _OPTIONS
+    _OPTIONS = None
+    checkin.finish()
 
 
 @torch.compiler.disable  # store I/O: under torch.compile run it eagerly instead of tracing into it
 def _on_forward(module: nn.Module, args: Any) -> None:
-    note_progress()
-
-
-def check_in(what: str) -> None:
-    """Every rank calls this before the collectives of a checkpoint call (``what``: ``"ctx.save"`` or
-    ``"ctx.load"``): it returns once all ranks are in, and raises ``CheckpointError`` naming a rank that went on
-    without calling it (or after ``save_timeout``). A no-op outside an fsdp run."""
-    if _RUN is not None and _RUN.store is not None:
-        _check_in(_RUN, what)
-
-
-def _check_in(run: _Run, what: str) -> None:
-    """Wait until every rank has entered this checkpoint call (``what``: ``"ctx.save"`` or ``"ctx.load"``, which
-    share one count), or raise ``CheckpointError`` naming the rank that will not."""
-    run.saves += 1
-    number = run.saves
-    run.post()
-    key = run.key("save", number)
-    run.store.set(key + "/what", what)  # before the key exists: whoever sees the key can name the call
-    everyone = run.key("save", number, "all")
-    if run.store.add(key, 1) >= run.world_size:
-        run.store.set(everyone, "1")  # the last to arrive releases the others
-        return
-    start = time.monotonic()
-    deadline = start + run.options.save_timeout
-    # Ranks normally arrive within milliseconds of each other: poll fast, then back off to 4 checks a second
-    # (store.wait with a timeout would do, but TCPStore logs a C++ warning for every wait that times out). The
-    # others' progress is read only after a while, once a second: two store round trips per waiting rank, so a
-    # large world does not flood the store.
-    pause, next_scan = 0.001, start + 0.5
-    while True:
-        time.sleep(pause)
-        pause = min(pause * 2, 0.25)
-        if run.store.check([everyone]):
-            return
-        now = time.monotonic()
-        if now < next_scan and now < deadline:
-            continue
-        next_scan = now + 1.0
-        states = run.read_all()
-        missing = [r for r in range(run.world_size) if r not in states or states[r][0] < number]
-        for other in missing:
-            if other in states and states[other][1] > run.progress:  # went past this save point, or finished
-                raise CheckpointError(_skip_message(what, run.rank, number, other))
-        if now >= deadline:
-            raise CheckpointError(
-                f"{what} in mode='fsdp' must be called on every rank; rank {run.rank} waited "
-                f"{run.options.save_timeout:g} s in {what} (checkpoint call #{number}) and rank(s) "
-                f"{missing or 'unknown'} did not arrive. Call {what} on every rank (not under `if ctx.is_main:`); "
-                "if some rank legitimately "
-                "arrives much later, allow a longer wait with the fsdp option for it (docs/modes.md)."
-            )
+    checkin.note_progress()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -536,7 +390,7 @@ def _full_options() -> Any:
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def _indexed(named: Mapping[str, Any]) -> dict[str, Any]:
+def indexed_optimizer_state(named: Mapping[str, Any]) -> dict[str, Any]:
     """A full optimizer state dict keyed by parameter names -> ``Optimizer.state_dict()``'s layout (ints).
 
     The ints number the parameters across ``param_groups`` in order, as ``torch.optim.Optimizer.state_dict``
@@ -553,8 +407,10 @@ def _indexed(named: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
-def _named(indexed: Mapping[Any, Any], optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
-    """The inverse of :func:`_indexed` for ``optimizer``: ints -> the parameter names ``model`` uses."""
+def named_optimizer_state(
+    indexed: Mapping[Any, Any], optimizer: torch.optim.Optimizer, model: nn.Module
+) -> dict[str, Any]:
+    """The inverse of `indexed_optimizer_state` for ``optimizer``: ints -> the parameter names ``model`` uses."""
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     state = {order[int(i)]: v for i, v in indexed["state"].items()}
@@ -574,15 +430,13 @@ def _owner(optimizer: torch.optim.Optimizer, candidates: Sequence[nn.Module]) ->
     )
 
 
-def _walk(obj: Any) -> list[Any]:
-    """Every module and optimizer in ``obj`` (a value or nested mappings / lists / tuples), in a fixed order."""
-    if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [x for v in obj.values() for x in _walk(v)]
-    if isinstance(obj, (list, tuple)):
-        return [x for v in obj for x in _walk(v)]
-    return []
+def _is_state_object(value: Any) -> bool:
+    return isinstance(value, (nn.Module, torch.optim.Optimizer))
+
+
+def _state_objects(obj: Any) -> list[Any]:
+    """Every module and optimizer in ``obj`` (a value or nested containers), in a fixed order."""
+    return [x for x in tree_leaves(obj, is_leaf=_is_state_object) if _is_state_object(x)]
 
 
 def _gather(obj: Any, models: Sequence[nn.Module]) -> Any:
@@ -590,17 +444,15 @@ def _gather(obj: Any, models: Sequence[nn.Module]) -> Any:
     elsewhere). Collective: every rank walks the same structure in the same order."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    if isinstance(obj, nn.Module) and is_sharded(obj):
-        return get_model_state_dict(obj, options=_full_options())
-    if isinstance(obj, torch.optim.Optimizer) and is_sharded(obj):
-        model = _owner(obj, models)
-        return _indexed(get_optimizer_state_dict(model, obj, options=_full_options()))
-    if isinstance(obj, Mapping):
-        return {k: _gather(v, models) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_gather(v, models) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+    def full(value: Any) -> Any:
+        if isinstance(value, nn.Module) and is_sharded(value):
+            return get_model_state_dict(value, options=_full_options())
+        if isinstance(value, torch.optim.Optimizer) and is_sharded(value):
+            model = _owner(value, models)
+            return indexed_optimizer_state(get_optimizer_state_dict(model, value, options=_full_options()))
+        return value
+
+    return tree_map(full, obj, is_leaf=_is_state_object)
 
 
 def save(
@@ -615,15 +467,15 @@ def save(
     """``ctx.save`` in fsdp mode: gather full state dicts to CPU on rank 0, which writes one safetensors file.
 
     When ``obj`` holds a sharded module or optimizer this must run on every rank (checked, see the module
-    docstring; ``checked_in=True`` when the caller already did, see :func:`check_in`); otherwise it behaves
+    docstring; ``checked_in=True`` when the caller already did, see `distfn.checkin.check_in`); otherwise it behaves
     exactly like DDP mode (rank 0 writes, no collective).
     """
     from . import checkpoint
 
-    found = _walk(obj)
+    found = _state_objects(obj)
     if any(is_sharded(x) for x in found):
         if not checked_in:
-            check_in("ctx.save")
+            checkin.check_in("ctx.save")
         obj = _gather(obj, [m for m in found if isinstance(m, nn.Module) and is_sharded(m)])
     if rank == 0:
         return checkpoint.save(obj, path, metadata=metadata, keep=keep)
@@ -635,7 +487,7 @@ def save(
 
 
 class _ModuleTarget(nn.Module):
-    """Stands in for a sharded module inside :func:`distfn.checkpoint.load_into`.
+    """Stands in for a sharded module inside `distfn.checkpoint.load_into`.
 
     ``state_dict()`` describes the *full* (unsharded) tensors without holding their data, so the checkpoint
     engine validates names, shapes and tied weights exactly as for a bare module; ``load_state_dict`` then
@@ -645,6 +497,9 @@ class _ModuleTarget(nn.Module):
     its slice. The engine's tensors are views of a memory-mapped file, so on the other ranks, which never touch
     them, the full model is never read into memory: a node running 8 ranks does not hold 8 copies of it.
     """
+
+    _sharded: nn.Module
+    _strict: bool
 
     def __init__(self, model: nn.Module, strict: bool) -> None:
         super().__init__()
@@ -684,7 +539,7 @@ class _ModuleTarget(nn.Module):
 
 
 class _OptimizerTarget(torch.optim.Optimizer):
-    """Stands in for an optimizer over sharded parameters inside :func:`distfn.checkpoint.load_into`: the engine
+    """Stands in for an optimizer over sharded parameters inside `distfn.checkpoint.load_into`: the engine
     checks the param-group layout against the live groups, then rank 0's full (indexed) state goes through
     ``set_optimizer_state_dict(broadcast_from_rank0=True)``, and each rank keeps its shard of every moment."""
 
@@ -694,10 +549,10 @@ class _OptimizerTarget(torch.optim.Optimizer):
         self._optimizer = optimizer
         self._model = model
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        named = _named(state_dict, self._optimizer, self._model) if _rank() == 0 else {}
+        named = named_optimizer_state(state_dict, self._optimizer, self._model) if _rank() == 0 else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_optimizer_state_dict(self._model, self._optimizer, named, options=options)
 
@@ -712,13 +567,14 @@ def _rank() -> int:
 
 
 def _targets(into: Any, models: Sequence[nn.Module], strict: bool) -> Any:
-    if isinstance(into, nn.Module) and is_sharded(into):
-        return _ModuleTarget(into, strict)
-    if isinstance(into, torch.optim.Optimizer) and is_sharded(into):
-        return _OptimizerTarget(into, _owner(into, models))
-    if isinstance(into, Mapping):
-        return {k: _targets(v, models, strict) for k, v in into.items()}
-    return into
+    def target(value: Any) -> Any:
+        if isinstance(value, nn.Module) and is_sharded(value):
+            return _ModuleTarget(value, strict)
+        if isinstance(value, torch.optim.Optimizer) and is_sharded(value):
+            return _OptimizerTarget(value, _owner(value, models))
+        return value
+
+    return tree_map(target, into, is_leaf=_is_state_object)
 
 
 def load(
@@ -733,12 +589,12 @@ def load(
     Every rank opens the file (as in DDP mode: header validation, plain values, unsharded objects); the sharded
     tensors are read on rank 0 only and broadcast, each rank keeping its shard. The file may come from DDP or
     fsdp mode, written by any world size. Collective when ``into`` holds sharded objects: call it on every rank.
-    Returns the values not restored in place (``step``, ...), like :func:`distfn.checkpoint.load_into`.
+    Returns the values not restored in place (``step``, ...), like `distfn.checkpoint.load_into`.
     """
     from . import checkpoint
 
-    found = _walk(into)
+    found = _state_objects(into)
     if any(is_sharded(x) for x in found):
-        check_in("ctx.load")
+        checkin.check_in("ctx.load")
     models = [m for m in found if isinstance(m, nn.Module) and is_sharded(m)]
     return checkpoint.load_into(path, _targets(into, models, strict), device=device, strict=strict)

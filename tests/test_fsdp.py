@@ -15,7 +15,8 @@ from torch import nn
 
 from distfn import ConfigError, distributed
 from distfn.decorator import Options
-from distfn.fsdp import FsdpOptions, MixedPrecision, _indexed, _named, parse_options, plan_units
+from distfn.fsdp import (FsdpOptions, MixedPrecision, indexed_optimizer_state, named_optimizer_state, parse_options,
+                         plan_units)
 
 JOB = SCRIPTS / "fsdp_job.py"
 
@@ -119,11 +120,11 @@ def test_optimizer_state_names_and_indices_round_trip() -> None:
         p.grad = torch.ones_like(p)
     opt.step()
     plain = opt.state_dict()
-    named = _named(plain, opt, net)
+    named = named_optimizer_state(plain, opt, net)
     assert named["param_groups"][0]["params"][0] == "blocks.0.fc.weight"
     assert sorted(named["state"]) == sorted(n for n, _ in net.named_parameters())
     assert named["state"]["inp.weight"]["exp_avg"] is plain["state"][4]["exp_avg"]
-    back = _indexed(named)
+    back = indexed_optimizer_state(named)
     assert back["param_groups"] == plain["param_groups"]
     assert back["state"].keys() == plain["state"].keys()
     assert all(back["state"][i]["exp_avg"] is plain["state"][i]["exp_avg"] for i in plain["state"])

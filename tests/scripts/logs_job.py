@@ -1,4 +1,4 @@
-"""Logs from two ranks at several levels and reports each rank's CPU thread count (driven by tests/test_loop.py).
+"""Logs from two ranks at several levels and reports each rank's CPU thread count (driven by tests/test_logs.py).
 
 Usage: python logs_job.py USER_SINK_FILE. The user's own loguru sink is added before the launch and must survive.
 """

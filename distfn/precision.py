@@ -1,0 +1,143 @@
+"""Mixed precision and the optimizer step behind `ctx.autocast`, `ctx.backward` and `ctx.step`.
+
+`@distributed(precision=...)` picks full fp32, bf16 autocast, or fp16 autocast with a `GradScaler`. The state of
+one rank's loop (`LoopState`: precision, device, the fp16 scaler, the active accumulator) lives here, and so do
+the two calls that depend on it: `backward` (divided by the accumulation window, scaled for fp16) and `step`
+(unscale, clip, step, update the scale, zero the gradients). Accumulation windows are in `distfn.accumulation`.
+
+Every function here works without a process group (`mode="single"`/`"dp"`) and has no hidden collective, so
+calling one on some ranks only cannot hang the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from .accumulation import Accumulator
+
+#: Accepted values of ``@distributed(precision=...)``: full fp32, bf16 autocast, fp16 autocast + GradScaler.
+PRECISIONS = ("32", "bf16", "16")
+_ALIASES = {32: "32", 16: "16", "fp32": "32", "float32": "32", "fp16": "16", "float16": "16",
+            "bfloat16": "bf16"}
+
+
+def check_precision(value: Any) -> str:
+    """Normalise ``precision`` to one of ``PRECISIONS`` (``32``/``16`` as ints and "fp16"-style names are
+    accepted), raising ``ConfigError`` otherwise."""
+    if isinstance(value, bool):
+        value = None  # never a precision; falls through to the error
+    name = _ALIASES.get(value, value) if isinstance(value, (int, str)) else None
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision={value!r} is not valid; use one of {', '.join(map(repr, PRECISIONS))} "
+                          "(full float32, bfloat16 autocast, float16 autocast with a GradScaler)")
+    return name
+
+
+@attrs.define(eq=False)
+class LoopState:
+    """Per-process state of the loop helpers: the precision, the GradScaler (fp16), the active accumulator."""
+
+    precision: str = attrs.field(default="32", converter=check_precision)
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    accumulator: Accumulator | None = None
+    _scaler: Any = attrs.field(default=None, init=False)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler of an fp16 run (created on first use), else ``None``."""
+        if self.precision != "16":
+            return None
+        if self._scaler is None:
+            self._scaler = torch.amp.GradScaler(self.device.type)
+        return self._scaler
+
+
+def autocast(state: LoopState, *, enabled: bool | None = None, dtype: torch.dtype | None = None) -> Any:
+    """``torch.autocast`` on the run's device with the run's precision (bf16 or fp16); a no-op for ``"32"``.
+
+    ``enabled=False`` switches it off for a block; ``dtype`` overrides the precision's dtype.
+    """
+    if enabled is None:
+        enabled = state.precision != "32" or dtype is not None
+    if not enabled:
+        return contextlib.nullcontext()
+    if dtype is None:
+        dtype = torch.float16 if state.precision == "16" else torch.bfloat16
+    return torch.autocast(device_type=state.device.type, dtype=dtype)
+
+
+def backward(state: LoopState, loss: torch.Tensor, **kwargs: Any) -> None:
+    """``loss.backward()``, divided by the accumulation window inside ``with acc:`` and scaled by the
+    GradScaler for fp16. ``kwargs`` go to ``Tensor.backward`` (``retain_graph``, ...)."""
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"ctx.backward expects the loss tensor, got {type(loss).__name__}")
+    if loss.dim() > 0:
+        raise ConfigError(
+            f"ctx.backward expects a scalar loss, got shape {tuple(loss.shape)}; in mode='dp' a loss computed "
+            "inside forward comes back with one value per GPU: pass ctx.reduce_loss(loss)"
+        )
+    acc = state.accumulator
+    if acc is not None and acc.inside and acc.every > 1:
+        loss = loss / acc.every
+    scaler = state.scaler
+    if scaler is not None:
+        loss = scaler.scale(loss)
+    loss.backward(**kwargs)
+
+
+def step(
+    state: LoopState, *optimizers: Optimizer, max_grad_norm: float | None = None, zero_grad: bool = True
+) -> bool:
+    """Step ``optimizers`` unless an accumulation window is still open; returns whether it stepped.
+
+    With fp16 the GradScaler unscales, skips steps whose gradients overflowed and updates its scale once
+    for all optimizers. ``max_grad_norm`` clips the (unscaled) gradients of all their parameters first.
+    ``zero_grad`` sets the gradients to ``None`` afterwards.
+    """
+    if not optimizers:
+        raise ConfigError("ctx.step needs the optimizer(s) to step: ctx.step(optimizer)")
+    acc = state.accumulator
+    if acc is not None and acc.holds_step():
+        return False
+    scaler = state.scaler
+    if max_grad_norm is not None:
+        if scaler is not None:
+            for opt in optimizers:
+                scaler.unscale_(opt)
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        nn.utils.clip_grad_norm_(params, max_grad_norm)
+    for opt in optimizers:
+        if scaler is not None:
+            scaler.step(opt)
+        else:
+            opt.step()
+    if scaler is not None:
+        scaler.update()
+    if zero_grad:
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+    return True
+
+
+def reduce_loss(loss: torch.Tensor) -> torch.Tensor:
+    """One scalar from a loss that ``nn.DataParallel`` gathered as one value per GPU (its mean); a scalar is
+    returned as is.
+
+    In ``mode="dp"`` the usual way to spread the loss computation over the GPUs is to compute it inside
+    ``forward``; DataParallel then returns a vector with each replica's loss. Its mean equals the loss over the
+    whole batch when the batch splits evenly over the GPUs (DataParallel gives the last GPU fewer samples
+    otherwise).
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"reduce_loss expects a tensor, got {type(loss).__name__}")
+    return loss.mean() if loss.dim() > 0 else loss

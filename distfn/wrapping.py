@@ -1,0 +1,71 @@
+"""`ctx.wrap`: move a model to the rank's device and wrap it for the mode (DDP, DataParallel, FSDP2, or nothing).
+
+Also the model conversions that go with wrapping (SyncBatchNorm). The FSDP policy itself lives in
+`distfn.fsdp`, imported only in `mode="fsdp"` (it costs ~1.5 s: it pulls in `torch._dynamo`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from loguru import logger
+from torch import nn
+
+from .errors import ConfigError
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    mode: str,
+    device: torch.device,
+    is_main: bool,
+    sync_batchnorm: bool = False,
+    **ddp_kwargs: Any,
+) -> nn.Module:
+    """`model` on `device`, wrapped for `mode` (see `Context.wrap` for what each mode gets).
+
+    Args:
+        model: the bare module.
+        mode: `"ddp"`, `"fsdp"`, `"dp"` or `"single"`.
+        device: this rank's device.
+        is_main: whether this is rank 0 (the rank that warns).
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm first (ddp and fsdp modes).
+        ddp_kwargs: `DistributedDataParallel` options (ddp), or `fsdp={...}` option overrides (fsdp).
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"ctx.wrap expects a torch.nn.Module, got {type(model).__name__}")
+    if ddp_kwargs and mode not in ("ddp", "fsdp"):
+        raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={mode!r}")
+    model = model.to(device)
+    if mode == "fsdp":
+        from . import fsdp  # deferred: ~1.5 s (torch._dynamo)
+
+        if sync_batchnorm:
+            model = convert_sync_batchnorm(model, device, warn=is_main)
+        return fsdp.wrap(model, fsdp.parse_options(fsdp.options(), **ddp_kwargs) or fsdp.options(), device)
+    if mode == "ddp":
+        if sync_batchnorm:
+            model = convert_sync_batchnorm(model, device, warn=is_main)
+        if device.type == "cuda":
+            ddp_kwargs.setdefault("device_ids", [device.index])
+            ddp_kwargs.setdefault("output_device", device.index)
+        return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    if mode == "dp":
+        return nn.DataParallel(model)
+    return model
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device, *, warn: bool = True) -> nn.Module:
+    """``model`` with its BatchNorm layers turned into ``SyncBatchNorm`` (statistics over all ranks).
+
+    On CPU the model is returned unchanged with a warning (when ``warn``): torch's SyncBatchNorm raises on CPU
+    tensors in training, and a GPU script should still run on CPUs for development, with per-rank statistics.
+    """
+    if device.type == "cpu":
+        if warn and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            logger.warning("sync_batchnorm=True is ignored on CPU (torch's SyncBatchNorm needs a GPU); "
+                           "BatchNorm statistics stay per rank")
+        return model
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -1,0 +1,132 @@
+"""distfn.precision: bf16 autocast on 2 DDP ranks (CPU), fp16 with its GradScaler, DataParallel's per-GPU
+losses and the argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distfn import ConfigError, distributed
+from distfn.precision import LoopState, reduce_loss, step
+
+
+def _micro_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank- and step-specific data that any process can rebuild (for the big-batch reference)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    return x, x.sum(dim=1, keepdim=True) + 0.5
+
+
+def _bf16(ctx) -> dict:
+    net = ctx.wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = _micro_batch(ctx.rank, 0)
+    before = [p.detach().clone() for p in net.parameters()]
+    with ctx.autocast():
+        out = net(x.float())
+        loss = F.mse_loss(out.float(), y.float())
+    with ctx.autocast(enabled=False):
+        plain = net(x.float())
+    ctx.backward(loss)
+    grad_dtypes = {str(p.grad.dtype) for p in net.parameters()}
+    ctx.step(opt)
+    changed = all(not torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+    return {"out": str(out.dtype), "plain": str(plain.dtype), "grads": sorted(grad_dtypes),
+            "params": sorted({str(p.dtype) for p in net.parameters()}), "changed": changed,
+            "zeroed": all(p.grad is None for p in net.parameters()),
+            "weights": torch.cat([p.detach().flatten() for p in net.parameters()]).tolist(),
+            "mean_loss": ctx.all_reduce(loss.detach().float()).item()}
+
+
+@distributed(nprocs=2, seed=0, precision="bf16")
+def _bf16_job(cfg, ctx):
+    return ctx.gather_object({"precision": ctx.precision, "bf16": _bf16(ctx)})
+
+
+def test_bf16_autocast_on_two_ranks() -> None:
+    r0, r1 = _bf16_job()
+    assert r0["precision"] == r1["precision"] == "bf16"
+    # bf16 autocast on CPU: bf16 activations, fp32 weights and gradients, DDP keeps ranks identical.
+    for r in (r0, r1):
+        b = r["bf16"]
+        assert b["out"] == "torch.bfloat16" and b["plain"] == "torch.float32"
+        assert b["grads"] == ["torch.float32"] and b["params"] == ["torch.float32"]
+        assert b["changed"] and b["zeroed"]
+    assert r0["bf16"]["weights"] == r1["bf16"]["weights"]
+    assert r0["bf16"]["mean_loss"] == r1["bf16"]["mean_loss"]
+
+
+def test_fp16_uses_a_grad_scaler_and_skips_overflowing_steps() -> None:
+    @distributed(mode="single", precision=16)
+    def job(cfg, ctx):
+        model = nn.Linear(4, 1)
+        nn.init.zeros_(model.bias)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(3, 4) * 0.1  # small enough that 65536 x the gradients stays finite in fp16
+        with ctx.autocast():
+            out = model(x)
+        loss = out.float().pow(2).mean()
+        expected = torch.autograd.grad(model(x).pow(2).mean(), model.weight)[0]
+        ctx.backward(loss)
+        scale = ctx._loop_state().scaler.get_scale()
+        scaled = model.weight.grad.clone()
+        w0 = model.weight.detach().clone()
+        assert ctx.step(opt)
+        update = (w0 - model.weight.detach()) / 0.1
+        # An overflowing gradient: the scaler skips the step and halves its scale.
+        model.weight.grad = torch.full_like(model.weight, float("inf"))
+        w1 = model.weight.detach().clone()
+        ctx.step(opt, zero_grad=False)
+        return (ctx.precision, str(out.dtype), scale, scaled, expected, update, torch.equal(w1, model.weight),
+                ctx._loop_state().scaler.get_scale())
+
+    precision, dtype, scale, scaled, expected, update, skipped, new_scale = job()
+    assert precision == "16" and dtype == "torch.float16" and scale == 65536.0
+    assert torch.allclose(scaled / scale, expected, rtol=1e-2, atol=1e-3)
+    assert torch.allclose(update, expected, rtol=1e-2, atol=1e-3)  # the step used unscaled gradients
+    assert skipped and new_scale == scale / 2
+
+
+def test_dp_mode_loss_inside_forward_and_reduce_loss() -> None:
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, x, y):  # the seeds' recipe: the loss computed on each replica
+            return F.mse_loss(self.lin(x), y)
+
+    @distributed(mode="dp", seed=1)
+    def job(cfg, ctx):
+        model = ctx.wrap(WithLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 4)
+        losses = []
+        for _ in range(3):
+            loss = ctx.reduce_loss(model(x, x.sum(1, keepdim=True)))
+            ctx.backward(loss)
+            ctx.step(opt)
+            losses.append(loss.item())
+        with pytest.raises(ConfigError, match="reduce_loss"):
+            ctx.backward(torch.tensor([1.0, 2.0], requires_grad=True))
+        return type(model).__name__, losses, ctx.reduce_loss(torch.tensor([1.0, 3.0])).item()
+
+    wrapper, losses, mean = job()
+    assert wrapper == "DataParallel"
+    assert losses[2] < losses[0]
+    assert mean == 2.0
+    assert reduce_loss(torch.tensor(4.0)).item() == 4.0
+
+
+def test_argument_checks() -> None:
+    with pytest.raises(ConfigError, match="precision='fp8'"):
+        distributed(precision="fp8")
+    assert distributed(precision=16)(lambda cfg, ctx: None).distfn_options.precision == "16"
+    assert distributed(precision="bf16")(lambda cfg, ctx: None).distfn_options.precision == "bf16"
+    assert distributed(lambda cfg, ctx: None).distfn_options.precision == "32"
+    with pytest.raises(ConfigError, match="optimizer"):
+        step(LoopState())
+    with pytest.raises(ConfigError, match="reduce_loss expects a tensor"):
+        reduce_loss(1.0)

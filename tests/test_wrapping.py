@@ -1,0 +1,28 @@
+"""distfn.wrapping: `ctx.wrap` per mode; SyncBatchNorm on 2 CPU ranks (kept as BatchNorm, one warning)."""
+
+from __future__ import annotations
+
+import torch
+from loguru import logger
+from torch import nn
+
+from distfn import distributed
+
+
+@distributed(nprocs=2, seed=0)
+def _sync_bn_job(cfg, ctx):
+    messages: list[str] = []
+    sink = logger.add(messages.append, format="{message}", filter=lambda r: "sync_batchnorm" in r["message"])
+    bn = ctx.wrap(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), sync_batchnorm=True)
+    bn(torch.randn(6, 4)).sum().backward()  # trains on CPU: per-rank BatchNorm kept
+    logger.remove(sink)
+    return ctx.gather_object({"sync_bn_modules": sorted({type(m).__name__ for m in ctx.unwrap(bn).modules()}),
+                              "messages": messages})
+
+
+def test_sync_batchnorm_on_cpu_keeps_batchnorm_and_warns_once() -> None:
+    r0, r1 = _sync_bn_job()
+    # SyncBatchNorm cannot train on CPU: BatchNorm is kept and rank 0 says so once.
+    assert r0["sync_bn_modules"] == r1["sync_bn_modules"] == ["BatchNorm1d", "Linear", "Sequential"]
+    assert sum("sync_batchnorm=True is ignored on CPU" in m for m in r0["messages"]) == 1
+    assert not any("sync_batchnorm" in m for m in r1["messages"])
