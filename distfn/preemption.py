@@ -9,18 +9,24 @@ and SLURM signals every process of a step), and the loop can save a checkpoint a
 
 SIGTERM is the one signal that also means "end now" (``kill``, torchrun and distfn itself stop ranks with it).
 A rank whose function does not poll ``should_stop`` (its code never mentions it, and it has not read it yet)
-raises :class:`distfn.errors.Terminated` on the first SIGTERM instead, so ``finally`` blocks run and the rank
-exits; a function that polls only gets the flag set, and the loop decides. Either way a rank that ignores the request is killed by whoever sent it after a grace.
+raises `distfn.errors.Terminated` on the first SIGTERM instead, so ``finally`` blocks run and the rank
+exits; a function that polls only gets the flag set, and the loop decides. Either way a rank that ignores the
+request is killed by whoever sent it after a grace.
+
+`set_handlers` / `restore_handlers` are the one way distfn installs and gives back signal handlers (here, and in
+the launching process's forwarder).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from . import collectives
 from .errors import Terminated
 
 #: The signals that ask the job to stop at the next step boundary.
@@ -64,10 +70,28 @@ def polls(fn: Any) -> bool:
     return False
 
 
-def install(opt_in: bool = False) -> dict[int, Any] | None:
-    """Reset the state and handle the stop signals in this process; returns the handlers to give back.
+def set_handlers(handlers: Mapping[int, Any]) -> dict[int, Any]:
+    """Install ``{signal: handler}`` and return the handlers they replaced, for `restore_handlers`.
 
-    ``opt_in``: the function polls ``should_stop`` (see :func:`polls`), so SIGTERM only sets the flag.
+    Python runs signal handlers in the main thread only and refuses to set them from another one: outside the
+    main thread nothing is installed and ``{}`` is returned.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+
+
+def restore_handlers(previous: Mapping[int, Any] | None) -> None:
+    """Give back the handlers that `set_handlers` replaced (``None``, one set from C, becomes the default)."""
+    for sig, handler in (previous or {}).items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def install(opt_in: bool = False) -> dict[int, Any] | None:
+    """Reset the state and handle the stop signals in this process; returns the handlers to give back
+    (with `restore_handlers`).
+
+    ``opt_in``: the function polls ``should_stop`` (see `polls`), so SIGTERM only sets the flag.
     Returns ``None`` (and installs nothing) outside the main thread, where Python cannot set handlers, and
     ``{}`` when they are installed already.
     """
@@ -78,23 +102,7 @@ def install(opt_in: bool = False) -> dict[int, Any] | None:
         _state.polled = _state.polled or opt_in
         return {}  # a self-spawned worker installed them first thing: keep what arrived since
     _state = _State(polled=opt_in)
-    previous: dict[int, Any] = {}
-    for sig in STOP_SIGNALS:
-        previous[sig] = signal.signal(sig, _on_signal)
-    return previous
-
-
-def restore(previous: dict[int, Any] | None) -> None:
-    """Give back the handlers that :func:`install` replaced."""
-    if not previous:
-        return
-    for sig, handler in previous.items():
-        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-def requested() -> str | None:
-    """The name of the stop signal this process received (``"SIGTERM"``/``"SIGUSR2"``), or ``None``."""
-    return _state.signal
+    return set_handlers(dict.fromkeys(STOP_SIGNALS, _on_signal))
 
 
 def should_stop(device: Any = None) -> bool:
@@ -102,8 +110,6 @@ def should_stop(device: Any = None) -> bool:
 
     ``device`` is where the flag travels for the all-reduce (a CUDA device under NCCL; the CPU otherwise).
     """
-    from . import collectives
-
     _state.polled = True
     local = _state.signal is not None
     if not collectives.active():

@@ -1,7 +1,7 @@
 """Which external launcher started this process, and where it sits in the job.
 
-Everything here is *pure detection*: :func:`detect` takes a mapping of environment variables (and the
-process's argv) and returns a frozen :class:`Topology`, or ``None`` when no external launcher is present and
+Everything here is *pure detection*: `detect` takes a mapping of environment variables (and the
+process's argv) and returns a frozen `Topology`, or ``None`` when no external launcher is present and
 distfn should start ("self-spawn") its own workers. Detectors never read ``os.environ`` themselves and never
 mutate anything, so the tests can feed recorded environments of real launchers without monkeypatching.
 
@@ -21,8 +21,13 @@ The ``sbatch`` script body and an ``salloc`` shell are *not* ranks although they
 ``SLURM_NTASKS=N``: they are one process on the first node, with no job step. Treating them as "rank 0 of N"
 would wait forever for N-1 peers that nobody starts, so they self-spawn like a plain ``python script.py``.
 
-Errors are :class:`distfn.errors.LauncherError`, raised before any process group starts, naming the
-variables, their values, and how to fix them.
+Errors are `distfn.errors.LauncherError`, raised before any process group starts, naming the
+variables, their values, and how to fix them. What needs I/O (an mpi4py broadcast of the rendezvous, a free
+port) lives in `distfn.rendezvous`; GPU counting and choice in `distfn.devices`.
+
+Why one module of ~850 lines: the three detectors share the parsing helpers (every error names the variable and
+its value) and the nesting rules above are decided between them; reading one launcher's rules means reading the
+others' claims. The Slurm formats (hostlists, task counts) are the only self-contained part.
 """
 
 from __future__ import annotations
@@ -33,31 +38,26 @@ import re
 import socket
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, NoReturn, Protocol
 
 import attrs
 from loguru import logger
 
-from distfn.errors import LauncherError
+from .errors import LauncherError
+from .options import LAUNCHERS
 
 __all__ = [
     "DETECTORS",
     "LAUNCHERS",
     "MPI_FALLBACK_PORT",
     "Topology",
-    "check_devices",
     "derive_port",
     "describe",
     "detect",
-    "device_index",
     "expand_hostlist",
     "expand_tasks_per_node",
-    "resolve_mpi_rendezvous",
-    "resolve_rendezvous",
+    "mpi4py_available",
 ]
-
-LAUNCHERS: Final = ("auto", "spawn", "torchrun", "slurm", "mpi")
-"""Valid values of ``@distributed(launcher=...)``: ``auto`` detects, the others force one."""
 
 #: Ports derived from a job id fall in ``[PORT_BASE, PORT_BASE + PORT_SPAN)``: unprivileged, and below
 #: Linux's default ephemeral range (32768-60999), so no outgoing connection of the node can already hold it.
@@ -90,7 +90,7 @@ class Topology:
     """Where this process sits in a job started by an external launcher.
 
     Attributes:
-        launcher: ``"torchrun"``, ``"mpi"`` or ``"slurm"`` from :func:`detect` (self-spawn is ``detect()``
+        launcher: ``"torchrun"``, ``"mpi"`` or ``"slurm"`` from `detect` (self-spawn is ``detect()``
             returning ``None``; distfn's own workers carry ``"spawn"``, a single in-place process ``"local"``).
         rank: global rank, ``0 <= rank < world_size``.
         local_rank: rank among the processes of this node.
@@ -99,7 +99,7 @@ class Topology:
         node_rank: index of this node, ``0 <= node_rank < num_nodes``.
         num_nodes: number of nodes of the job (step).
         master_addr: host of rank 0's rendezvous; ``None`` only where the rendezvous is decided elsewhere
-            (a multi-node MPI run without ``MASTER_ADDR``: see :func:`resolve_rendezvous`).
+            (a multi-node MPI run without ``MASTER_ADDR``: see `distfn.rendezvous.resolve_rendezvous`).
         master_port: TCP port of the rendezvous, the same on every process; ``None`` together with
             ``master_addr``.
         reason: a human sentence saying why this launcher was detected.
@@ -135,10 +135,18 @@ class Topology:
         if problems:
             raise LauncherError(f"inconsistent {self.launcher} topology: {'; '.join(problems)} ({self.reason})")
 
-    @property
-    def is_multi_node(self) -> bool:
-        """True when the job spans more than one node."""
-        return self.num_nodes > 1
+    @classmethod
+    def local(cls) -> Topology:
+        """One process run in place (``mode="single"``/``"dp"``, or ``nprocs == 1``): rank 0 of 1, no rendezvous."""
+        return cls(launcher="local", rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                   num_nodes=1, master_addr=None, master_port=None, reason="one process, run in place")
+
+    @classmethod
+    def self_spawned(cls, rank: int, world_size: int, port: int) -> Topology:
+        """Worker ``rank`` of ``world_size`` that distfn started on this machine, meeting on loopback ``port``."""
+        return cls(launcher="spawn", rank=rank, local_rank=rank, world_size=world_size,
+                   local_world_size=world_size, node_rank=0, num_nodes=1, master_addr=LOOPBACK, master_port=port,
+                   reason=f"self-spawned {world_size} workers")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -236,7 +244,9 @@ def _argv_local_rank(argv: Sequence[str]) -> tuple[str, int] | None:
 
 def _split_top_level(s: str, what: str) -> list[str]:
     """Split on commas that are not inside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in s:
         if ch == "[":
             depth += 1
@@ -338,6 +348,21 @@ def expand_tasks_per_node(s: str) -> list[int]:
 class _Claim:
     reason: str
     flavor: str = ""
+
+
+class Detector(Protocol):
+    """One launcher's detection: ``claim`` says whether it started this process (and why), ``topology`` reads
+    where the process sits; both are pure functions of (env, argv)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def variables(self) -> tuple[str, ...]: ...
+
+    def claim(self, env: Mapping[str, str], argv: Sequence[str]) -> _Claim | None: ...
+
+    def topology(self, env: Mapping[str, str], argv: Sequence[str], claim: _Claim | None) -> Topology: ...
 
 
 class TorchrunDetector:
@@ -488,42 +513,39 @@ class MpiDetector:
                 raise LauncherError(f"{lr_var}={env[lr_var]!r}, {ls_var}={env[ls_var]!r} and "
                                     f"{size_var}={env[size_var]!r} are inconsistent")
         num_nodes, node_rank = self._nodes(env, rank, world, local_rank, local_world)
-        reason = claim.reason
-        job_var = _first(env, *job_vars)
-        if env.get("MASTER_ADDR", "").strip():
-            addr = env["MASTER_ADDR"].strip()
-            if env.get("MASTER_PORT", "").strip():
-                port: int | None = _port(env, "MASTER_PORT")
-            elif job_var:
-                port = derive_port(env[job_var])
-            else:
-                port = MPI_FALLBACK_PORT
-            reason += f"; rendezvous at MASTER_ADDR={addr}:{port}"
-        elif num_nodes == 1:
-            # Every rank is on this machine: loopback needs no agreement between ranks.
-            addr = LOOPBACK
-            if env.get("MASTER_PORT", "").strip():
-                port = _port(env, "MASTER_PORT")
-            elif job_var:
-                port = derive_port(env[job_var])
-                reason += f"; single node, port derived from {job_var}"
-            else:
-                port = MPI_FALLBACK_PORT
-                reason += f"; single node, fixed port {MPI_FALLBACK_PORT} (set MASTER_PORT to run several jobs)"
-        else:
-            if not _mpi4py_available():
-                raise LauncherError(
-                    f"{claim.reason} on {num_nodes} nodes ({ls_var}={env[ls_var]!r} < {size_var}="
-                    f"{env[size_var]!r}), but MASTER_ADDR is not set and mpi4py is not installed, so the ranks "
-                    "cannot agree on a rendezvous address. Either export it to every rank, e.g. "
-                    "`mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`, or install mpi4py "
-                    "(`pip install 'distfn[mpi]'`) so rank 0 broadcasts its address")
-            addr, port = None, None
-            reason += "; rendezvous to be broadcast by mpi4py"
+        spread = claim.reason
+        if num_nodes > 1 and ls_var is not None:
+            spread += f" on {num_nodes} nodes ({ls_var}={env[ls_var]!r} < {size_var}={env[size_var]!r})"
+        addr, port, how = self._rendezvous(env, _first(env, *job_vars), num_nodes, spread)
         return Topology(
             launcher="mpi", rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
-            node_rank=node_rank, num_nodes=num_nodes, master_addr=addr, master_port=port, reason=reason,
+            node_rank=node_rank, num_nodes=num_nodes, master_addr=addr, master_port=port, reason=claim.reason + how,
         )
+
+    @staticmethod
+    def _rendezvous(env: Mapping[str, str], job_var: str | None, num_nodes: int,
+                    spread: str) -> tuple[str | None, int | None, str]:
+        """(address, port, the reason's tail): loopback on one node, else MASTER_ADDR, else deferred to mpi4py."""
+        if env.get("MASTER_PORT", "").strip():
+            port, port_how = _port(env, "MASTER_PORT"), ""
+        elif job_var:
+            port, port_how = derive_port(env[job_var]), f"; single node, port derived from {job_var}"
+        else:
+            port = MPI_FALLBACK_PORT
+            port_how = f"; single node, fixed port {MPI_FALLBACK_PORT} (set MASTER_PORT to run several jobs)"
+        if env.get("MASTER_ADDR", "").strip():
+            addr = env["MASTER_ADDR"].strip()
+            return addr, port, f"; rendezvous at MASTER_ADDR={addr}:{port}"
+        if num_nodes == 1:
+            # Every rank is on this machine: loopback needs no agreement between ranks.
+            return LOOPBACK, port, port_how
+        if not mpi4py_available():
+            raise LauncherError(
+                f"{spread}, but MASTER_ADDR is not set and mpi4py is not installed, so the "
+                "ranks cannot agree on a rendezvous address. Either export it to every rank, e.g. "
+                "`mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`, or install mpi4py "
+                "(`pip install 'distfn[mpi]'`) so rank 0 broadcasts its address")
+        return None, None, "; rendezvous to be broadcast by mpi4py"
 
     @staticmethod
     def _nodes(env: Mapping[str, str], rank: int, world: int, local_rank: int, local_world: int) -> tuple[int, int]:
@@ -555,7 +577,8 @@ def _srun_pmi(env: Mapping[str, str]) -> bool:
     return env["PMI_RANK"].strip() == env["SLURM_PROCID"].strip() and env["PMI_SIZE"].strip() == ntasks
 
 
-def _mpi4py_available() -> bool:
+def mpi4py_available() -> bool:
+    """Whether mpi4py can be imported (asked without importing it: importing it initialises MPI)."""
     return importlib.util.find_spec("mpi4py") is not None
 
 
@@ -637,7 +660,7 @@ class SlurmDetector:
         )
 
     @staticmethod
-    def _raise_not_a_step(env: Mapping[str, str]) -> None:
+    def _raise_not_a_step(env: Mapping[str, str]) -> NoReturn:
         if env.get("SLURM_JOB_ID", "").strip():
             step = SlurmDetector._step(env)
             where = (f"in the special step {step[0]}={step[1]!r}" if step else
@@ -683,7 +706,7 @@ class SlurmDetector:
 TORCHRUN: Final = TorchrunDetector()
 MPI: Final = MpiDetector()
 SLURM: Final = SlurmDetector()
-DETECTORS: Final = (TORCHRUN, MPI, SLURM)
+DETECTORS: Final[tuple[Detector, ...]] = (TORCHRUN, MPI, SLURM)
 """The detectors, in the order ``auto`` tries them (innermost launcher first)."""
 
 
@@ -718,7 +741,8 @@ def _detect_unchecked(env: Mapping[str, str], argv: Sequence[str], launcher: str
                     return None
             return det.topology(env, argv, claim)
         return None
-    det = {"torchrun": TORCHRUN, "mpi": MPI, "slurm": SLURM}[launcher]
+    forced: dict[str, Detector] = {"torchrun": TORCHRUN, "mpi": MPI, "slurm": SLURM}
+    det = forced[launcher]
     claim = det.claim(env, argv) if det is not TORCHRUN else _claim_torchrun_forced(env, argv)
     return det.topology(env, argv, claim)
 
@@ -780,7 +804,7 @@ def detect(
     return topo
 
 
-def _safe_claim(det: Any, env: Mapping[str, str], argv: Sequence[str]) -> _Claim | None:
+def _safe_claim(det: Detector, env: Mapping[str, str], argv: Sequence[str]) -> _Claim | None:
     try:
         return det.claim(env, argv)
     except LauncherError as exc:
@@ -788,7 +812,7 @@ def _safe_claim(det: Any, env: Mapping[str, str], argv: Sequence[str]) -> _Claim
 
 
 def describe(env: Mapping[str, str], argv: Sequence[str] = (), launcher: str = "auto") -> dict[str, Any]:
-    """What :func:`detect` would decide here, and why, for ``python -m distfn env``.
+    """What `detect` would decide here, and why, for ``python -m distfn env``.
 
     Never raises for launcher problems: an error is reported in the result instead. Does no name lookup.
 
@@ -835,107 +859,3 @@ def _spawn_reason(env: Mapping[str, str], launcher: str) -> str:
             return f"inside the special SLURM step {step[1]}: distfn spawns its workers on this node"
         return "a SLURM step with a single task: distfn spawns its workers on this node"
     return "no torchrun, MPI or SLURM step variables: distfn spawns its workers"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Rendezvous resolution (the one step that may need communication) and devices
-# ---------------------------------------------------------------------------------------------------------
-
-
-def resolve_rendezvous(topology: Topology) -> Topology:
-    """Fill in ``master_addr``/``master_port`` where :func:`detect` could not decide them alone.
-
-    Only a multi-node MPI run without ``MASTER_ADDR`` needs this; every other topology is returned as is.
-    Call it after :func:`detect` and before ``init_process_group``.
-    """
-    if topology.master_addr is not None:
-        return topology
-    return resolve_mpi_rendezvous(topology)
-
-
-def resolve_mpi_rendezvous(topology: Topology, comm: Any = None) -> Topology:
-    """Agree on a rendezvous with ``mpi4py``: rank 0 broadcasts its address and a free port.
-
-    Args:
-        topology: an MPI topology whose ``master_addr`` is None.
-        comm: the communicator (default ``mpi4py.MPI.COMM_WORLD``); injectable for tests.
-
-    Raises:
-        LauncherError: mpi4py is not installed (with both ways to fix it).
-    """
-    if topology.master_addr is not None:
-        return topology
-    if comm is None:
-        try:
-            from mpi4py import MPI  # type: ignore[import-not-found]  # optional extra "mpi"
-        except ImportError:
-            raise LauncherError(
-                "a multi-node MPI run needs MASTER_ADDR (e.g. `mpirun -x MASTER_ADDR=$(hostname) -x "
-                "MASTER_PORT=29500 ...`) or mpi4py (`pip install 'distfn[mpi]'`) to agree on a rendezvous"
-            ) from None
-        comm = MPI.COMM_WORLD
-    payload = None
-    if comm.Get_rank() == 0:
-        payload = (_routable_address(), _free_port())
-    addr, port = comm.bcast(payload, root=0)
-    return attrs.evolve(topology, master_addr=addr, master_port=port,
-                        reason=f"{topology.reason}; rank 0 broadcast {addr}:{port} over mpi4py")
-
-
-def _routable_address() -> str:
-    """An address of this host that other nodes can reach (its name's IP, else the default route's)."""
-    try:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent for a UDP connect
-            return probe.getsockname()[0]
-        finally:
-            probe.close()
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def device_index(topology: Topology, device_count: int) -> int:
-    """The CUDA device this rank uses: ``local_rank % device_count``."""
-    if device_count < 1:
-        raise LauncherError("device_index needs at least one visible device")
-    return topology.local_rank % device_count
-
-
-def check_devices(topology: Topology, device_count: int, *, allow_sharing: bool = False,
-                  env: Mapping[str, str] | None = None) -> None:
-    """Refuse to put more ranks on a node than it has visible GPUs.
-
-    The sharing rule: rank ``r`` uses device ``local_rank % device_count``. Several ranks on one GPU only
-    happen when asked for (``allow_sharing``), or when the launcher binds GPUs per task: under
-    ``srun --gpus-per-task=1`` every task sees exactly its own GPU (``SLURM_STEP_GPUS`` set, one visible
-    device), so ``device_count < local_world_size`` is expected there and device 0 is right for each task.
-
-    Args:
-        topology: this process's topology.
-        device_count: visible CUDA devices in this process (0: CPU run, nothing to check).
-        allow_sharing: let several ranks share a GPU.
-        env: the environment, to recognise per-task GPU binding by SLURM.
-
-    Raises:
-        LauncherError: more ranks on this node than visible GPUs, naming both and how to fix it.
-    """
-    if device_count <= 0 or topology.local_world_size <= device_count or allow_sharing:
-        return
-    if env is not None and topology.launcher == "slurm" and env.get("SLURM_STEP_GPUS", "").strip():
-        return
-    visible = ""
-    if env is not None and "CUDA_VISIBLE_DEVICES" in env:
-        visible = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r})"
-    raise LauncherError(
-        f"{topology.local_world_size} ranks on node {topology.node_rank} ({topology.reason}) but only "
-        f"{device_count} visible GPU(s){visible}. Start at most {device_count} task(s) per node (e.g. "
-        f"`srun --ntasks-per-node={device_count}`, `torchrun --nproc_per_node={device_count}`), give each task "
-        "its own GPU (`srun --gpus-per-task=1`), or allow ranks to share GPUs"
-    )

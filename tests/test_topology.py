@@ -23,15 +23,11 @@ from distfn.topology import (
     PORT_BASE,
     PORT_SPAN,
     Topology,
-    check_devices,
     derive_port,
     describe,
     detect,
-    device_index,
     expand_hostlist,
     expand_tasks_per_node,
-    resolve_mpi_rendezvous,
-    resolve_rendezvous,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -378,7 +374,7 @@ def test_mpirun_inside_one_node_sbatch_is_mpi(env: Mapping[str, str]) -> None:
 
 def test_mpirun_inside_two_node_sbatch_needs_a_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
     # Ranks see SLURM_STEP_ID=0 and SLURM_PROCID=<node index> of Open MPI's daemon step: MPI must win.
-    monkeypatch.setattr(topo_mod, "_mpi4py_available", lambda: False)
+    monkeypatch.setattr(topo_mod, "mpi4py_available", lambda: False)
     with pytest.raises(LauncherError) as err:
         run(MPIRUN_IN_SBATCH_2NODES_RANK3_RECORDED)
     msg = str(err.value)
@@ -397,7 +393,7 @@ def test_mpirun_two_nodes_with_master_addr_exported() -> None:
 
 
 def test_mpirun_two_nodes_with_mpi4py_defers_the_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(topo_mod, "_mpi4py_available", lambda: True)
+    monkeypatch.setattr(topo_mod, "mpi4py_available", lambda: True)
     t = run(MPIRUN_IN_SBATCH_2NODES_RANK3_RECORDED)
     assert t is not None and (t.master_addr, t.master_port) == (None, None) and "mpi4py" in t.reason
 
@@ -736,57 +732,14 @@ def test_describe_never_raises_for_launcher_errors() -> None:
     assert d["launcher"] == "spawn" and d["candidates"] == {} and d["variables"] == {}
 
 
-class FakeComm:
-    """Stands in for mpi4py's COMM_WORLD: bcast returns what rank 0 sent."""
-
-    def __init__(self, rank: int, sent: Any = None) -> None:
-        self.rank, self.sent = rank, sent
-
-    def Get_rank(self) -> int:  # mpi4py's name
-        return self.rank
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        assert root == 0
-        return obj if self.rank == 0 else self.sent
-
-
-def test_resolve_mpi_rendezvous_with_a_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(topo_mod, "_mpi4py_available", lambda: True)
-    deferred = run(MPIRUN_IN_SBATCH_2NODES_RANK3_RECORDED)
-    assert deferred is not None
-    t = resolve_mpi_rendezvous(deferred, comm=FakeComm(rank=3, sent=("10.1.2.3", 41000)))
-    assert (t.master_addr, t.master_port, t.rank) == ("10.1.2.3", 41000, 3) and "mpi4py" in t.reason
-    t0 = resolve_mpi_rendezvous(attrs.evolve(deferred, rank=0, local_rank=0, node_rank=0), comm=FakeComm(rank=0))
-    assert t0.master_addr and t0.master_port and 1 <= t0.master_port <= 65535
-
-
-def test_resolve_rendezvous_passes_complete_topologies_through() -> None:
-    t = run(SRUN_N1_N2_TASK1_RECORDED)
-    assert t is not None and resolve_rendezvous(t) is t
-
-
-def test_resolve_rendezvous_without_mpi4py_explains_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(topo_mod, "_mpi4py_available", lambda: True)
-    deferred = run(MPIRUN_IN_SBATCH_2NODES_RANK3_RECORDED)
-    assert deferred is not None
-    monkeypatch.setitem(__import__("sys").modules, "mpi4py", None)  # makes `import mpi4py` fail
-    with pytest.raises(LauncherError, match=r"MASTER_ADDR.*mpi4py"):
-        resolve_rendezvous(deferred)
-
-
-def test_check_devices() -> None:
-    t = run(SRUN_N2_X2_TASK3_RECORDED)
-    assert t is not None
-    check_devices(t, 0)  # CPU run: nothing to check
-    check_devices(t, 2)
-    check_devices(t, 8)
-    with pytest.raises(LauncherError) as err:
-        check_devices(t, 1, env={"CUDA_VISIBLE_DEVICES": "3"})
-    msg = str(err.value)
-    assert "2 ranks on node 1" in msg and "only 1 visible GPU" in msg and "CUDA_VISIBLE_DEVICES='3'" in msg
-    assert "--ntasks-per-node=1" in msg and "--gpus-per-task=1" in msg
-    check_devices(t, 1, allow_sharing=True)
-    # srun --gpus-per-task=1: every task sees its own single GPU
-    check_devices(t, 1, env={"SLURM_STEP_GPUS": "1", "CUDA_VISIBLE_DEVICES": "1"})
-    assert [device_index(attrs.evolve(t, local_rank=r), 2) for r in range(2)] == [0, 1]
-    assert device_index(t, 1) == 0
+def test_constructors_for_the_undetected_cases() -> None:
+    assert fields(Topology.local()) == dict(
+        launcher="local", rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+        master_addr=None, master_port=None)
+    t = Topology.self_spawned(1, 2, 29400)
+    assert fields(t) == dict(
+        launcher="spawn", rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+        master_addr="127.0.0.1", master_port=29400)
+    assert t.reason == "self-spawned 2 workers"
+    with pytest.raises(LauncherError, match="rank=2 not in"):
+        Topology.self_spawned(2, 2, 29400)

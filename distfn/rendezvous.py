@@ -1,0 +1,141 @@
+"""How the ranks of a job meet: the rendezvous address, and joining the default process group.
+
+`distfn.topology` decides everything it can from the environment alone; what needs I/O lives here: a multi-node
+MPI run without ``MASTER_ADDR`` agrees on an address over mpi4py (`resolve_rendezvous`), rank 0 picks a free port
+and an address other nodes can reach, and `init_process_group` joins the group through the right store or URL
+(torchrun's agent store, distfn's own store, or ``tcp://``/``env://``/``file://``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch.distributed as dist
+
+from .errors import LauncherError
+from .topology import Topology
+
+__all__ = [
+    "free_port",
+    "init_method_url",
+    "init_process_group",
+    "resolve_mpi_rendezvous",
+    "resolve_rendezvous",
+    "routable_address",
+    "torchrun_store",
+]
+
+
+def resolve_rendezvous(topology: Topology) -> Topology:
+    """Fill in ``master_addr``/``master_port`` where `distfn.topology.detect` could not decide them alone.
+
+    Only a multi-node MPI run without ``MASTER_ADDR`` needs this; every other topology is returned as is.
+    Call it after ``detect`` and before ``init_process_group``.
+    """
+    if topology.master_addr is not None:
+        return topology
+    return resolve_mpi_rendezvous(topology)
+
+
+def resolve_mpi_rendezvous(topology: Topology, comm: Any = None) -> Topology:
+    """Agree on a rendezvous with ``mpi4py``: rank 0 broadcasts its address and a free port.
+
+    Args:
+        topology: an MPI topology whose ``master_addr`` is None.
+        comm: the communicator (default ``mpi4py.MPI.COMM_WORLD``); injectable for tests.
+
+    Raises:
+        LauncherError: mpi4py is not installed (with both ways to fix it).
+    """
+    if topology.master_addr is not None:
+        return topology
+    if comm is None:
+        try:
+            # deferred: importing mpi4py.MPI initialises MPI itself; only this rare case may pay for it
+            from mpi4py import MPI  # type: ignore[import-not-found,unused-ignore]  # optional extra "mpi"
+        except ImportError:
+            raise LauncherError(
+                "a multi-node MPI run needs MASTER_ADDR (e.g. `mpirun -x MASTER_ADDR=$(hostname) -x "
+                "MASTER_PORT=29500 ...`) or mpi4py (`pip install 'distfn[mpi]'`) to agree on a rendezvous"
+            ) from None
+        comm = MPI.COMM_WORLD
+    payload = None
+    if comm.Get_rank() == 0:
+        payload = (routable_address(), free_port())
+    addr, port = comm.bcast(payload, root=0)
+    return attrs.evolve(topology, master_addr=addr, master_port=port,
+                        reason=f"{topology.reason}; rank 0 broadcast {addr}:{port} over mpi4py")
+
+
+def routable_address() -> str:
+    """An address of this host that other nodes can reach (the default route's, else its name's IP)."""
+    try:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent for a UDP connect
+            return str(probe.getsockname()[0])
+        finally:
+            probe.close()
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def free_port() -> int:
+    """A TCP port that nothing on this host listens on right now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_method_url(topology: Topology, init_method: str | None) -> str:
+    """The ``init_method`` URL for ``init_process_group``: the user's, else ``env://`` or ``tcp://master``."""
+    if init_method is not None:
+        return init_method
+    if topology.launcher == "torchrun" or topology.master_addr is None:
+        # torchrun's agent already holds a store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE): only env://
+        # knows to join it as a client; tcp:// would try to listen on the same port.
+        return "env://"
+    host = topology.master_addr
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"tcp://{host}:{topology.master_port}"
+
+
+def torchrun_store(timeout: datetime.timedelta, env: Mapping[str, str] | None = None) -> Any:
+    """torchrun's agent store with a key space of its own for each restart attempt, or ``None``.
+
+    torchrun keeps one store across ``--max-restarts`` attempts and never clears it, so the ranks of a
+    restarted attempt can read the previous attempt's addresses and fail with gloo's "Connection refused"
+    (reproduced with torch 2.13). Prefixing the keys with ``TORCHELASTIC_RESTART_COUNT`` separates attempts.
+    """
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+        return None
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False, timeout)
+    return dist.PrefixStore(f"distfn/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
+def init_process_group(
+    topology: Topology,
+    backend: str,
+    timeout: datetime.timedelta,
+    *,
+    store: Any = None,
+    init_method: str | None = None,
+) -> None:
+    """Join the job's default process group (rendezvous through ``store`` when the launcher made one)."""
+    kwargs: dict[str, Any] = dict(
+        backend=backend, rank=topology.rank, world_size=topology.world_size, timeout=timeout
+    )
+    if store is None and init_method is None and topology.launcher == "torchrun":
+        store = torchrun_store(timeout)
+    if store is not None and init_method is None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = init_method_url(topology, init_method)
+    dist.init_process_group(**kwargs)
