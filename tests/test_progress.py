@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from loguru import logger
 
 from distfn import distributed
-from distfn.progress import NullWriter, writer
+from distfn.progress import NullWriter, Progress, writer
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
@@ -88,3 +89,15 @@ def test_null_writer_and_missing_tensorboard(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match=r"distfn\[tensorboard\]"):
         writer(True, "runs/x")
+
+
+def test_the_bar_needs_no_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tqdm is a declared dependency (issue 11): rank 0 always gets a real bar, and a broken install fails loudly
+    # instead of silently drawing nothing.
+    buf = io.StringIO()
+    bar = Progress(range(2), enabled=True, desc="d", file=buf, disable=False, mininterval=0)
+    assert list(bar) == [0, 1] and bar.visible and "2/2" in buf.getvalue()
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with pytest.raises(ImportError):
+        Progress(range(2), enabled=True)
+
