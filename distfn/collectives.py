@@ -35,11 +35,20 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def barrier() -> None:
-    """Block until every rank reaches this point (no-op without a process group)."""
+def barrier(device: torch.device | None = None) -> None:
+    """Block until every rank reaches this point (no-op without a process group).
+
+    Args:
+        device: this rank's device. On an NCCL group NCCL's barrier is an all-reduce on a GPU; without
+            `device_ids` torch picks `global_rank % local_device_count`, a GPU this rank may not own (it opens a
+            context there, or fails with "Duplicate GPU" when ranks are not numbered node by node).
+    """
     if active():
         _sync_point()
-        dist.barrier()
+        if device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend()).lower():
+            dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+        else:
+            dist.barrier()
 
 
 def _reduce_op(op: str) -> Any:

@@ -22,20 +22,10 @@ from . import accumulation, collectives, data, preemption, progress, wrapping
 from . import precision as amp
 from .accumulation import Accumulator
 from .data import DistributedLoader
+from .devices import collective_device
 from .errors import CheckpointError, ConfigError
+from .options import ONE_PROCESS_MODES
 from .progress import Progress
-
-
-def _collective_device(backend: str | None, device: torch.device) -> torch.device | None:
-    """The device collectives of Python numbers must use: `device` when the group cannot take CPU tensors
-    (NCCL only, in any spelling), else `None` (the CPU)."""
-    if backend is None:
-        return None
-    for part in backend.lower().split(","):
-        kind, _, name = part.strip().rpartition(":")
-        if kind in ("", "cpu") and name.strip() != "nccl":
-            return None
-    return device
 
 
 @attrs.define(eq=False)
@@ -88,7 +78,7 @@ class Context:
 
     @property
     def _group_device(self) -> torch.device | None:
-        return _collective_device(self.backend, self.device)
+        return collective_device(self.backend, self.device)
 
     @property
     def should_stop(self) -> bool:
@@ -115,7 +105,7 @@ class Context:
             seed: the shuffle seed; defaults to the run's seed (or 0).
             drop_last: drop the tail that does not divide evenly instead of padding it with duplicates.
         """
-        replicas, rank = (self.world_size, self.rank) if self.mode not in ("single", "dp") else (1, 0)
+        replicas, rank = (self.world_size, self.rank) if self.mode not in ONE_PROCESS_MODES else (1, 0)
         return DistributedSampler(
             dataset,
             num_replicas=replicas,
@@ -283,7 +273,7 @@ class Context:
     # -- collectives --------------------------------------------------------------------------------------
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op without a process group)."""
-        collectives.barrier()
+        collectives.barrier(self.device)
 
     def all_reduce(self, value: Any, op: str = "mean") -> Any:
         """`value` reduced over all ranks (a collective: call it on every rank).

@@ -19,29 +19,12 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .options import check_precision
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from .accumulation import Accumulator
-
-#: Accepted values of ``@distributed(precision=...)``: full fp32, bf16 autocast, fp16 autocast + GradScaler.
-PRECISIONS = ("32", "bf16", "16")
-_ALIASES = {32: "32", 16: "16", "fp32": "32", "float32": "32", "fp16": "16", "float16": "16",
-            "bfloat16": "bf16"}
-
-
-def check_precision(value: Any) -> str:
-    """Normalise ``precision`` to one of ``PRECISIONS`` (``32``/``16`` as ints and "fp16"-style names are
-    accepted), raising ``ConfigError`` otherwise."""
-    if isinstance(value, bool):
-        value = None  # never a precision; falls through to the error
-    name = _ALIASES.get(value, value) if isinstance(value, (int, str)) else None
-    if name not in PRECISIONS:
-        raise ConfigError(f"precision={value!r} is not valid; use one of {', '.join(map(repr, PRECISIONS))} "
-                          "(full float32, bfloat16 autocast, float16 autocast with a GradScaler)")
-    return name
-
 
 @attrs.define(eq=False)
 class LoopState:

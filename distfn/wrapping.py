@@ -13,6 +13,7 @@ from loguru import logger
 from torch import nn
 
 from .errors import ConfigError
+from .options import MULTI_RANK_MODES
 
 
 def wrap(
@@ -36,7 +37,7 @@ def wrap(
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"ctx.wrap expects a torch.nn.Module, got {type(model).__name__}")
-    if ddp_kwargs and mode not in ("ddp", "fsdp"):
+    if ddp_kwargs and mode not in MULTI_RANK_MODES:
         raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={mode!r}")
     model = model.to(device)
     if mode == "fsdp":

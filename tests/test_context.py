@@ -1,0 +1,40 @@
+"""distfn.context: what `ctx` forwards where. Python numbers, `should_stop` and `gather_for_metrics` travel on the
+rank's GPU whenever the group is NCCL alone, however the backend was spelled (CUDA faked: no collective runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from distfn import collectives, data, preemption
+from distfn.context import Context
+
+
+def _ctx(backend: str | None, device: torch.device) -> Context:
+    return Context(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+                   device=device, backend=backend, mode="ddp", launcher="spawn")
+
+
+@pytest.mark.parametrize(("backend", "on_gpu"), [
+    ("nccl", True), ("NCCL", True), ("cuda:nccl", True), ("cuda:NCCL", True),
+    ("gloo", False), ("cuda:nccl,cpu:gloo", False), (None, False),
+])
+def test_numbers_travel_on_the_gpu_only_when_the_group_is_nccl_alone(
+    monkeypatch: pytest.MonkeyPatch, backend: str | None, on_gpu: bool
+) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(collectives, "all_reduce",
+                        lambda value, op="mean", device=None: seen.setdefault("reduce", device))
+    monkeypatch.setattr(collectives, "barrier", lambda device=None: seen.setdefault("barrier", device))
+    monkeypatch.setattr(preemption, "should_stop", lambda device=None: seen.setdefault("stop", device))
+    monkeypatch.setattr(data, "gather_for_metrics", lambda v, loader, device=None: seen.setdefault("gather", device))
+    gpu = torch.device("cuda", 1)
+    ctx = _ctx(backend, gpu)
+    ctx.all_reduce(1.0)
+    ctx.should_stop  # noqa: B018 - a property that makes a collective
+    ctx.gather_for_metrics(torch.zeros(2))
+    ctx.barrier()
+    expected = gpu if on_gpu else None
+    assert seen == {"reduce": expected, "stop": expected, "gather": expected, "barrier": gpu}
