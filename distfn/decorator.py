@@ -22,7 +22,7 @@ from typing import Any, TypeVar, overload
 import torch
 from loguru import logger
 
-from . import devices, preflight, rendezvous, spawn, topology, worker
+from . import devices, logs, preflight, rendezvous, spawn, topology, worker
 from .context import Context
 from .errors import ConfigError, NestedLaunchError
 from .options import DEFAULT_TIMEOUT, MODES, Options, default_nprocs, make_options, requested_nprocs
@@ -94,7 +94,8 @@ def _decorate(func: Callable[..., R], opts: Options) -> Callable[..., R]:
                 "distfn creates and passes ctx itself. Call it as "
                 f"{func.__qualname__}(cfg) or {func.__qualname__}()."
             )
-        return _call(func, wrapper, opts, args[0] if args else None)
+        with logs.launcher():  # one log format from here on ("launcher", then "rank r/n" in the ranks)
+            return _call(func, wrapper, opts, args[0] if args else None)
 
     wrapper.distfn_options = opts  # type: ignore[attr-defined]
     return wrapper

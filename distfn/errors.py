@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .failures import Failure
+
 
 class DistfnError(Exception):
     """Base class of every error raised by distfn itself."""
@@ -39,12 +44,12 @@ class WorkerError(DistfnError):
     worker's traceback) and lists any later ones after it. ``failures`` holds them all, first first.
     """
 
-    def __init__(self, failures: list) -> None:  # list[distfn.spawn.Failure]; typed loosely to avoid a cycle
+    def __init__(self, failures: list[Failure]) -> None:
         self.failures = list(failures)
         super().__init__(self._render())
 
     @property
-    def first(self):  # noqa: ANN201 - a distfn.spawn.Failure
+    def first(self) -> Failure:
         """The failure that happened first (the likely root cause)."""
         return self.failures[0]
 

@@ -1,42 +1,42 @@
 """The launching process of a self-spawned job: start the workers, watch them, bring back a result or the first
 failure, and leave nothing behind.
 
-Shape (after ``torch/multiprocessing/spawn.py``, with its rough edges filed off):
+Shape (after ``torch/multiprocessing/spawn.py``, whose ``ProcessContext`` also owns its processes):
 
+* `launch` reads start -> poll -> teardown; a `WorkerGroup` owns the workers, their reports, the signal
+  forwarder and the rendezvous store;
 * a loopback socket is bound *before* the workers start, so the port is ours (no "pick a free port and hope"
   race) and the rendezvous store is reachable from this machine only;
 * each worker reports exactly once through its own pipe: ``("ok", pickled_result_or_None)`` or
   ``("error", Failure)``; a worker that dies without reporting is described from its exit code / signal;
 * a second pipe per worker carries its ``faulthandler`` output: the Python stack of a crash (SIGSEGV, ...),
   and on request (``DUMP_SIGNAL``) every rank's stack when a collective timed out;
-* the root cause leads (deaths, then the ranks' own errors, then errors about a lost peer), the others are
-  stopped at once (SIGTERM, SIGKILL after a grace, the worker's whole process group), and it all becomes one
-  ``WorkerError``;
+* the root cause leads (`distfn.failures.order_failures`), the others are stopped at once (SIGTERM, SIGKILL
+  after a grace, the worker's whole process group), and it all becomes one ``WorkerError``;
 * Ctrl-C, SIGTERM and SIGUSR2 reaching this process are forwarded to the workers (see ``preemption.py`` for
   what they do there); every worker also dies with this process (PR_SET_PDEATHSIG).
 
-Under torchrun / srun / mpirun none of this runs: ``report_in_place`` is all a failing rank does there.
+The checks before the start are in `distfn.preflight`, the failure records in `distfn.failures`. Under torchrun /
+srun / mpirun none of this runs (`distfn.failures.report_in_place` is all a failing rank does there).
+
+(About 550 lines, over the ~500 the package aims at: both ends of one protocol live here, the worker's entry that
+sends the report and arms the stack pipe, and the launcher that reads them, so that they change together.)
 """
 
 from __future__ import annotations
 
-import ast
+import contextlib
 import ctypes
-import errno
 import faulthandler
-import io
 import os
 import pickle
-import re
 import signal
 import socket
 import sys
-import threading
 import time
-import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -44,13 +44,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from loguru import logger
 
-from . import preemption, worker
+from . import preemption, preflight, worker
 from .errors import ConfigError, Terminated, WorkerError
-
-if TYPE_CHECKING:
-    from .decorator import Options
-
-START_METHODS = ("auto", "fork", "forkserver", "spawn")
+from .failures import Failure, diagnose, innermost_user_frame, main_stack, order_failures
+from .options import Options
+from .topology import Topology
 
 #: Seconds the other workers get to exit after a failure or Ctrl-C before they are killed.
 STOP_GRACE = 5.0
@@ -65,360 +63,6 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 #: Seconds the launching process waits for the workers' stacks after asking for them.
 DUMP_WAIT = 2.0
-
-# Set in the environment of a worker being started with spawn/forkserver, which re-imports the user's script
-# before distfn's entry point runs: a decorated call during that import is a nested launch.
-_CHILD_ENV = "_DISTFN_STARTING_WORKER"
-
-
-def _thread_ids() -> frozenset[str]:
-    try:
-        return frozenset(os.listdir("/proc/self/task"))
-    except OSError:
-        return frozenset(str(t.native_id) for t in threading.enumerate())
-
-
-# Threads of this process when distfn was imported (right after torch, before the script ran any op). A thread
-# that is not among them at launch time (an OpenMP pool from an earlier torch op, a user's thread) makes fork
-# unsafe: GNU OpenMP's pool does not survive fork, and the children hang at their first parallel op (measured).
-# Thread ids, not a count: threads that torch starts during import may end later, and a count would then miss
-# an OpenMP thread that took their place.
-_BASELINE_THREADS = _thread_ids()
-
-
-def _cuda_blocks_fork() -> str | None:
-    """Why forked workers of this process could not use CUDA, or ``None``.
-
-    Initialising CUDA is one way. Another is invisible from here: any call into the CUDA driver (e.g.
-    ``torch.cuda.is_available()`` where NVML is not used) marks the process, and only a *child* can see the mark
-    (``torch.cuda._is_in_bad_fork()``), so a throwaway child is asked. Only on CUDA builds with GPUs visible
-    (counted through NVML, which leaves no mark): without GPUs nothing can break.
-    """
-    if torch.cuda.is_initialized():
-        return "CUDA is already initialised in this process, and forked workers could not use it"
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return None
-    if worker.visible_gpus() == 0:
-        return None
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child only reads a flag and exits
-        try:
-            os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
-        except BaseException:
-            os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) == 1:
-        return ("this process already called into the CUDA driver (e.g. torch.cuda.is_available()), after which "
-                "forked workers cannot use CUDA; count GPUs with torch.cuda.device_count() before the call to "
-                "keep the faster fork start")
-    return None
-
-
-def choose_start_method(requested: str) -> tuple[str, str]:
-    """Return ``(method, reason)``. ``"auto"`` forks when provably safe (fastest: torch is not re-imported),
-    and falls back to ``spawn`` otherwise."""
-    available = mp.get_all_start_methods()
-    if requested != "auto":
-        if requested not in available:
-            raise ConfigError(
-                f"start_method={requested!r} is not available on {sys.platform}; use one of {available}"
-            )
-        blocked = _cuda_blocks_fork() if requested == "fork" else None
-        if blocked is not None:
-            raise ConfigError(
-                f"start_method='fork' cannot work here: {blocked}. Use start_method='spawn' or 'auto'."
-            )
-        return requested, f"start_method={requested!r} was asked for"
-    if "fork" not in available or sys.platform == "darwin":
-        return "spawn", f"fork is not safe on {sys.platform}"
-    blocked = _cuda_blocks_fork()
-    if blocked is not None:
-        return "spawn", blocked
-    new = _thread_ids() - _BASELINE_THREADS
-    if new:
-        return "spawn", (
-            f"this process started {len(new)} thread(s) since `import distfn` (an OpenMP pool from an earlier "
-            "torch op, or threads of your own), and forked workers can hang on them"
-        )
-    return "fork", "no CUDA context and no extra threads in this process, so forking is safe"
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Checks that run before any worker starts
-# --------------------------------------------------------------------------------------------------------------
-def _is_main_guard(node: ast.AST) -> bool:
-    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
-        return False
-    test = node.test
-    parts = [test.left, *test.comparators]
-    names = [p for p in parts if isinstance(p, ast.Name) and p.id == "__name__"]
-    mains = [p for p in parts if isinstance(p, ast.Constant) and p.value == "__main__"]
-    return bool(names and mains and isinstance(test.ops[0], ast.Eq))
-
-
-def check_main_guard(fn_name: str) -> None:
-    """Refuse a launch from the top level of a script that lacks ``if __name__ == "__main__":``.
-
-    Workers started with spawn/forkserver re-import the script; without the guard, each would launch again.
-    """
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or not path or not os.path.isfile(path):
-        return  # interactive session, `python -c`, notebook: nothing is re-imported
-    frame = sys._getframe()
-    while frame is not None and frame.f_globals is not vars(main):
-        frame = frame.f_back
-    while frame is not None and frame.f_code.co_name != "<module>":
-        frame = frame.f_back  # the call may be inside functions the script calls at top level
-        if frame is not None and frame.f_globals is not vars(main):
-            return
-    if frame is None:
-        return
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        return
-    line = frame.f_lineno
-    for node in tree.body:
-        if _is_main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno):
-            return
-    raise ConfigError(
-        f"{fn_name}() is called at the top level of {path} (line {line}) without an "
-        "`if __name__ == \"__main__\":` guard. Worker processes may import this script again, and each would "
-        f"start the job again. Put the call under the guard:\n\n    if __name__ == \"__main__\":\n        {fn_name}(cfg)\n"
-    )
-
-
-def _describe(obj: Any) -> str:
-    obj = getattr(obj, "__wrapped__", obj)  # a decorated function: point at the user's code
-    code = getattr(obj, "__code__", None)
-    if code is not None:
-        kind = "a lambda" if getattr(obj, "__name__", "") == "<lambda>" else f"function {obj.__qualname__}"
-        return f"{kind} defined at {code.co_filename}:{code.co_firstlineno}"
-    if isinstance(obj, io.IOBase):
-        return f"an open file object ({getattr(obj, 'name', '?')!r})"
-    return f"a {type(obj).__module__}.{type(obj).__qualname__} object"
-
-
-def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
-    if isinstance(obj, Mapping):
-        return [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-    if attrs.has(type(obj)):
-        return [(f"{path}.{a.name}", getattr(obj, a.name, None)) for a in attrs.fields(type(obj))]
-    if hasattr(obj, "__dict__") and not callable(obj):
-        return [(f"{path}.{k}", v) for k, v in vars(obj).items()]
-    return []
-
-
-def find_unpicklable(obj: Any, path: str, _depth: int = 0) -> tuple[str, Any, BaseException] | None:
-    """The deepest ``(path, object, error)`` inside ``obj`` that cannot be pickled, or ``None``."""
-    try:
-        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        return None
-    except Exception as exc:  # noqa: BLE001 - any pickling failure is what we look for
-        error: BaseException = exc
-    if _depth < 20:
-        for child_path, child in _children(obj, path):
-            found = find_unpicklable(child, child_path, _depth + 1)
-            if found is not None:
-                return found
-    return path, obj, error
-
-
-def unpicklable_message(found: tuple[str, Any, BaseException], purpose: str, fix: str) -> str:
-    """A user-facing sentence for ``find_unpicklable``'s result."""
-    path, obj, error = found
-    return f"{path} ({_describe(obj)}) cannot be pickled, which {purpose}: {type(error).__name__}: {error}. {fix}"
-
-
-def sendable(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """What to pickle for spawn/forkserver: the decorated wrapper, or the user's function under it.
-
-    Pickle sends functions by name. With ``@distributed`` the module-level name is the wrapper; with
-    ``job = distributed(...)(train)`` it is the bare ``train``, and the wrapper (which copies its name) cannot
-    be found. The worker unwraps either way.
-    """
-    inner = getattr(fn, "__wrapped__", None)
-    if inner is None or _pickles(fn) or not _pickles(inner):
-        return fn  # when neither pickles, check_picklable explains the wrapper's problem
-    return inner
-
-
-def _pickles(obj: Any) -> bool:
-    try:
-        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - any pickling failure means no
-        return False
-    return True
-
-
-def check_picklable(fn: Callable[..., Any], cfg: Any, method: str) -> None:
-    """Under spawn/forkserver the function and cfg travel to the workers by pickle: check that now."""
-    fix = (
-        "Define functions at module level (functools.partial of one is fine), pass paths rather than open "
-        "files, or use start_method='fork'."
-    )
-    found = find_unpicklable(fn, getattr(fn, "__qualname__", "the function"))
-    if found is not None:
-        raise ConfigError(unpicklable_message(found, f"start_method={method!r} needs to send it to the workers", fix))
-    found = find_unpicklable(cfg, "cfg")
-    if found is not None:
-        raise ConfigError(unpicklable_message(found, f"start_method={method!r} needs to send it to the workers", fix))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Failure records
-# --------------------------------------------------------------------------------------------------------------
-_SIGNAL_HINTS = {
-    "SIGKILL": "often the out-of-memory killer; see `dmesg` or the job's memory limit",
-    "SIGSEGV": "a crash in native code (a CUDA/NCCL/extension bug or a corrupted tensor)",
-    "SIGBUS": "often /dev/shm is too small for DataLoader workers (docker: --shm-size)",
-    "SIGABRT": "native code aborted (see the worker's stderr above)",
-    "SIGTERM": "terminated from outside (a scheduler time limit or preemption, or `kill`)",
-    "SIGINT": "interrupted (Ctrl-C)",
-    "SIGFPE": "an arithmetic fault in native code (integer division by zero)",
-    "SIGILL": "an illegal instruction: a binary built for another CPU (check the wheels' CPU flags)",
-}
-
-
-@attrs.frozen
-class Failure:
-    """One worker's failure: where it happened and why."""
-
-    rank: int
-    host: str
-    pid: int
-    exc_type: str
-    message: str
-    traceback: str = ""
-    time: float = attrs.field(factory=time.time)
-    signal: str | None = None
-    exitcode: int | None = None
-    #: What the launching process worked out about the failure (which ranks did not arrive, ...); first only.
-    diagnosis: str = ""
-    #: The Python stacks of the other ranks when this failure was reported (for collective timeouts).
-    stacks: str = ""
-
-    def headline(self) -> str:
-        where = f"rank {self.rank} (pid {self.pid} on {self.host})"
-        if self.signal is not None:
-            return f"{where} was killed by {self.signal}: {_SIGNAL_HINTS.get(self.signal, 'see its stderr')}"
-        return f"{where} failed with {self.exc_type}: {self.message}"
-
-    def details(self) -> str:
-        """The diagnosis, the rank's traceback (or crash stack) and the other ranks' stacks, as one text."""
-        parts = [self.diagnosis, self.traceback or f"(no Python traceback: exit code {self.exitcode})", self.stacks]
-        return "\n\n".join(p.rstrip() for p in parts if p)
-
-    @classmethod
-    def from_exception(cls, rank: int, exc: BaseException) -> Failure:
-        return cls(
-            rank=rank,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            exc_type=type(exc).__qualname__,
-            message=str(exc),
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        )
-
-    @classmethod
-    def from_exit(cls, rank: int, pid: int, exitcode: int, crash: str = "") -> Failure:
-        """A worker that exited without reporting; ``crash`` is what its faulthandler wrote (if anything)."""
-        if exitcode < 0:
-            try:
-                name = signal.Signals(-exitcode).name
-            except ValueError:
-                name = f"signal {-exitcode}"
-            return cls(rank, socket.gethostname(), pid, "Signal", name, traceback=crash, signal=name,
-                       exitcode=exitcode)
-        return cls(
-            rank, socket.gethostname(), pid, "ExitCode",
-            f"exited with code {exitcode} without reporting a result: os._exit in the function, or a failure "
-            "while the worker started (importing your script under spawn, for one); see its stderr above",
-            exitcode=exitcode,
-        )
-
-
-# Errors a rank reports because a peer went away: a consequence, never the root cause.
-_PEER_LOSS = re.compile(r"connection closed by peer|connection reset by peer|broken pipe|remote worker crash"
-                        r"|communicator was aborted|ncclRemoteError", re.IGNORECASE)
-
-
-def report_in_place(rank: int, exc: BaseException) -> None:
-    """Report a failing rank under torchrun / srun / mpirun, where no distfn parent collects it.
-
-    Logs the traceback tagged with the rank, and writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``, the
-    JSON of ``torch.distributed.elastic``'s ``ErrorHandler.record_exception``) so torchrun names this rank as
-    the root cause. The caller re-raises, so the process exits non-zero and the launcher tears the job down.
-    A stop from outside (SIGTERM, Ctrl-C) is not a root cause: one warning line, no error file.
-    """
-    if isinstance(exc, (Terminated, KeyboardInterrupt)) or (isinstance(exc, SystemExit) and not exc.code):
-        logger.warning("rank {} stopped: {}: {}", rank, type(exc).__name__, exc)
-        return
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    logger.error("rank {} failed with {}: {}\n{}", rank, type(exc).__qualname__, exc, text.rstrip())
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    import json  # here: nothing else needs it, and the launch path stays lean
-    stamp = int(time.time())
-    if _PEER_LOSS.search(str(exc)):
-        # torchrun names the failure with the smallest timestamp (whole seconds, ties go to the lowest rank):
-        # losing a peer is a consequence of that peer's failure, so it must sort after it
-        stamp += 1
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": text, "timestamp": str(stamp)}}}
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-    except OSError as err:
-        logger.warning("could not write TORCHELASTIC_ERROR_FILE={}: {}", path, err)
-
-
-_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+", re.MULTILINE)
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)', re.MULTILINE)
-_BOOTSTRAP = re.compile(r'distfn[/\\](?:worker\.py", line \d+ in run|spawn\.py", line \d+ in _entry)')
-
-
-def main_stack(dump: str) -> str:
-    """The main thread's part of a ``faulthandler`` dump, cut above distfn's own start-up frames.
-
-    A dump lists each thread ("most recent call first"); the worker's main thread is the one running
-    ``_entry``. A leading "Fatal Python error: ..." line (a crash) is kept.
-    """
-    starts = [m.start() for m in _THREAD_HEADER.finditer(dump)]
-    if not starts:
-        return dump.strip()
-    head = dump[:starts[0]].strip()
-    blocks = [dump[a:b] for a, b in zip(starts, [*starts[1:], len(dump)])]
-    block = next((b for b in blocks if " in _entry" in b), blocks[-1])
-    lines = []
-    for line in block.rstrip().splitlines():
-        if _BOOTSTRAP.search(line):
-            break
-        lines.append(line)
-    others = len(blocks) - 1
-    if others:
-        lines.append(f"  ({others} other thread(s) not shown)")
-    return "\n".join([head, ""] if head else []) + "\n".join(lines)
-
-
-def _innermost_user_frame(stack: str, recent_first: bool = True) -> str | None:
-    """``func (file:line)`` of the most recent frame outside torch, distfn and the standard library, in a
-    faulthandler dump (most recent call first) or a Python traceback (``recent_first=False``)."""
-    ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    stdlib = os.path.dirname(os.__file__)
-    frames = list(_FRAME.finditer(stack))
-    for m in frames if recent_first else reversed(frames):
-        path = m["file"]
-        if path.startswith(ours) or (path.startswith(stdlib) and "-packages" not in path):
-            continue
-        return f"{m['func']} ({path}:{m['line']})"
-    return None
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Worker side
@@ -484,7 +128,7 @@ def _entry(
     listen_fd: int,
 ) -> None:
     """The first code a worker runs (module-level so spawn can find it)."""
-    os.environ.pop(_CHILD_ENV, None)
+    os.environ.pop(worker.CHILD_ENV, None)
     _die_with_parent(parent_pid)
     try:
         os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches the launcher, which forwards it once
@@ -500,17 +144,11 @@ def _entry(
         except OSError:
             pass
     worker.mark_active(True)
-    from .topology import Topology
-
     # Visible to code that reads the torchrun-style variables (libraries, user code).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
-    topology = Topology(
-        launcher="spawn", rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-        node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=port,
-        reason=f"self-spawned {world_size} workers",
-    )
+    topology = Topology.self_spawned(rank, world_size, port)
     failure: Failure | None = None
     payload: bytes | None = None
     try:
@@ -545,8 +183,8 @@ def _pickle_result(result: Any) -> bytes:
     try:
         return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001
-        found = find_unpicklable(result, "return value") or ("return value", result, RuntimeError("?"))
-        raise ConfigError(unpicklable_message(
+        found = preflight.find_unpicklable(result, "return value") or ("return value", result, RuntimeError("?"))
+        raise ConfigError(preflight.unpicklable_message(
             found, "it must be to reach the caller",
             "Return plain data (numbers, strings, tensors, dicts/lists of them), not models or open resources.",
         )) from None
@@ -563,6 +201,10 @@ def _loopback_ifname() -> str:
     return "lo"
 
 
+# distfn's frames between a worker's start and the user's function: stack dumps are cut there.
+BOOTSTRAP = (worker.run, _entry)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Launcher side
 # --------------------------------------------------------------------------------------------------------------
@@ -577,93 +219,49 @@ class _Worker:
     result: bytes | None = None
     dump: bytes = b""  # what came through the stack pipe so far
 
-
-def _read_stacks(w: _Worker) -> bool:
-    """Append what the worker's stack pipe holds to ``w.dump``; False once the pipe is closed."""
-    if w.stacks is None:
-        return False
-    while True:
-        try:
-            chunk = os.read(w.stacks.fileno(), 65536)
-        except BlockingIOError:
-            return True
-        except OSError:
-            chunk = b""
-        if not chunk:
-            w.stacks.close()
-            w.stacks = None
+    def read_stacks(self) -> bool:
+        """Append what the stack pipe holds to ``dump``; False once the pipe is closed."""
+        if self.stacks is None:
             return False
-        w.dump += chunk
+        while True:
+            try:
+                chunk = os.read(self.stacks.fileno(), 65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.stacks.close()
+                self.stacks = None
+                return False
+            self.dump += chunk
 
+    def receive(self, failures: list[Failure]) -> None:
+        """Read the worker's one report (a result, or a failure appended to ``failures``)."""
+        assert self.conn is not None
+        try:
+            kind, data = self.conn.recv()
+        except (EOFError, OSError):
+            self.conn.close()
+            self.conn = None
+            return
+        self.reported = True
+        if kind == "ok":
+            self.ok = True
+            self.result = data
+        else:
+            failures.append(data)
+        self.conn.close()
+        self.conn = None
 
-def _collect(workers: list[_Worker], failures: list[Failure], timeout: float) -> None:
-    """Read what is ready (waiting at most ``timeout``), and describe workers that died without reporting.
-
-    Failures are kept in the order they were seen; within one round, deaths without a report (a signal: the
-    likely root cause) come before errors the surviving ranks report about losing their peer.
-    """
-    conns = {w.conn: w for w in workers if w.conn is not None}
-    sentinels = [w.process.sentinel for w in workers if w.process.exitcode is None]
-    ready = wait(list(conns) + sentinels, timeout=timeout)
-    deaths: list[Failure] = []
-    reported: list[Failure] = []
-    for w in workers:
-        if w.process.exitcode is not None and not w.reported:
-            if w.conn is not None and w.conn.poll():
-                _receive(w, reported)
-            if not w.reported:
-                w.reported = True
-                _read_stacks(w)  # a crash (SIGSEGV, SIGABRT, ...) left its Python stack there
-                crash = main_stack(w.dump.decode("utf-8", "replace")) if w.dump else ""
-                deaths.append(Failure.from_exit(w.rank, w.process.pid, w.process.exitcode, crash))
-    for obj in ready:
-        w = conns.get(obj)  # type: ignore[arg-type]
-        if w is not None and w.conn is not None:
-            _receive(w, reported)
-    failures.extend(deaths)
-    failures.extend(sorted(reported, key=lambda f: f.time))
-
-
-def order_failures(failures: list[Failure]) -> list[Failure]:
-    """Likely root cause first: deaths without a report (signals, exit codes), then the ranks' own errors,
-    then errors about losing a peer; by time within each group."""
-    def key(f: Failure) -> tuple[int, float]:
-        if f.exc_type in ("Signal", "ExitCode"):
-            return 0, f.time
-        return (2 if _PEER_LOSS.search(f.message) else 1), f.time
-
-    return sorted(failures, key=key)
-
-
-def _settle(workers: list[_Worker], failures: list[Failure], window: float = 0.5) -> None:
-    """After the first failure, give the other ranks' reports ``window`` seconds to arrive, so that the root
-    cause can be told from its consequences (a rank that raised reports after its peers saw it leave)."""
-    deadline = time.monotonic() + window
-    while not all(w.reported for w in workers) and time.monotonic() < deadline:
-        _collect(workers, failures, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-
-
-def _receive(w: _Worker, failures: list[Failure]) -> None:
-    assert w.conn is not None
-    try:
-        kind, data = w.conn.recv()
-    except (EOFError, OSError):
-        w.conn.close()
-        w.conn = None
-        return
-    w.reported = True
-    if kind == "ok":
-        w.ok = True
-        w.result = data
-    else:
-        failures.append(data)
-    w.conn.close()
-    w.conn = None
+    @property
+    def alive(self) -> bool:
+        return self.process.exitcode is None
 
 
 def _signal_live(workers: list[_Worker], sig: int) -> None:
     for w in workers:
-        if w.process.exitcode is None:
+        if w.alive:
             try:
                 os.kill(w.process.pid, sig)
             except ProcessLookupError:
@@ -683,118 +281,6 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _stop(workers: list[_Worker], sig: int | None, grace: float) -> None:
-    """Send ``sig`` (if any) to the live workers, give them ``grace`` seconds, then SIGKILL what is left."""
-    if sig is not None:
-        _signal_live(workers, sig)
-    deadline = time.monotonic() + grace
-    for w in workers:
-        w.process.join(max(0.0, deadline - time.monotonic()))
-    for w in workers:
-        if w.process.exitcode is None:
-            _kill_group(w.process.pid)  # the rank and what it started (DataLoader workers, subprocesses)
-            w.process.join(5)
-
-
-def request_stacks(workers: list[_Worker], wait_s: float = DUMP_WAIT) -> dict[int, str]:
-    """Ask the live workers for their Python stacks (``DUMP_SIGNAL``); ``{rank: main thread's stack}``."""
-    live = [w for w in workers if w.process.exitcode is None and w.stacks is not None]
-    for w in live:
-        _read_stacks(w)
-        w.dump = b""  # only the answer to this request
-    _signal_live(live, DUMP_SIGNAL)
-    deadline = time.monotonic() + wait_s
-    pending = {w.stacks: w for w in live}
-    answered: set[int] = set()
-    while pending and time.monotonic() < deadline:
-        # faulthandler writes a dump in many small writes: once every worker answered, stop at the first
-        # quiet 0.1 s
-        quiet = len(answered) == len(live)
-        ready = wait(list(pending), timeout=0.1 if quiet else max(0.0, deadline - time.monotonic()))
-        if not ready and quiet:
-            break
-        for conn in ready:
-            w = pending[conn]  # type: ignore[index]
-            if not _read_stacks(w):
-                del pending[conn]
-            if w.dump:
-                answered.add(w.rank)
-    return {w.rank: main_stack(w.dump.decode("utf-8", "replace")) for w in live if w.dump}
-
-
-_TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|deadline exceeded", re.IGNORECASE)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def diagnose(first: Failure, workers: list[_Worker], timeout_s: float, forwarded: str | None) -> Failure:
-    """The first failure with what the launching process can add: a collective timeout's missing ranks and
-    every other rank's stack, ranks that had already returned, a signal that this process forwarded."""
-    notes: list[str] = []
-    stacks = ""
-    if forwarded:
-        notes.append(f"The launching process received {forwarded} and forwarded it to the workers.")
-    returned = [w.rank for w in workers if w.ok]
-    if _TIMEOUT_WORDS.search(f"{first.exc_type} {first.message}"):
-        dumps = request_stacks([w for w in workers if w.rank != first.rank and not w.reported])
-        notes.append(f"A collective or the rendezvous timed out after {timeout_s:g} s (the `timeout` of "
-                     "@distributed, 30 min by default).")
-        away = {r: s for r, s in dumps.items() if "torch/distributed/" not in s.replace("\\", "/")}
-        dead = [w.rank for w in workers if w.reported and not w.ok and w.rank != first.rank]
-        if away:
-            where = "; ".join(f"rank {r} was in {_innermost_user_frame(s) or 'code outside torch'}"
-                              for r, s in sorted(away.items()))
-            notes.append(f"{_ranks(sorted(away)).capitalize()} had not reached a collective: {where}.")
-        elif dumps and not returned and not dead:
-            notes.append("Every other rank was inside torch.distributed too: the ranks probably call different "
-                         "collectives, or the same ones in a different order (compare the stacks below).")
-        if dead:
-            notes.append(f"{_ranks(dead).capitalize()} had already failed (listed below).")
-        if dumps:
-            stacks = "\n\n".join(
-                [f"Python stacks of the other ranks when rank {first.rank} timed out (most recent call first):"]
-                + [f"rank {r}:\n{s}" for r, s in sorted(dumps.items())])
-    if returned:
-        notes.append(f"{_ranks(returned).capitalize()} had already returned from the function: a collective "
-                     "that only some ranks call (e.g. under `if ctx.is_main:`) makes the others fail or wait.")
-    if not notes:
-        return first
-    return attrs.evolve(first, diagnosis=" ".join(notes), stacks=stacks)
-
-
-def check_port_free(init_method: str | None) -> None:
-    """Refuse, before any worker starts, a ``tcp://host:port`` of this machine that something already uses.
-
-    torch would only find out in rank 0 (EADDRINUSE) while the other ranks wait for a store that never comes.
-    """
-    if not init_method or not init_method.startswith("tcp://"):
-        return
-    from urllib.parse import urlsplit
-
-    try:
-        url = urlsplit(init_method)
-        host, port = url.hostname, url.port
-    except ValueError:
-        return  # malformed: torch's own error names it
-    if not host or not port:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is no conflict
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                return  # not an address of this machine (another host serves the rendezvous), or unresolvable
-            raise ConfigError(
-                f"init_method={init_method!r}: {host}:{port} is already in use on this machine (another job or "
-                f"program listens there; `ss -ltnp 'sport = :{port}'` shows which). Leave init_method unset so "
-                "distfn picks a free loopback port for each job, or choose a free port."
-            ) from None
-
-
 @attrs.define
 class _Forwarder:
     """Forwards SIGTERM and SIGUSR2 from the launching process to the workers (main thread only).
@@ -811,15 +297,11 @@ class _Forwarder:
     deadline: float | None = None
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGUSR2):
-            self.previous[sig] = signal.signal(sig, self._handle)
+        self.previous = preemption.set_handlers({signal.SIGTERM: self._handle, signal.SIGUSR2: self._handle})
 
     def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self.previous.clear()
+        preemption.restore_handlers(self.previous)
+        self.previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM and self.deadline is not None:
@@ -838,89 +320,189 @@ class _Forwarder:
         return 0.0 if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
-    """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``)."""
-    check_port_free(opts.init_method)
-    method, reason = choose_start_method(opts.start_method)
-    if method == "fork":
-        logger.trace("starting {} workers with fork: {}", nprocs, reason)
-    else:
-        logger.info("starting {} workers with {}: {}", nprocs, method, reason)
-        fn = sendable(fn)
-        check_picklable(fn, cfg, method)
-    context = mp.get_context(method)
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))  # loopback only: nothing outside this machine can reach the store
-    listener.listen(max(128, nprocs))
-    port = listener.getsockname()[1]
-    workers: list[_Worker] = []
-    failures: list[Failure] = []
-    forwarder = _Forwarder(workers)
-    store = None
-    interrupted = False
+@contextlib.contextmanager
+def _starting_worker() -> Iterator[None]:
+    os.environ[worker.CHILD_ENV] = "1"
     try:
-        for rank in range(nprocs):
-            reader, writer = context.Pipe(duplex=False)
-            stack_reader, stack_writer = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_entry,
-                args=(rank, nprocs, port, fn, cfg, opts, writer, stack_writer,
-                      os.getpid() if method != "forkserver" else 0,
-                      listener.fileno() if method == "fork" else -1),
-                name=f"distfn-rank{rank}",
-                daemon=False,  # daemonic processes may not have children: DataLoader workers need them
-            )
-            os.environ[_CHILD_ENV] = "1"
-            try:
-                process.start()
-            finally:
-                os.environ.pop(_CHILD_ENV, None)
-            writer.close()
-            stack_writer.close()
-            os.set_blocking(stack_reader.fileno(), False)
-            workers.append(_Worker(rank, process, reader, stack_reader))
+        yield
+    finally:
+        os.environ.pop(worker.CHILD_ENV, None)
+
+
+class WorkerGroup:
+    """The workers of one self-spawned job and what the launching process keeps about them: their reports and
+    failures, the signal forwarder and the rendezvous store (``start`` -> ``wait`` -> ``teardown`` ->
+    ``outcome``)."""
+
+    def __init__(self, method: str, nprocs: int, opts: Options) -> None:
+        self.method = method
+        self.nprocs = nprocs
+        self.opts = opts
+        self.workers: list[_Worker] = []
+        self.failures: list[Failure] = []
+        self.stopped: list[Failure] = []  # errors reported by ranks while distfn stopped them
+        self.forwarder = _Forwarder(self.workers)
+        self.interrupted = False
+        self._context = mp.get_context(method)
+        self._store: Any = None
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))  # loopback only: nothing outside this machine can reach the store
+        self._listener.listen(max(128, nprocs))
+        self.port: int = self._listener.getsockname()[1]
+
+    # -- start ------------------------------------------------------------------------------------------------
+    def start(self, fn: Callable[..., Any], cfg: Any) -> None:
+        """Start every worker, then the forwarder and the store."""
+        for rank in range(self.nprocs):
+            self.workers.append(self._start_worker(rank, fn, cfg))
         # After the forks, so that no worker inherits a handler that signals its siblings.
-        forwarder.install()
+        self.forwarder.install()
         # The store is started after the forks so no worker inherits its threads; until it accepts, the
         # kernel queues the workers' connections on the listening socket.
-        store = dist.TCPStore("127.0.0.1", port, None, True, opts.timeout, wait_for_workers=False,
-                              master_listen_fd=listener.fileno())
-        listener.detach()  # the store owns the socket now and closes it when it is destroyed
-        while not failures and not all(w.reported for w in workers) and not forwarder.expired():
+        self._store = dist.TCPStore("127.0.0.1", self.port, None, True, self.opts.timeout, wait_for_workers=False,
+                                    master_listen_fd=self._listener.fileno())
+        self._listener.detach()  # the store owns the socket now and closes it when it is destroyed
+
+    def _start_worker(self, rank: int, fn: Callable[..., Any], cfg: Any) -> _Worker:
+        reader, writer = self._context.Pipe(duplex=False)
+        stack_reader, stack_writer = self._context.Pipe(duplex=False)
+        process = self._context.Process(  # type: ignore[attr-defined]
+            target=_entry,
+            args=(rank, self.nprocs, self.port, fn, cfg, self.opts, writer, stack_writer,
+                  os.getpid() if self.method != "forkserver" else 0,
+                  self._listener.fileno() if self.method == "fork" else -1),
+            name=f"distfn-rank{rank}",
+            daemon=False,  # daemonic processes may not have children: DataLoader workers need them
+        )
+        with _starting_worker():
+            process.start()
+        writer.close()
+        stack_writer.close()
+        os.set_blocking(stack_reader.fileno(), False)
+        return _Worker(rank, process, reader, stack_reader)
+
+    # -- poll -------------------------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Collect reports until every rank reported, one failed, SIGTERM's grace ran out or Ctrl-C came; after a
+        failure, put the root cause first and explain it."""
+        while not self.failures and not all(w.reported for w in self.workers) and not self.forwarder.expired():
             try:
-                _collect(workers, failures, timeout=1.0)
+                self.collect(timeout=1.0)
             except KeyboardInterrupt:
-                interrupted = True
+                self.interrupted = True
+                return
+        if self.failures:
+            self.settle()
+            self.failures[:] = order_failures(self.failures)
+            first = self.failures[0]
+            self.failures[0] = diagnose(
+                first, timeout_s=self.opts.timeout.total_seconds(), forwarded=self.forwarder.received,
+                returned=[w.rank for w in self.workers if w.ok],
+                failed=[w.rank for w in self.workers if w.reported and not w.ok],
+                stacks=lambda: self.request_stacks(
+                    [w for w in self.workers if w.rank != first.rank and not w.reported]),
+            )
+
+    def collect(self, timeout: float) -> None:
+        """Read what is ready (waiting at most ``timeout``), and describe workers that died without reporting.
+
+        Failures are kept in the order they were seen; within one round, deaths without a report (a signal: the
+        likely root cause) come before errors the surviving ranks report about losing their peer.
+        """
+        conns: dict[Any, _Worker] = {w.conn: w for w in self.workers if w.conn is not None}
+        sentinels = [w.process.sentinel for w in self.workers if w.alive]
+        ready = wait(list(conns) + sentinels, timeout=timeout)
+        deaths: list[Failure] = []
+        reported: list[Failure] = []
+        for w in self.workers:
+            if not w.alive and not w.reported:
+                if w.conn is not None and w.conn.poll():
+                    w.receive(reported)
+                if not w.reported:
+                    w.reported = True
+                    w.read_stacks()  # a crash (SIGSEGV, SIGABRT, ...) left its Python stack there
+                    crash = main_stack(w.dump.decode("utf-8", "replace"), BOOTSTRAP) if w.dump else ""
+                    deaths.append(Failure.from_exit(w.rank, w.process.pid, w.process.exitcode, crash))
+        for obj in ready:
+            found = conns.get(obj)
+            if found is not None and found.conn is not None:
+                found.receive(reported)
+        self.failures.extend(deaths)
+        self.failures.extend(sorted(reported, key=lambda f: f.time))
+
+    def settle(self, window: float = 0.5) -> None:
+        """After the first failure, give the other ranks' reports ``window`` seconds to arrive, so that the root
+        cause can be told from its consequences (a rank that raised reports after its peers saw it leave)."""
+        deadline = time.monotonic() + window
+        while not all(w.reported for w in self.workers) and time.monotonic() < deadline:
+            self.collect(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def request_stacks(self, workers: list[_Worker], wait_s: float = DUMP_WAIT) -> dict[int, str]:
+        """Ask live ``workers`` for their Python stacks (``DUMP_SIGNAL``); ``{rank: main thread's stack}``."""
+        live = [w for w in workers if w.alive and w.stacks is not None]
+        for w in live:
+            w.read_stacks()
+            w.dump = b""  # only the answer to this request
+        _signal_live(live, DUMP_SIGNAL)
+        deadline = time.monotonic() + wait_s
+        pending: dict[Any, _Worker] = {w.stacks: w for w in live}
+        answered: set[int] = set()
+        while pending and time.monotonic() < deadline:
+            # faulthandler writes a dump in many small writes: once every worker answered, stop at the first
+            # quiet 0.1 s
+            quiet = len(answered) == len(live)
+            ready = wait(list(pending), timeout=0.1 if quiet else max(0.0, deadline - time.monotonic()))
+            if not ready and quiet:
                 break
-        if failures and not interrupted:
-            _settle(workers, failures)
-            failures[:] = order_failures(failures)
-            failures[0] = diagnose(failures[0], workers, opts.timeout.total_seconds(), forwarder.received)
-    finally:
-        if interrupted:
-            logger.warning("interrupted: stopping {} workers (Ctrl-C again to kill them at once)", nprocs)
+            for conn in ready:
+                w = pending[conn]
+                if not w.read_stacks():
+                    del pending[conn]
+                if w.dump:
+                    answered.add(w.rank)
+        return {w.rank: main_stack(w.dump.decode("utf-8", "replace"), BOOTSTRAP) for w in live if w.dump}
+
+    # -- teardown ---------------------------------------------------------------------------------------------
+    def stop(self, sig: int | None, grace: float) -> None:
+        """Send ``sig`` (if any) to the live workers, give them ``grace`` seconds, then SIGKILL what is left."""
+        if sig is not None:
+            _signal_live(self.workers, sig)
+        deadline = time.monotonic() + grace
+        for w in self.workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            if w.alive:
+                _kill_group(w.process.pid)  # the rank and what it started (DataLoader workers, subprocesses)
+                w.process.join(5)
+
+    def _stop_all(self) -> None:
+        if self.interrupted:
+            logger.warning("interrupted: stopping {} workers (Ctrl-C again to kill them at once)", self.nprocs)
             try:
-                _stop(workers, signal.SIGINT, STOP_GRACE)
+                self.stop(signal.SIGINT, STOP_GRACE)
             except KeyboardInterrupt:
-                _stop(workers, signal.SIGKILL, 0)
-        elif forwarder.deadline is not None:
+                self.stop(signal.SIGKILL, 0)
+        elif self.forwarder.deadline is not None:
             # SIGTERM was forwarded: the workers are already stopping (saving, running finally blocks)
-            _stop(workers, None, forwarder.remaining())
-        elif failures:
-            _stop(workers, signal.SIGTERM, 2.0)
-        elif all(w.ok for w in workers):
+            self.stop(None, self.forwarder.remaining())
+        elif self.failures:
+            self.stop(signal.SIGTERM, 2.0)
+        elif all(w.ok for w in self.workers):
             # every rank returned: let them exit by themselves (flushing their output, joining their own
             # children); only one that does not within the grace is killed
-            _stop(workers, None, STOP_GRACE)
+            self.stop(None, STOP_GRACE)
         else:
-            _stop(workers, signal.SIGTERM, STOP_GRACE)  # this process failed (e.g. the store did not start)
+            self.stop(signal.SIGTERM, STOP_GRACE)  # this process failed (e.g. the store did not start)
+
+    def teardown(self) -> None:
+        """Stop what still runs, read the last reports, close every pipe, restore the signal handlers and close
+        the store: nothing of the job is left afterwards."""
+        self._stop_all()
         # Errors the other ranks reported while being stopped come after the first one; a rank that distfn
         # itself stopped after the first failure reports Terminated, which is no news.
-        stopped: list[Failure] = []
-        for w in workers:
+        for w in self.workers:
             if w.conn is not None and not w.reported and w.conn.poll():
-                _receive(w, stopped)
+                w.receive(self.stopped)
             if w.conn is not None:
                 w.conn.close()
             if w.stacks is not None:
@@ -928,21 +510,44 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
             w.process.join(1)
             if not w.ok:
                 _kill_group(w.process.pid)
-        failures.extend(f for f in stopped if forwarder.received or f.exc_type != Terminated.__qualname__)
-        forwarder.restore()
-        del store
-        listener.close()
-    if interrupted:
-        where = [f"rank {f.rank} in {_innermost_user_frame(f.traceback, recent_first=False)}"
-                 for f in sorted(stopped, key=lambda f: f.rank) if f.exc_type == "KeyboardInterrupt"]
-        if where:
-            logger.warning("interrupted {}", "; ".join(where))
-        raise KeyboardInterrupt
-    if failures:
-        raise WorkerError(failures)
-    if forwarder.expired() and not all(w.ok for w in workers):
-        raise WorkerError([Failure(w.rank, socket.gethostname(), w.process.pid, "Terminated",
-                                   f"still running {TERM_GRACE:g} s after SIGTERM was forwarded; killed")
-                           for w in workers if not w.ok])
-    payload = workers[0].result
-    return None if payload is None else pickle.loads(payload)
+        self.failures.extend(f for f in self.stopped
+                             if self.forwarder.received or f.exc_type != Terminated.__qualname__)
+        self.forwarder.restore()
+        self._store = None
+        self._listener.close()
+
+    def outcome(self) -> Any:
+        """Rank 0's value, or the exception that describes how the job ended."""
+        if self.interrupted:
+            where = [f"rank {f.rank} in {innermost_user_frame(f.traceback, recent_first=False)}"
+                     for f in sorted(self.stopped, key=lambda f: f.rank) if f.exc_type == "KeyboardInterrupt"]
+            if where:
+                logger.warning("interrupted {}", "; ".join(where))
+            raise KeyboardInterrupt
+        if self.failures:
+            raise WorkerError(self.failures)
+        if self.forwarder.expired() and not all(w.ok for w in self.workers):
+            raise WorkerError([Failure(w.rank, socket.gethostname(), w.process.pid, "Terminated",
+                                       f"still running {TERM_GRACE:g} s after SIGTERM was forwarded; killed")
+                               for w in self.workers if not w.ok])
+        payload = self.workers[0].result
+        return None if payload is None else pickle.loads(payload)
+
+
+def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
+    """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``)."""
+    preflight.check_port_free(opts.init_method)
+    method, reason = preflight.choose_start_method(opts.start_method)
+    if method == "fork":
+        logger.trace("starting {} workers with fork: {}", nprocs, reason)
+    else:
+        logger.info("starting {} workers with {}: {}", nprocs, method, reason)
+        fn = preflight.sendable(fn)
+        preflight.check_picklable(fn, cfg, method)
+    group = WorkerGroup(method, nprocs, opts)
+    try:
+        group.start(fn, cfg)
+        group.wait()
+    finally:
+        group.teardown()
+    return group.outcome()

@@ -116,7 +116,7 @@ def test_legacy_launch_local_rank_argument(tmp_path: Path) -> None:
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (stdout, stderr) in zip(procs, outs):
+    for p, (_stdout, stderr) in zip(procs, outs, strict=True):
         assert p.returncode == 0, stderr
     assert "RESULT ('torchrun', 0, 0, 2)" in outs[0][0]
     assert "RESULT ('torchrun', 1, 1, 2)" in outs[1][0]

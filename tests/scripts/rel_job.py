@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from distfn import WorkerError, distributed
-from distfn.spawn import choose_start_method
+from distfn.preflight import choose_start_method
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rel_leftovers import leftovers

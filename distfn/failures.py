@@ -1,0 +1,255 @@
+"""Failure records of ranks: what failed where, which failure is the root cause, and how to tell the user.
+
+Used by both paths: the launcher of a self-spawned job (`distfn.spawn`) collects a `Failure` per rank, orders
+them (`order_failures`), adds what it can see from outside (`diagnose`) and raises one `WorkerError`; a rank
+started by torchrun / srun / mpirun has no distfn parent and reports itself (`report_in_place`). This module
+never imports the launcher (like torch's ``elastic/multiprocessing/errors``, which its launcher imports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from loguru import logger
+
+from .errors import Terminated
+
+_SIGNAL_HINTS = {
+    "SIGKILL": "often the out-of-memory killer; see `dmesg` or the job's memory limit",
+    "SIGSEGV": "a crash in native code (a CUDA/NCCL/extension bug or a corrupted tensor)",
+    "SIGBUS": "often /dev/shm is too small for DataLoader workers (docker: --shm-size)",
+    "SIGABRT": "native code aborted (see the worker's stderr above)",
+    "SIGTERM": "terminated from outside (a scheduler time limit or preemption, or `kill`)",
+    "SIGINT": "interrupted (Ctrl-C)",
+    "SIGFPE": "an arithmetic fault in native code (integer division by zero)",
+    "SIGILL": "an illegal instruction: a binary built for another CPU (check the wheels' CPU flags)",
+}
+
+# Errors a rank reports because a peer went away: a consequence, never the root cause.
+_PEER_LOSS = re.compile(r"connection closed by peer|connection reset by peer|broken pipe|remote worker crash"
+                        r"|communicator was aborted|ncclRemoteError", re.IGNORECASE)
+
+_TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|deadline exceeded", re.IGNORECASE)
+
+
+@attrs.frozen
+class Failure:
+    """One worker's failure: where it happened and why."""
+
+    rank: int
+    host: str
+    pid: int
+    exc_type: str
+    message: str
+    traceback: str = ""
+    time: float = attrs.field(factory=time.time)
+    signal: str | None = None
+    exitcode: int | None = None
+    #: What the launching process worked out about the failure (which ranks did not arrive, ...); first only.
+    diagnosis: str = ""
+    #: The Python stacks of the other ranks when this failure was reported (for collective timeouts).
+    stacks: str = ""
+
+    def headline(self) -> str:
+        """One line: the rank, where it ran, and what happened."""
+        where = f"rank {self.rank} (pid {self.pid} on {self.host})"
+        if self.signal is not None:
+            return f"{where} was killed by {self.signal}: {_SIGNAL_HINTS.get(self.signal, 'see its stderr')}"
+        return f"{where} failed with {self.exc_type}: {self.message}"
+
+    def details(self) -> str:
+        """The diagnosis, the rank's traceback (or crash stack) and the other ranks' stacks, as one text."""
+        parts = [self.diagnosis, self.traceback or f"(no Python traceback: exit code {self.exitcode})", self.stacks]
+        return "\n\n".join(p.rstrip() for p in parts if p)
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> Failure:
+        """The failure of this process, rank ``rank``, which raised ``exc``."""
+        return cls(
+            rank=rank,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            exc_type=type(exc).__qualname__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+
+    @classmethod
+    def from_exit(cls, rank: int, pid: int, exitcode: int, crash: str = "") -> Failure:
+        """A worker that exited without reporting; ``crash`` is what its faulthandler wrote (if anything)."""
+        if exitcode < 0:
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
+            return cls(rank, socket.gethostname(), pid, "Signal", name, traceback=crash, signal=name,
+                       exitcode=exitcode)
+        return cls(
+            rank, socket.gethostname(), pid, "ExitCode",
+            f"exited with code {exitcode} without reporting a result: os._exit in the function, or a failure "
+            "while the worker started (importing your script under spawn, for one); see its stderr above",
+            exitcode=exitcode,
+        )
+
+
+def order_failures(failures: list[Failure]) -> list[Failure]:
+    """Likely root cause first: deaths without a report (signals, exit codes), then the ranks' own errors,
+    then errors about losing a peer; by time within each group."""
+    def key(f: Failure) -> tuple[int, float]:
+        if f.exc_type in ("Signal", "ExitCode"):
+            return 0, f.time
+        return (2 if _PEER_LOSS.search(f.message) else 1), f.time
+
+    return sorted(failures, key=key)
+
+
+def report_in_place(rank: int, exc: BaseException) -> None:
+    """Report a failing rank under torchrun / srun / mpirun, where no distfn parent collects it.
+
+    Logs the traceback tagged with the rank, and writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``, the
+    JSON of ``torch.distributed.elastic``'s ``ErrorHandler.record_exception``) so torchrun names this rank as
+    the root cause. The caller re-raises, so the process exits non-zero and the launcher tears the job down.
+    A stop from outside (SIGTERM, Ctrl-C) is not a root cause: one warning line, no error file.
+    """
+    if isinstance(exc, (Terminated, KeyboardInterrupt)) or (isinstance(exc, SystemExit) and not exc.code):
+        logger.warning("rank {} stopped: {}: {}", rank, type(exc).__name__, exc)
+        return
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    logger.error("rank {} failed with {}: {}\n{}", rank, type(exc).__qualname__, exc, text.rstrip())
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = int(time.time())
+    if _PEER_LOSS.search(str(exc)):
+        # torchrun names the failure with the smallest timestamp (whole seconds, ties go to the lowest rank):
+        # losing a peer is a consequence of that peer's failure, so it must sort after it
+        stamp += 1
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": text, "timestamp": str(stamp)}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError as err:
+        logger.warning("could not write TORCHELASTIC_ERROR_FILE={}: {}", path, err)
+
+
+# -- stacks -------------------------------------------------------------------------------------------------------
+_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+", re.MULTILINE)
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<func>\S+)', re.MULTILINE)
+
+
+def _frame_pattern(functions: Sequence[Callable[..., Any]]) -> re.Pattern[str]:
+    """A faulthandler frame line of any of ``functions`` (matched by ``distfn/<file>`` and name, so that a dump
+    from another installation of the same version matches too)."""
+    parts = []
+    for fn in functions:
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            parts.append(r"distfn[/\\]" + re.escape(os.path.basename(code.co_filename)) + r'", line \d+ in '
+                         + re.escape(code.co_name) + r"\b")
+    return re.compile("|".join(parts) or r"(?!)")
+
+
+def main_stack(dump: str, bootstrap: Sequence[Callable[..., Any]] = ()) -> str:
+    """The main thread's part of a ``faulthandler`` dump, cut above distfn's own start-up frames.
+
+    A dump lists each thread ("most recent call first"); the worker's main thread is the one running one of
+    ``bootstrap`` (distfn's functions between the process start and the user's function), which are cut with
+    everything below them. A leading "Fatal Python error: ..." line (a crash) is kept.
+    """
+    starts = [m.start() for m in _THREAD_HEADER.finditer(dump)]
+    if not starts:
+        return dump.strip()
+    cut = _frame_pattern(bootstrap)
+    head = dump[:starts[0]].strip()
+    blocks = [dump[a:b] for a, b in zip(starts, [*starts[1:], len(dump)], strict=True)]
+    block = next((b for b in blocks if cut.search(b)), blocks[-1])
+    lines = []
+    for line in block.rstrip().splitlines():
+        if cut.search(line):
+            break
+        lines.append(line)
+    others = len(blocks) - 1
+    if others:
+        lines.append(f"  ({others} other thread(s) not shown)")
+    return "\n".join([head, ""] if head else []) + "\n".join(lines)
+
+
+def innermost_user_frame(stack: str, recent_first: bool = True) -> str | None:
+    """``func (file:line)`` of the most recent frame outside torch, distfn and the standard library, in a
+    faulthandler dump (most recent call first) or a Python traceback (``recent_first=False``)."""
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    stdlib = os.path.dirname(os.__file__)
+    frames = list(_FRAME.finditer(stack))
+    for m in frames if recent_first else reversed(frames):
+        path = m["file"]
+        if path.startswith(ours) or (path.startswith(stdlib) and "-packages" not in path):
+            continue
+        return f"{m['func']} ({path}:{m['line']})"
+    return None
+
+
+# -- diagnosis ----------------------------------------------------------------------------------------------------
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def diagnose(
+    first: Failure,
+    *,
+    timeout_s: float,
+    forwarded: str | None = None,
+    returned: Sequence[int] = (),
+    failed: Sequence[int] = (),
+    stacks: Callable[[], dict[int, str]] = dict,
+) -> Failure:
+    """The first failure with what the launching process can add from outside.
+
+    Args:
+        first: the likely root cause (see `order_failures`).
+        timeout_s: the job's ``timeout`` in seconds.
+        forwarded: the signal the launching process received and forwarded to the ranks, if any.
+        returned: ranks that had returned from the function.
+        failed: other ranks that had reported a failure already.
+        stacks: asks the ranks still running for their main thread's stack (``{rank: stack}``); called only
+            for a collective timeout.
+    """
+    notes: list[str] = []
+    text = ""
+    if forwarded:
+        notes.append(f"The launching process received {forwarded} and forwarded it to the workers.")
+    if _TIMEOUT_WORDS.search(f"{first.exc_type} {first.message}"):
+        dumps = stacks()
+        notes.append(f"A collective or the rendezvous timed out after {timeout_s:g} s (the `timeout` of "
+                     "@distributed, 30 min by default).")
+        away = {r: s for r, s in dumps.items() if "torch/distributed/" not in s.replace("\\", "/")}
+        dead = [r for r in failed if r != first.rank]
+        if away:
+            where = "; ".join(f"rank {r} was in {innermost_user_frame(s) or 'code outside torch'}"
+                              for r, s in sorted(away.items()))
+            notes.append(f"{_ranks(sorted(away)).capitalize()} had not reached a collective: {where}.")
+        elif dumps and not returned and not dead:
+            notes.append("Every other rank was inside torch.distributed too: the ranks probably call different "
+                         "collectives, or the same ones in a different order (compare the stacks below).")
+        if dead:
+            notes.append(f"{_ranks(dead).capitalize()} had already failed (listed below).")
+        if dumps:
+            text = "\n\n".join(
+                [f"Python stacks of the other ranks when rank {first.rank} timed out (most recent call first):"]
+                + [f"rank {r}:\n{s}" for r, s in sorted(dumps.items())])
+    if returned:
+        notes.append(f"{_ranks(list(returned)).capitalize()} had already returned from the function: a collective "
+                     "that only some ranks call (e.g. under `if ctx.is_main:`) makes the others fail or wait.")
+    if not notes:
+        return first
+    return attrs.evolve(first, diagnosis=" ".join(notes), stacks=text)

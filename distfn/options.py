@@ -1,0 +1,266 @@
+"""The validated arguments of ``@distributed``, and the rules that follow from them alone.
+
+This module sits at the bottom of the import graph: it imports nothing from distfn except `errors`, so the
+decorator, the launcher, the rank bootstrap and the `Context` can all take an `Options` without import cycles.
+Every argument is checked here once (a `ConfigError` naming the argument and the fix), and the rules that
+depend only on the arguments live here too: which modes run one process (`Options.one_process`), which start a
+process group (`Options.multi_rank`) and how many processes to start (`requested_nprocs`, `default_nprocs`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+#: Valid values of ``@distributed(mode=...)``.
+MODES: Final = ("ddp", "fsdp", "dp", "single")
+
+#: Modes that run exactly one process (no process group).
+ONE_PROCESS_MODES: Final = ("single", "dp")
+
+#: Modes with one process per device and a process group.
+MULTI_RANK_MODES: Final = ("ddp", "fsdp")
+
+#: The default ``timeout`` of collectives and rendezvous.
+DEFAULT_TIMEOUT: Final = datetime.timedelta(minutes=30)
+
+#: Valid values of ``@distributed(start_method=...)``.
+START_METHODS: Final = ("auto", "fork", "forkserver", "spawn")
+
+#: Valid values of ``@distributed(launcher=...)``: ``auto`` detects, the others force one.
+LAUNCHERS: Final = ("auto", "spawn", "torchrun", "slurm", "mpi")
+
+#: Accepted values of ``@distributed(precision=...)``: full fp32, bf16 autocast, fp16 autocast + GradScaler.
+PRECISIONS: Final = ("32", "bf16", "16")
+_PRECISION_ALIASES: Final = {32: "32", 16: "16", "fp32": "32", "float32": "32", "fp16": "16", "float16": "16",
+                             "bfloat16": "bf16"}
+
+#: The environment variable that overrides ``nprocs=`` (read by `requested_nprocs` only).
+NPROCS_ENV: Final = "DISTFN_NPROCS"
+
+
+# -- argument conversion (each raises ConfigError naming the argument and how to fix it) ------------------------
+def check_mode(mode: str) -> str:
+    """``mode`` unchanged when it is one of `MODES`."""
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode!r} is not a distfn mode; valid modes are: {', '.join(map(repr, MODES))}")
+    return mode
+
+
+def check_nprocs(nprocs: Any, source: str = "nprocs") -> int | None:
+    """A positive process count (a string only when it comes from the environment, ``source`` names it)."""
+    if nprocs is None:
+        return None
+    if isinstance(nprocs, str) and source != "nprocs":
+        try:
+            nprocs = int(nprocs.strip())
+        except ValueError:
+            raise ConfigError(f"{source}={nprocs!r} is not an integer; set it to a process count such as 2") from None
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise ConfigError(f"{source} must be a positive int, got {nprocs!r} ({type(nprocs).__name__})")
+    if nprocs < 1:
+        raise ConfigError(f"{source}={nprocs} must be at least 1")
+    return nprocs
+
+
+def check_backend(backend: str | None) -> str | None:
+    """A ``torch.distributed`` backend name, or a per-device form such as ``"cpu:gloo,cuda:nccl"``."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str) or not backend:
+        raise ConfigError(f"backend must be a string such as 'gloo' or 'nccl', got {backend!r}")
+    known = [b.lower() for b in dist.Backend.backend_list]
+    # torch also accepts per-device forms like "cpu:gloo,cuda:nccl"
+    names = [part.split(":")[-1].strip().lower() for part in backend.split(",")]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"backend={backend!r}: {unknown[0]!r} is not a torch.distributed backend here; "
+                          f"available: {', '.join(known)}")
+    return backend
+
+
+def check_seed(seed: Any) -> int | None:
+    """A non-negative int seed, or ``None``."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed must be a non-negative int or None, got {seed!r}")
+    return seed
+
+
+def check_timeout(timeout: Any) -> datetime.timedelta:
+    """Seconds or a ``timedelta`` as a positive ``timedelta``; ``None`` is `DEFAULT_TIMEOUT`."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        value = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = datetime.timedelta(seconds=timeout)
+    else:
+        raise ConfigError(f"timeout must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
+    if value.total_seconds() <= 0:
+        raise ConfigError(f"timeout must be positive, got {timeout!r}")
+    return value
+
+
+def check_devices(devices: Any) -> tuple[int, ...] | None:
+    """GPU indices (``"0,5"``, ``[0, 5]`` or one int) as a tuple of distinct non-negative ints."""
+    if devices is None:
+        return None
+    items: Sequence[Any]
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        items = [devices]
+    elif isinstance(devices, str):
+        items = [d.strip() for d in devices.split(",") if d.strip()]
+    elif isinstance(devices, (list, tuple)):
+        items = devices
+    else:
+        raise ConfigError(f"devices must be like '0,5' or [0, 5], got {devices!r}")
+    out: list[int] = []
+    for d in items:
+        try:
+            if isinstance(d, bool):
+                raise ValueError
+            value = int(d)
+        except (TypeError, ValueError):
+            raise ConfigError(f"devices={devices!r}: {d!r} is not a GPU index") from None
+        if value < 0:
+            raise ConfigError(f"devices={devices!r}: GPU indices are >= 0, got {value}")
+        out.append(value)
+    if not out:
+        raise ConfigError(f"devices={devices!r} names no GPU; omit it to use all visible GPUs")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"devices={devices!r} names a GPU twice")
+    return tuple(out)
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, choices))}")
+    return str(value)
+
+
+def check_start_method(value: Any) -> str:
+    """One of `START_METHODS`."""
+    return _check_choice("start_method", value, START_METHODS)
+
+
+def check_launcher(value: Any) -> str:
+    """One of `LAUNCHERS`."""
+    return _check_choice("launcher", value, LAUNCHERS)
+
+
+def check_init_method(init_method: str | None) -> str | None:
+    """``None`` or a URL starting with ``env://``, ``tcp://`` or ``file://``."""
+    if init_method is None:
+        return None
+    if not isinstance(init_method, str) or not init_method.startswith(("env://", "tcp://", "file://")):
+        raise ConfigError(f"init_method={init_method!r} must start with env://, tcp:// or file://")
+    return init_method
+
+
+def check_precision(value: Any) -> str:
+    """Normalise ``precision`` to one of `PRECISIONS` (``32``/``16`` as ints and "fp16"-style names are
+    accepted), raising `ConfigError` otherwise."""
+    if isinstance(value, bool):
+        value = None  # never a precision; falls through to the error
+    name = _PRECISION_ALIASES.get(value, value) if isinstance(value, (int, str)) else None
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision={value!r} is not valid; use one of {', '.join(map(repr, PRECISIONS))} "
+                          "(full float32, bfloat16 autocast, float16 autocast with a GradScaler)")
+    return str(name)
+
+
+def check_fsdp(value: Any) -> Any:
+    """``fsdp={...}`` -> ``distfn.fsdp.FsdpOptions`` (unknown keys are an error naming the valid ones)."""
+    if value is None:
+        return None
+    # distfn.fsdp imports torch._dynamo (~1.5 s, measured by bench/bench_launch.py): only scripts that use FSDP
+    # options may pay for it
+    from .fsdp import parse_options
+
+    return parse_options(value)
+
+
+@attrs.frozen
+class Options:
+    """The validated arguments of ``@distributed`` (what every worker receives).
+
+    The fields are the keyword arguments of `distfn.distributed`, documented there; each is converted and
+    checked on construction, so an `Options` is always valid (``attrs.evolve`` checks again).
+    """
+
+    mode: str = attrs.field(default="ddp", converter=check_mode)
+    nprocs: int | None = attrs.field(default=None, converter=check_nprocs)
+    backend: str | None = attrs.field(default=None, converter=check_backend)
+    seed: int | None = attrs.field(default=None, converter=check_seed)
+    timeout: datetime.timedelta = attrs.field(default=None, converter=check_timeout)
+    devices: tuple[int, ...] | None = attrs.field(default=None, converter=check_devices)
+    start_method: str = attrs.field(default="auto", converter=check_start_method)
+    launcher: str = attrs.field(default="auto", converter=check_launcher)
+    init_method: str | None = attrs.field(default=None, converter=check_init_method)
+    precision: str = attrs.field(default="32", converter=check_precision)
+    fsdp: Any = attrs.field(default=None, converter=check_fsdp)  # distfn.fsdp.FsdpOptions | None
+
+    def __attrs_post_init__(self) -> None:
+        if self.one_process and self.nprocs not in (None, 1):
+            raise ConfigError(f"mode={self.mode!r} runs one process, but nprocs={self.nprocs}; "
+                              "use mode='ddp' for several processes")
+        if self.fsdp is not None and self.mode != "fsdp":
+            raise ConfigError(f"fsdp= options were given but mode={self.mode!r}; use mode='fsdp' or drop fsdp=")
+        if self.devices is not None and self.nprocs is not None and self.multi_rank \
+                and self.nprocs > len(self.devices) and (self.backend or "nccl") == "nccl":
+            raise ConfigError(f"nprocs={self.nprocs} is more than the {len(self.devices)} GPU(s) in "
+                              f"devices={self.devices}; NCCL needs one GPU per process")
+
+    @property
+    def one_process(self) -> bool:
+        """The mode runs exactly one process without a process group (``single``, ``dp``)."""
+        return self.mode in ONE_PROCESS_MODES
+
+    @property
+    def multi_rank(self) -> bool:
+        """The mode runs one process per device joined by a process group (``ddp``, ``fsdp``)."""
+        return self.mode in MULTI_RANK_MODES
+
+
+#: The names of the keyword arguments of ``@distributed`` (the fields of `Options`).
+PARAMETERS: Final = tuple(a.name for a in attrs.fields(Options))
+
+
+def make_options(given: Mapping[str, Any], base: Options | None = None) -> Options:
+    """`Options` from keyword arguments (on top of ``base``), an unknown name being a `ConfigError`."""
+    unknown = sorted(k for k in given if k not in PARAMETERS)
+    if unknown:
+        raise ConfigError(f"{', '.join(map(repr, unknown))} is not an option of @distributed; valid options are: "
+                          f"{', '.join(PARAMETERS)}")
+    return Options(**given) if base is None else attrs.evolve(base, **given)
+
+
+def requested_nprocs(opts: Options, env: Mapping[str, str]) -> int | None:
+    """The process count asked for: ``DISTFN_NPROCS`` (validated) over ``nprocs=``, or ``None``."""
+    value = env.get(NPROCS_ENV)
+    if value is not None and value.strip():
+        return check_nprocs(value, NPROCS_ENV)
+    return opts.nprocs
+
+
+def default_nprocs(opts: Options, env: Mapping[str, str], visible_gpus: Callable[[], int]) -> int:
+    """How many processes a self-spawned job starts: the requested count, else 1 for the one-process modes,
+    else ``len(devices)``, else one per visible GPU (at least one). ``visible_gpus`` is asked only then."""
+    requested = requested_nprocs(opts, env)
+    if requested is not None:
+        if opts.one_process and requested != 1:  # nprocs= itself was checked at decoration time
+            raise ConfigError(f"{NPROCS_ENV}={requested} but mode={opts.mode!r} runs one process")
+        return requested
+    if opts.one_process:
+        return 1
+    if opts.devices is not None:
+        return len(opts.devices)
+    return max(1, visible_gpus())

@@ -1,0 +1,261 @@
+"""Checks that run in the launching process before any worker starts, so that a job that cannot work fails at
+once with a `ConfigError` naming the fix, rather than in a worker (or not at all):
+
+* `choose_start_method`: fork when provably safe (no CUDA driver call, no threads started since
+  ``import distfn``), else spawn; an explicit ``start_method`` that cannot work is refused;
+* `check_main_guard`: a script that launches at its top level without ``if __name__ == "__main__":``;
+* `check_picklable` / `sendable`: what spawn and forkserver must pickle (the function, ``cfg``), with the path to
+  the first part that cannot be pickled (`find_unpicklable`);
+* `check_port_free`: an explicit ``tcp://host:port`` of this machine that something already listens on.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+import io
+import os
+import pickle
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import torch
+import torch.multiprocessing as mp
+
+from . import devices
+from .errors import ConfigError
+from .tree import children, is_container
+
+
+def thread_ids() -> frozenset[str]:
+    """The ids of this process's threads (the kernel's view: threads started by C code count too)."""
+    try:
+        return frozenset(os.listdir("/proc/self/task"))
+    except OSError:
+        return frozenset(str(t.native_id) for t in threading.enumerate())
+
+
+# Threads of this process when distfn was imported (right after torch, before the script ran any op). A thread
+# that is not among them at launch time (an OpenMP pool from an earlier torch op, a user's thread) makes fork
+# unsafe: GNU OpenMP's pool does not survive fork, and the children hang at their first parallel op (measured).
+# Thread ids, not a count: threads that torch starts during import may end later, and a count would then miss
+# an OpenMP thread that took their place. `import distfn` imports this module (decorator -> spawn -> preflight).
+BASELINE_THREADS = thread_ids()
+
+
+def _cuda_blocks_fork() -> str | None:
+    """Why forked workers of this process could not use CUDA, or ``None``.
+
+    Initialising CUDA is one way. Another is invisible from here: any call into the CUDA driver (e.g.
+    ``torch.cuda.is_available()`` where NVML is not used) marks the process, and only a *child* can see the mark
+    (``torch.cuda._is_in_bad_fork()``), so a throwaway child is asked. Only on CUDA builds with GPUs visible
+    (counted through NVML, which leaves no mark): without GPUs nothing can break.
+    """
+    if torch.cuda.is_initialized():
+        return "CUDA is already initialised in this process, and forked workers could not use it"
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return None
+    if devices.visible_gpus() == 0:
+        return None
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child only reads a flag and exits
+        try:
+            os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+        except BaseException:  # noqa: BLE001 - whatever happens, the child must not return
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) == 1:
+        return ("this process already called into the CUDA driver (e.g. torch.cuda.is_available()), after which "
+                "forked workers cannot use CUDA; count GPUs with torch.cuda.device_count() before the call to "
+                "keep the faster fork start")
+    return None
+
+
+def choose_start_method(requested: str) -> tuple[str, str]:
+    """Return ``(method, reason)``. ``"auto"`` forks when provably safe (fastest: torch is not re-imported),
+    and falls back to ``spawn`` otherwise."""
+    available = mp.get_all_start_methods()
+    if requested != "auto":
+        if requested not in available:
+            raise ConfigError(
+                f"start_method={requested!r} is not available on {sys.platform}; use one of {available}"
+            )
+        blocked = _cuda_blocks_fork() if requested == "fork" else None
+        if blocked is not None:
+            raise ConfigError(
+                f"start_method='fork' cannot work here: {blocked}. Use start_method='spawn' or 'auto'."
+            )
+        return requested, f"start_method={requested!r} was asked for"
+    if "fork" not in available or sys.platform == "darwin":
+        return "spawn", f"fork is not safe on {sys.platform}"
+    blocked = _cuda_blocks_fork()
+    if blocked is not None:
+        return "spawn", blocked
+    new = thread_ids() - BASELINE_THREADS
+    if new:
+        return "spawn", (
+            f"this process started {len(new)} thread(s) since `import distfn` (an OpenMP pool from an earlier "
+            "torch op, or threads of your own), and forked workers can hang on them"
+        )
+    return "fork", "no CUDA context and no extra threads in this process, so forking is safe"
+
+
+# -- main guard, picklability, port ------------------------------------------------------------------------------
+def _is_main_guard(node: ast.AST) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    test = node.test
+    parts = [test.left, *test.comparators]
+    names = [p for p in parts if isinstance(p, ast.Name) and p.id == "__name__"]
+    mains = [p for p in parts if isinstance(p, ast.Constant) and p.value == "__main__"]
+    return bool(names and mains and isinstance(test.ops[0], ast.Eq))
+
+
+def check_main_guard(fn_name: str) -> None:
+    """Refuse a launch from the top level of a script that lacks ``if __name__ == "__main__":``.
+
+    Workers started with spawn/forkserver re-import the script; without the guard, each would launch again.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not os.path.isfile(path):
+        return  # interactive session, `python -c`, notebook: nothing is re-imported
+    frame: FrameType | None = sys._getframe()
+    while frame is not None and frame.f_globals is not vars(main):
+        frame = frame.f_back
+    while frame is not None and frame.f_code.co_name != "<module>":
+        frame = frame.f_back  # the call may be inside functions the script calls at top level
+        if frame is not None and frame.f_globals is not vars(main):
+            return
+    if frame is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return
+    line = frame.f_lineno
+    for node in tree.body:
+        if _is_main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return
+    raise ConfigError(
+        f"{fn_name}() is called at the top level of {path} (line {line}) without an "
+        "`if __name__ == \"__main__\":` guard. Worker processes may import this script again, and each would "
+        "start the job again. Put the call under the guard:\n\n"
+        f"    if __name__ == \"__main__\":\n        {fn_name}(cfg)\n"
+    )
+
+
+def _describe(obj: Any) -> str:
+    obj = getattr(obj, "__wrapped__", obj)  # a decorated function: point at the user's code
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        kind = "a lambda" if getattr(obj, "__name__", "") == "<lambda>" else f"function {obj.__qualname__}"
+        return f"{kind} defined at {code.co_filename}:{code.co_firstlineno}"
+    if isinstance(obj, io.IOBase):
+        return f"an open file object ({getattr(obj, 'name', '?')!r})"
+    return f"a {type(obj).__module__}.{type(obj).__qualname__} object"
+
+
+def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
+    if is_container(obj):
+        return [(f"{path}[{k!r}]", v) for k, v in children(obj)]
+    if isinstance(obj, (set, frozenset)):
+        return [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    if attrs.has(type(obj)):
+        return [(f"{path}.{a.name}", getattr(obj, a.name, None)) for a in attrs.fields(type(obj))]
+    if hasattr(obj, "__dict__") and not callable(obj):
+        return [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    return []
+
+
+def find_unpicklable(obj: Any, path: str, _depth: int = 0) -> tuple[str, Any, BaseException] | None:
+    """The deepest ``(path, object, error)`` inside ``obj`` that cannot be pickled, or ``None``."""
+    try:
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return None
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is what we look for
+        error: BaseException = exc
+    if _depth < 20:
+        for child_path, child in _children(obj, path):
+            found = find_unpicklable(child, child_path, _depth + 1)
+            if found is not None:
+                return found
+    return path, obj, error
+
+
+def unpicklable_message(found: tuple[str, Any, BaseException], purpose: str, fix: str) -> str:
+    """A user-facing sentence for ``find_unpicklable``'s result."""
+    path, obj, error = found
+    return f"{path} ({_describe(obj)}) cannot be pickled, which {purpose}: {type(error).__name__}: {error}. {fix}"
+
+
+def sendable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What to pickle for spawn/forkserver: the decorated wrapper, or the user's function under it.
+
+    Pickle sends functions by name. With ``@distributed`` the module-level name is the wrapper; with
+    ``job = distributed(...)(train)`` it is the bare ``train``, and the wrapper (which copies its name) cannot
+    be found. The worker unwraps either way.
+    """
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None or _pickles(fn) or not _pickles(inner):
+        return fn  # when neither pickles, check_picklable explains the wrapper's problem
+    return inner
+
+
+def _pickles(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - any pickling failure means no
+        return False
+    return True
+
+
+def check_picklable(fn: Callable[..., Any], cfg: Any, method: str) -> None:
+    """Under spawn/forkserver the function and cfg travel to the workers by pickle: check that now."""
+    fix = (
+        "Define functions at module level (functools.partial of one is fine), pass paths rather than open "
+        "files, or use start_method='fork'."
+    )
+    found = find_unpicklable(fn, getattr(fn, "__qualname__", "the function"))
+    if found is not None:
+        raise ConfigError(unpicklable_message(found, f"start_method={method!r} needs to send it to the workers", fix))
+    found = find_unpicklable(cfg, "cfg")
+    if found is not None:
+        raise ConfigError(unpicklable_message(found, f"start_method={method!r} needs to send it to the workers", fix))
+
+
+
+def check_port_free(init_method: str | None) -> None:
+    """Refuse, before any worker starts, a ``tcp://host:port`` of this machine that something already uses.
+
+    torch would only find out in rank 0 (EADDRINUSE) while the other ranks wait for a store that never comes.
+    """
+    if not init_method or not init_method.startswith("tcp://"):
+        return
+    try:
+        url = urlsplit(init_method)
+        host, port = url.hostname, url.port
+    except ValueError:
+        return  # malformed: torch's own error names it
+    if not host or not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # not an address of this machine (another host serves the rendezvous), or unresolvable
+            raise ConfigError(
+                f"init_method={init_method!r}: {host}:{port} is already in use on this machine (another job or "
+                f"program listens there; `ss -ltnp 'sport = :{port}'` shows which). Leave init_method unset so "
+                "distfn picks a free loopback port for each job, or choose a free port."
+            ) from None

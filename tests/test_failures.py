@@ -1,0 +1,66 @@
+"""Failure records (distfn.failures): the root cause first, stacks cut to the user's code, the report of a rank
+under torchrun in torch's own error-file format."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+import distfn
+from distfn import Terminated, failures, spawn, worker
+
+HOST = socket.gethostname()
+
+
+def test_torchrun_error_file_matches_torch_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(ours))
+        failures.report_in_place(3, exc)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(theirs))
+        ErrorHandler().record_exception(exc)
+    a, b = json.loads(ours.read_text()), json.loads(theirs.read_text())
+    assert a["message"]["message"] == b["message"]["message"] == "ValueError: boom"
+    assert a["message"]["extraInfo"].keys() == b["message"]["extraInfo"].keys()
+    assert "raise ValueError" in a["message"]["extraInfo"]["py_callstack"]
+    # an outside stop is no root cause: no error file
+    ours.unlink()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(ours))
+    failures.report_in_place(0, Terminated("received SIGTERM"))
+    assert not ours.exists()
+
+
+def test_main_stack_keeps_the_main_thread_above_distfn() -> None:
+    dump = (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
+        "Current thread 0x00007f02 (most recent call first):\n"
+        '  File "/home/u/train.py", line 7 in train\n'
+        '  File "/x/distfn/worker.py", line 190 in run\n'
+        '  File "/x/distfn/spawn.py", line 441 in _entry\n'
+    )
+    # the launcher cuts at the frames of distfn's own start-up: the rank bootstrap and the spawn entry point
+    text = failures.main_stack(dump, spawn.BOOTSTRAP)
+    assert 'train.py", line 7 in train' in text and "worker.py" not in text and "threading" not in text
+    assert "1 other thread(s) not shown" in text
+    assert failures.innermost_user_frame(text) == "train (/home/u/train.py:7)"
+    assert worker.run in spawn.BOOTSTRAP
+
+
+def test_root_cause_ordering() -> None:
+    def failure(rank: int, exc_type: str, message: str, t: float) -> failures.Failure:
+        return failures.Failure(rank, HOST, 1, exc_type, message, time=t)
+
+    peer = failure(0, "RuntimeError", "Connection closed by peer [127.0.0.1]:1", 1.0)
+    own = failure(1, "ValueError", "boom", 2.0)
+    death = failure(2, "Signal", "SIGKILL", 3.0)
+    assert failures.order_failures([peer, own, death]) == [death, own, peer]
+    err = distfn.WorkerError([own, peer])
+    assert str(err).startswith("rank 1 (pid 1 on") and "1 other rank(s) failed after it" in str(err)

@@ -1,0 +1,62 @@
+"""The arguments of @distributed (distfn.options): every one is checked on construction with a ConfigError
+naming the fix, the mode properties, and the process-count rule (nprocs=, DISTFN_NPROCS, devices=, GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distfn import ConfigError
+from distfn.options import Options, default_nprocs, requested_nprocs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"mode": "fancy"}, "valid modes are: 'ddp'"),
+        ({"nprocs": 0}, "nprocs=0 must be at least 1"),
+        ({"nprocs": "2"}, "nprocs must be a positive int"),
+        ({"nprocs": True}, "nprocs must be a positive int"),
+        ({"nprocs": 2.0}, "nprocs must be a positive int"),
+        ({"backend": "bogus"}, "'bogus' is not a torch.distributed backend"),
+        ({"seed": -1}, "seed must be a non-negative int"),
+        ({"timeout": -5}, "timeout must be positive"),
+        ({"timeout": "10s"}, "timeout must be seconds"),
+        ({"devices": "0,x"}, "'x' is not a GPU index"),
+        ({"devices": [1, 1]}, "names a GPU twice"),
+        ({"devices": [-1]}, "GPU indices are >= 0"),
+        ({"devices": ""}, "names no GPU"),
+        ({"start_method": "teleport"}, "start_method='teleport' is not valid"),
+        ({"launcher": "pbs"}, "launcher='pbs' is not valid"),
+        ({"init_method": "http://x"}, "must start with env://, tcp:// or file://"),
+        ({"mode": "single", "nprocs": 2}, "runs one process"),
+        ({"mode": "dp", "nprocs": 4}, "runs one process"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Options(**kwargs)
+    assert needle in str(info.value)
+    assert isinstance(info.value, ValueError)  # catchable as the standard type too
+
+
+def test_mode_properties() -> None:
+    assert [Options(mode=m).one_process for m in ("single", "dp", "ddp", "fsdp")] == [True, True, False, False]
+    assert [Options(mode=m).multi_rank for m in ("single", "dp", "ddp", "fsdp")] == [False, False, True, True]
+
+
+def test_process_count_rule() -> None:
+    def no_gpus() -> int:
+        raise AssertionError("asked for the GPU count although the rule did not need it")
+
+    assert requested_nprocs(Options(nprocs=3), {}) == 3
+    assert requested_nprocs(Options(nprocs=3), {"DISTFN_NPROCS": " 4 "}) == 4  # the environment wins
+    assert requested_nprocs(Options(), {"DISTFN_NPROCS": ""}) is None
+    assert default_nprocs(Options(nprocs=3), {}, no_gpus) == 3
+    assert default_nprocs(Options(mode="dp"), {}, no_gpus) == 1
+    assert default_nprocs(Options(devices="0,5"), {}, no_gpus) == 2
+    assert default_nprocs(Options(), {}, lambda: 0) == 1  # no GPU: one process
+    assert default_nprocs(Options(), {}, lambda: 4) == 4
+    with pytest.raises(ConfigError, match="DISTFN_NPROCS='two' is not an integer"):
+        requested_nprocs(Options(), {"DISTFN_NPROCS": "two"})
+    with pytest.raises(ConfigError, match="DISTFN_NPROCS=2 but mode='single' runs one process"):
+        default_nprocs(Options(mode="single"), {"DISTFN_NPROCS": "2"}, no_gpus)

@@ -1,0 +1,69 @@
+"""Checks before any worker starts (distfn.preflight): the start-method choice and its fork-safety probe, the
+picklability of what spawn sends, and an explicit rendezvous port that is already taken."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+import distfn
+from distfn import ConfigError, distributed, preflight
+
+
+# -- fork safety on CUDA builds (faked: the child of the probe inherits the patched functions) -----------------
+def test_fork_refused_after_a_cuda_driver_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(preflight, "BASELINE_THREADS", preflight.thread_ids())
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)  # what a child sees after is_available()
+    method, reason = preflight.choose_start_method("auto")
+    assert method == "spawn" and "torch.cuda.is_available()" in reason and "device_count" in reason
+    with pytest.raises(distfn.ConfigError, match="start_method='fork' cannot work here"):
+        preflight.choose_start_method("fork")
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)  # only NVML was asked: fork is fine
+    assert preflight.choose_start_method("auto")[0] == "fork"
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # no GPU: nothing for the mark to break
+    assert preflight.choose_start_method("auto")[0] == "fork"
+
+
+def test_busy_explicit_port_is_refused_before_any_worker() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        f = distributed(nprocs=2, init_method=f"tcp://127.0.0.1:{port}")(_plain)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as info:
+            f()
+        assert time.monotonic() - t0 < 5
+    msg = str(info.value)
+    assert f"127.0.0.1:{port} is already in use" in msg and "Leave init_method unset" in msg
+
+
+
+def test_port_of_another_host_is_not_checked() -> None:
+    preflight.check_port_free("tcp://192.0.2.1:29500")  # another host's address: not ours to check
+
+
+def _plain(cfg, ctx):
+    return cfg
+
+
+_plain_job = distributed(nprocs=2, start_method="spawn")(_plain)
+
+
+@distributed(nprocs=2, start_method="spawn")
+def _decorated(cfg, ctx):
+    return cfg
+
+
+def test_spawn_sends_whichever_of_wrapper_and_function_pickle_can_find() -> None:
+    # `job = distributed(...)(fn)`: the module-level name is the bare function, the wrapper cannot be pickled
+    assert preflight.sendable(_plain_job) is _plain
+    # `@distributed`: the name is the wrapper
+    assert preflight.sendable(_decorated) is _decorated
+    preflight.check_picklable(preflight.sendable(_plain_job), {"lr": 0.1}, "spawn")
