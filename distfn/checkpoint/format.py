@@ -1,0 +1,426 @@
+"""The file format: a Python object <-> (a safetensors header with a JSON tree, tensors to write).
+
+Encoding walks the saved object once (`plan`): tensors become references ``{"__tensor__": name}`` and are listed
+for the writer in file order; everything else becomes JSON, with a few tags for what JSON cannot hold. Decoding
+(`decode`) turns a tree node back into Python values, reading tensors through any object with a
+``get(name, device)`` method (the storage reader). `parse_header` checks a header's JSON. The layout itself is
+specified in docs/checkpoints.md, section "File format".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Protocol
+
+import attrs
+import torch
+from torch import nn
+
+from .. import tree
+from ..errors import CheckpointError
+from ..modules import unwrap_module
+
+__all__ = [
+    "DTYPES",
+    "FORMAT_VERSION",
+    "FROM_CODE",
+    "KEY_ALIASES",
+    "KEY_METADATA",
+    "KEY_TREE",
+    "MAX_HEADER",
+    "TAGS",
+    "Entry",
+    "Header",
+    "NoTensors",
+    "Plan",
+    "TensorSource",
+    "as_plain_dict",
+    "decode",
+    "describe",
+    "is_stateful",
+    "kind",
+    "parse_header",
+    "path_str",
+    "plan",
+    "ref",
+    "saved_tree",
+]
+
+FORMAT_VERSION: Final = "1"
+KEY_FORMAT: Final = "distfn.format"
+KEY_TREE: Final = "distfn.tree"
+KEY_ALIASES: Final = "distfn.aliases"
+KEY_METADATA: Final = "distfn.metadata"
+_RESERVED_METADATA: Final = frozenset({"format", KEY_FORMAT, KEY_TREE, KEY_ALIASES, KEY_METADATA})
+MAX_HEADER: Final = 100_000_000  # the stock safetensors limit
+
+#: Every dtype a file can hold, with its safetensors code.
+DTYPES: Final[dict[torch.dtype, str]] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
+    if hasattr(torch, _attr):
+        DTYPES[getattr(torch, _attr)] = _name
+#: safetensors code -> dtype.
+FROM_CODE: Final[dict[str, torch.dtype]] = {code: dtype for dtype, code in DTYPES.items()}
+
+#: The tags of the JSON tree (one-key objects).
+TAGS: Final = ("__tensor__", "__ndarray__", "__tuple__", "__float__", "__dtype__", "__device__", "__dict__")
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers shared by the package
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` has callable ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """A key path as users read it: ``model.fc.weight``, or ``<root>``."""
+    return ".".join(str(p) for p in path) if path else "<root>"
+
+
+def describe(keys: Sequence[str], limit: int = 8) -> str:
+    """``'a', 'b' and 3 more``: a short list of names for a message."""
+    keys = list(keys)
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _short_repr(obj: Any) -> str:
+    try:
+        text = repr(obj)
+    except Exception:  # noqa: BLE001 - a repr that fails must not hide the real error
+        text = object.__repr__(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoding: object -> (JSON tree, tensors to write)
+
+
+@attrs.frozen
+class Entry:
+    """One tensor to write: its stored name, the tensor (detached, any device) and its byte span."""
+
+    name: str
+    tensor: torch.Tensor
+    code: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class _Encoder:
+    """Walks an object once, producing the JSON tree and the de-duplicated list of tensors."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.aliases: dict[str, str] = {}
+        self._by_name: dict[str, str] = {}  # every tensor name (stored or alias) -> the path that produced it
+        self._by_memory: dict[tuple[Any, ...], str] = {}
+
+    def encode(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return {"__tensor__": self._tensor(obj, path)}
+        if isinstance(obj, nn.Module):
+            return self.encode(unwrap_module(obj).state_dict(), path)
+        if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+            return obj
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+        if isinstance(obj, Mapping):
+            return self._mapping(obj, path)
+        if isinstance(obj, (tuple, list)):
+            items = [self.encode(v, (*path, i)) for i, v in tree.children(obj)]
+            return {"__tuple__": items} if isinstance(obj, tuple) else items
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"__device__": str(obj)}
+        return self._other(obj, path)
+
+    def _other(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        np = sys.modules.get("numpy")
+        if np is not None:
+            if isinstance(obj, np.ndarray):
+                return {"__ndarray__": self._tensor(torch.from_numpy(obj), path)}
+            if isinstance(obj, np.generic):
+                return self.encode(obj.item(), path)
+        if is_stateful(obj):
+            try:
+                state = obj.state_dict()
+            except Exception as exc:
+                raise CheckpointError(
+                    f"cannot save {type(obj).__name__} at '{path_str(path)}': its state_dict() failed: {exc}"
+                ) from exc
+            return self.encode(state, path)
+        raise CheckpointError(
+            f"cannot save the value at '{path_str(path)}': {type(obj).__qualname__} ({_short_repr(obj)}) is "
+            "not a tensor, module, optimizer, scheduler, object with state_dict()/load_state_dict(), or a "
+            "JSON-like value (None, bool, int, float, str, list, tuple, dict). Nothing was written."
+        )
+
+    def _mapping(self, obj: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
+        pairs = tree.children(obj)
+        if all(isinstance(k, str) and not k.startswith("__") for k, _ in pairs):
+            return {k: self.encode(v, (*path, k)) for k, v in pairs}
+        items = []
+        for k, v in pairs:
+            if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
+                raise CheckpointError(
+                    f"cannot save the mapping at '{path_str(path)}': key {k!r} of type {type(k).__qualname__} "
+                    "is not a str, int, float, bool, None or tuple. Nothing was written."
+                )
+            items.append([self.encode(k, (*path, "<key>")), self.encode(v, (*path, k))])
+        return {"__dict__": items}
+
+    def _tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
+        name = ".".join(str(p) for p in path)
+        where = path_str(path)
+        if not name:
+            raise CheckpointError("cannot save a bare tensor: save a mapping such as {'weight': tensor}")
+        if name in self._by_name:
+            raise CheckpointError(
+                f"two values would be stored under the same tensor name '{name}' (key paths "
+                f"{self._by_name[name]!r} and {where!r}); rename one of the keys. Nothing was written."
+            )
+        self._by_name[name] = where
+        tensor, code = _storable(tensor, where)
+        if tensor.numel():
+            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                   tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            first = self._by_memory.get(key)
+            if first is not None:  # tied / shared: store once
+                self.aliases[name] = first
+                return first
+            self._by_memory[key] = name
+        shape = tuple(int(s) for s in tensor.shape)
+        self.entries.append(Entry(name, tensor, code, shape, tensor.numel() * tensor.element_size()))
+        return name
+
+
+def _storable(tensor: torch.Tensor, where: str) -> tuple[torch.Tensor, str]:
+    """The detached plain tensor to write and its dtype code, or a `CheckpointError` saying why it cannot be."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter):
+        if hasattr(tensor, "placements") or hasattr(tensor, "full_tensor"):
+            raise CheckpointError(f"cannot save the sharded tensor (DTensor) at '{where}': gather it first "
+                                  "(e.g. tensor.full_tensor()). Nothing was written.")
+        tensor = tensor.as_subclass(torch.Tensor)  # a plain subclass: keep the data, drop the behaviour
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
+        what = "meta" if tensor.is_meta else ("quantized" if tensor.is_quantized else str(tensor.layout))
+        raise CheckpointError(f"cannot save the {what} tensor at '{where}': only dense tensors with data "
+                              "can be stored in safetensors. Nothing was written.")
+    code = DTYPES.get(tensor.dtype)
+    if code is None:
+        raise CheckpointError(f"cannot save the tensor at '{where}': dtype {tensor.dtype} has no safetensors "
+                              "equivalent. Nothing was written.")
+    return tensor.detach(), code
+
+
+@attrs.frozen
+class Plan:
+    """Everything to write: header bytes and tensors in file order."""
+
+    header: bytes
+    entries: tuple[Entry, ...]
+    total: int  # file size in bytes
+
+
+def plan(obj: Any, metadata: Mapping[str, Any] | None) -> Plan:
+    """Encode ``obj`` (and ``metadata=``) into the header bytes and the tensors to write after it.
+
+    Every error about the content is raised here, before anything touches the disk.
+    """
+    encoder = _Encoder()
+    encoded = encoder.encode(obj, ())
+    meta: dict[str, str] = {"format": "pt", KEY_FORMAT: FORMAT_VERSION, KEY_TREE: _dumps(encoded)}
+    if encoder.aliases:
+        meta[KEY_ALIASES] = _dumps(encoder.aliases)
+    if metadata is not None:
+        meta.update(_metadata_entries(metadata))
+    # Largest element size first keeps every tensor aligned to its element size (the data starts 8-aligned).
+    entries = sorted(encoder.entries, key=lambda e: (-e.tensor.element_size(), e.name))
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": e.code, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    if len(raw) > MAX_HEADER:
+        raise CheckpointError(f"the checkpoint header would be {len(raw)} bytes, over the safetensors limit of "
+                              f"{MAX_HEADER}: too many non-tensor values. Nothing was written.")
+    return Plan(len(raw).to_bytes(8, "little") + raw, tuple(entries), 8 + len(raw) + offset)
+
+
+def _metadata_entries(metadata: Mapping[str, Any]) -> dict[str, str]:
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+        raise CheckpointError("metadata= must be a mapping with str keys")
+    out = {KEY_METADATA: _dumps(_Encoder().encode(dict(metadata), ("<metadata>",)), what="metadata")}
+    if "__tensor__" in out[KEY_METADATA]:
+        raise CheckpointError("metadata= must hold JSON-like values only (no tensors); put tensors in obj")
+    for k, v in metadata.items():
+        if isinstance(v, str) and k not in _RESERVED_METADATA:
+            out[k] = v
+    return out
+
+
+def _dumps(value: Any, what: str = "state") -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # pragma: no cover - the encoder only emits JSON-able values
+        raise CheckpointError(f"cannot encode the {what} as JSON: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# The header
+
+
+@attrs.frozen
+class Header:
+    """A checked safetensors header: where the data starts, the tensor entries and the string metadata."""
+
+    path: pathlib.Path
+    data_start: int
+    tensors: dict[str, dict[str, Any]]  # name -> {"dtype", "shape", "data_offsets"}
+    metadata: dict[str, str]
+
+
+def parse_header(path: pathlib.Path, raw: bytes, size: int) -> Header:
+    """Check the JSON header ``raw`` of the ``size``-byte file ``path`` (its 8-byte length prefix excluded).
+
+    Raises:
+        CheckpointError: the header is not JSON, an entry is malformed, or the data does not fill the file.
+    """
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"'{path}' has a corrupt safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"'{path}' has a corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    end = 0
+    for name, info in header.items():
+        try:
+            begin, stop = (int(x) for x in info["data_offsets"])
+            if not 0 <= begin <= stop:
+                raise ValueError
+            if info["dtype"] not in FROM_CODE:
+                raise CheckpointError(f"'{path}': tensor '{name}' has dtype {info['dtype']}, unknown to this torch")
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"'{path}': corrupt entry for tensor '{name}' in the header") from None
+        end = max(end, int(stop))
+    n = len(raw)
+    if 8 + n + end != size:
+        raise CheckpointError(f"'{path}' is incomplete or corrupt: the header describes {8 + n + end} bytes, the "
+                              f"file has {size}")
+    return Header(path, 8 + n, header, dict(metadata))
+
+
+def saved_tree(header: Header) -> Any:
+    """The saved object's JSON tree; a foreign file (no distfn metadata) reads as a flat name -> tensor map."""
+    raw = header.metadata.get(KEY_TREE)
+    if raw is None:
+        return {name: {"__tensor__": name} for name in header.tensors}
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding: JSON tree -> Python values
+
+
+class TensorSource(Protocol):
+    """Where `decode` reads referenced tensors from (the storage reader, or `NoTensors`)."""
+
+    def get(self, name: str, device: torch.device | None = None) -> torch.Tensor: ...
+
+
+class NoTensors:
+    """A `TensorSource` for trees that must not reference tensors (metadata, mapping keys)."""
+
+    def get(self, name: str, device: torch.device | None = None) -> torch.Tensor:
+        raise CheckpointError(f"unexpected tensor reference {name!r} in metadata")
+
+
+def decode(node: Any, reader: TensorSource, device: torch.device | None = None) -> Any:
+    """Rebuild the Python value of a JSON tree node, reading referenced tensors from ``reader``."""
+    if isinstance(node, list):
+        return [decode(v, reader, device) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if len(node) == 1:
+        (tag, value), = node.items()
+        if tag in TAGS:
+            return _decode_tag(tag, value, reader, device)
+    return {k: decode(v, reader, device) for k, v in node.items()}
+
+
+def _decode_tag(tag: str, value: Any, reader: TensorSource, device: torch.device | None) -> Any:
+    if tag == "__tensor__":
+        return reader.get(value, device)
+    if tag == "__ndarray__":
+        return reader.get(value, torch.device("cpu")).numpy()
+    if tag == "__tuple__":
+        return tuple(decode(v, reader, device) for v in value)
+    if tag == "__float__":
+        return float(value)
+    if tag == "__dtype__":
+        return getattr(torch, value)
+    if tag == "__device__":
+        return torch.device(value)
+    return {decode(k, reader, device): decode(v, reader, device) for k, v in value}  # "__dict__"
+
+
+def ref(node: Any) -> str | None:
+    """The stored tensor name if ``node`` is a tensor reference."""
+    if isinstance(node, dict) and len(node) == 1 and "__tensor__" in node:
+        return str(node["__tensor__"])
+    return None
+
+
+def as_plain_dict(node: Any) -> dict[Any, Any] | None:
+    """A tree node that encodes a mapping, as a dict of (encoded) children keyed by decoded keys."""
+    if not isinstance(node, dict):
+        return None
+    if len(node) == 1:
+        (tag, value), = node.items()
+        if tag == "__dict__":
+            return {decode(k, NoTensors()): v for k, v in value}
+        if tag in TAGS:
+            return None
+    return node
+
+
+def kind(node: Any) -> str:
+    """What a tree node holds, for messages: ``a tensor``, ``a mapping with keys ...``, ``the value 3``."""
+    if ref(node) is not None:
+        return "a tensor"
+    if isinstance(node, dict) and len(node) == 1 and next(iter(node)) in TAGS:
+        return f"a {next(iter(node)).strip('_')}"
+    if isinstance(node, dict):
+        return f"a mapping with keys {describe([str(k) for k in node])}"
+    if isinstance(node, list):
+        return "a list"
+    return f"the value {node!r}"

@@ -1,0 +1,160 @@
+"""Random number generator states: capture and restore them without pickle.
+
+`rng_state` / `set_rng_state` capture and restore Python, NumPy, torch CPU and (initialised) CUDA generators as
+tensors and JSON-able values, so they can be saved in a checkpoint. `RNG` is a stateful stand-in for "this
+process's generators" to put in a training state. For one state per rank, the caller gathers `rng_state` from
+every rank and saves `combine_rng_states` of the list; on load, `rng_state_for_rank` picks a rank's state.
+
+Nothing here does a collective or touches a file: `Context.save(..., rng=True)` gathers, the checkpoint package
+writes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import torch
+from loguru import logger
+
+from .errors import CheckpointError
+
+__all__ = ["RNG", "combine_rng_states", "rng_state", "rng_state_for_rank", "set_rng_state"]
+
+_PARTS: Final = ("python", "torch", "numpy", "cuda")
+
+
+def rng_state() -> dict[str, Any]:
+    """Capture this process's random number generator states in a pickle-free form.
+
+    Returns:
+        ``{"python": [...], "numpy": {...} (if NumPy is installed), "torch": uint8 tensor,
+        "cuda": [uint8 tensor per device] (only if CUDA is already initialised)}``: tensors and JSON-able
+        values only, so it can be a value of a training state passed to `distfn.checkpoint.save`.
+    """
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    np = _import_numpy()
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": [int(k) for k in keys],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    # Never initialise CUDA just to read its state: a process that has not used CUDA has nothing to restore.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def _import_numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore generator states captured by `rng_state` (also after a save/load round trip).
+
+    Args:
+        state: the mapping `rng_state` returned. Missing parts are left alone; a CUDA state is restored only
+            where CUDA is available (one state per visible device, extra ones ignored).
+
+    Raises:
+        CheckpointError: ``state`` holds the states of several ranks, or is no RNG state at all.
+    """
+    if "ranks" in state:
+        raise CheckpointError(
+            f"this RNG entry holds the states of {len(state['ranks'])} ranks; pick this rank's with "
+            "rng_state_for_rank(entry, rank, world_size) first"
+        )
+    if not any(k in state for k in _PARTS):
+        keys = ", ".join(repr(str(k)) for k in list(state)[:8])
+        keys += f" and {len(state) - 8} more" if len(state) > 8 else ""
+        raise CheckpointError(f"not an RNG state (keys {keys}); expected what rng_state() returns")
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu().clone())
+    if "numpy" in state:
+        _set_numpy(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = [torch.as_tensor(t, dtype=torch.uint8).cpu().clone() for t in state["cuda"]]
+        for index, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
+
+
+def _set_numpy(s: Mapping[str, Any]) -> None:
+    np = _import_numpy()
+    if np is None:  # saved with NumPy, restored without it: nothing to restore into
+        return
+    np.random.set_state(
+        (s["kind"], np.asarray(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+    )
+
+
+def combine_rng_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One savable value holding every rank's `rng_state`, given in rank order.
+
+    No collective in here: the caller gathers (``Context`` uses ``gather_object`` when asked to save RNG).
+
+    Args:
+        states: one `rng_state` per rank, in rank order.
+
+    Returns:
+        ``{"world_size": len(states), "ranks": [state of rank 0, state of rank 1, ...]}``.
+    """
+    return {"world_size": len(states), "ranks": [dict(s) for s in states]}
+
+
+def rng_state_for_rank(saved: Mapping[str, Any], rank: int, world_size: int) -> Mapping[str, Any]:
+    """This rank's state out of what `combine_rng_states` (or a single `rng_state`) stored.
+
+    A job resumed with another world size gets ``ranks[rank % saved world size]`` and a warning: the run then
+    continues reproducibly, but not bit-for-bit like the original one.
+
+    Args:
+        saved: the stored entry (one state, or the states of every rank).
+        rank: this process's rank.
+        world_size: the number of ranks of this job.
+
+    Returns:
+        The state to pass to `set_rng_state`.
+    """
+    if "ranks" not in saved:
+        return saved
+    ranks = list(saved["ranks"])
+    if not ranks:
+        raise CheckpointError("the saved RNG entry holds no rank states")
+    if len(ranks) != world_size:
+        logger.warning("RNG states were saved by {} ranks, this job has {}: rank {} takes saved rank {}",
+                       len(ranks), world_size, rank, rank % len(ranks))
+    return ranks[rank % len(ranks)]
+
+
+class _RNG:
+    """A stateful stand-in for "this process's RNG": put it in a training state to save / restore RNG.
+
+    ``save({"model": m, "rng": RNG}, p)`` stores `rng_state`; ``load_into(p, {"model": m, "rng": RNG})`` calls
+    `set_rng_state`.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        set_rng_state(state)
+
+    def __repr__(self) -> str:
+        return "distfn.checkpoint.RNG"
+
+
+#: This process's generators, as a stateful object for a training state (see `_RNG`).
+RNG: Final = _RNG()

@@ -1,0 +1,31 @@
+"""distfn.checkpoint.files: keep= rotation and latest()."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from distfn import checkpoint
+from distfn.errors import CheckpointError
+
+
+def test_keep_rotation_and_latest(tmp_path: pathlib.Path) -> None:
+    assert checkpoint.latest(tmp_path / "missing") is None
+    assert checkpoint.latest(tmp_path) is None
+    (tmp_path / "other-5.safetensors").write_bytes(b"")  # another prefix: never touched
+    for step in (1, 2, 10, 3):
+        checkpoint.save({"step": step, "w": torch.full((4,), float(step))}, tmp_path / f"ckpt-{step}.safetensors",
+                        keep=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # step 3 was written last and is always kept; with it, the newest other one (10).
+    assert names == ["ckpt-10.safetensors", "ckpt-3.safetensors", "other-5.safetensors"]
+    assert checkpoint.latest(tmp_path) == tmp_path / "ckpt-10.safetensors"
+    # A torn newest file (copied by some other tool) is skipped.
+    torn = tmp_path / "ckpt-11.safetensors"
+    torn.write_bytes((tmp_path / "ckpt-10.safetensors").read_bytes()[:-3])
+    assert checkpoint.latest(tmp_path) == tmp_path / "ckpt-10.safetensors"
+    assert checkpoint.latest(tmp_path, prefix="nothing-") is None
+    with pytest.raises(CheckpointError, match="keep= must be a positive int"):
+        checkpoint.save({}, tmp_path / "ckpt-1.safetensors", keep=0)
