@@ -1,13 +1,22 @@
-"""Logging: levels, ranks and user sinks, and the CPU thread sizing line, run as real scripts (stderr
-captured)."""
+"""Logging (distfn.logs): one format for the launcher and the ranks, levels, ranks and user sinks, the CPU
+thread sizing line, and silence outside a job; run as real scripts (stderr captured)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from conftest import SCRIPTS, clean_env, run_python
+
+#: The one line shape: time | level | where it comes from | message.
+LINE = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} \| [A-Z]+ *\| (launcher|rank \d+/\d+) \| ")
+
+
+def _log_lines(err: str) -> list[str]:
+    """The lines of stderr that any loguru handler wrote (loguru separates its fields with ' | ')."""
+    return [line for line in err.splitlines() if " | " in line]
 
 
 def _logs_run(tmp_path: Path, name: str, **env: str) -> tuple[list[int], str, str]:
@@ -26,6 +35,8 @@ def test_logging_levels_ranks_user_sinks_and_thread_sizing(tmp_path: Path) -> No
     assert "info from rank 0" in err and "info from rank 1" not in err
     assert "warning from rank 0" in err and "warning from rank 1" in err
     assert "debug from rank" not in err
+    assert "starting 2 workers" not in err  # the launcher's TRACE line is below the default level
+    assert all(LINE.match(line) for line in _log_lines(err)), err
     assert any("launcher: spawn" in line and "(OMP_NUM_THREADS=2)" in line for line in err.splitlines())
     assert any("rank 1/2" in line and "warning from rank 1" in line for line in err.splitlines())
     for rank in (0, 1):  # the user's own sink is kept and sees everything it asked for
@@ -34,6 +45,49 @@ def test_logging_levels_ranks_user_sinks_and_thread_sizing(tmp_path: Path) -> No
     threads, err, _ = _logs_run(tmp_path, "all", DISTFN_LOG_RANKS="all", DISTFN_LOG_LEVEL="TRACE")
     assert threads == [max(1, cpus // 2)] * 2  # OMP_NUM_THREADS unset: the cores are split between the ranks
     assert "info from rank 1" in err and "debug from rank 1" in err
+    # the launching process logs in the same format as the ranks, and respects DISTFN_LOG_LEVEL too
+    assert all(LINE.match(line) for line in _log_lines(err)), err
+    assert any(re.search(r"\| TRACE +\| launcher \| starting 2 workers with fork", line) for line in err.splitlines())
     sized = [line for line in err.splitlines() if "CPU thread(s) per process" in line]
     assert len(sized) == 1 and "rank 0/2" in sized[0]  # rank 0's start-up line says how the cores were split
     assert f"{max(1, cpus // 2)} CPU thread(s) per process ({cpus} CPUs / 2 processes on this node)" in sized[0]
+
+
+_QUIET = """
+import sys
+import torch
+from loguru import logger
+import distfn
+import distfn.checkpoint as ck
+
+path = sys.argv[1]
+ck.save({"w": torch.ones(2)}, path)
+ck.load(path)
+print("---", file=sys.stderr, flush=True)
+
+@distfn.distributed(mode="single")
+def job(cfg, ctx):
+    ck.save({"w": torch.ones(2)}, path)  # inside a job distfn logs (at DEBUG: hidden at the default level)
+    return ctx.rank
+
+job()
+ck.save({"w": torch.ones(2)}, path)  # quiet again after the job
+logger.info("the user's own line")  # loguru's default handler is back, in its own format
+print("---", file=sys.stderr, flush=True)
+logger.enable("distfn")  # the loguru way to see a library's lines
+ck.save({"w": torch.ones(2)}, path)
+job()
+ck.save({"w": torch.ones(2)}, path)  # still enabled: the job kept the user's choice
+"""
+
+
+def test_quiet_outside_a_job(tmp_path: Path) -> None:
+    script = tmp_path / "quiet.py"
+    script.write_text(_QUIET)
+    done = run_python([str(script), str(tmp_path / "a.safetensors")], timeout=120)
+    assert done.returncode == 0, done.stderr
+    outside, after, enabled = done.stderr.split("---\n")
+    assert outside == ""  # a plain save and load print nothing
+    assert "DEBUG" not in after and "distfn" not in after and "| INFO     | __main__:<module>" in after
+    assert after.count("the user's own line") == 1  # once: distfn's sink is gone, the default handler is back
+    assert enabled.count("DEBUG") >= 2 and "distfn.checkpoint" in enabled
