@@ -70,19 +70,38 @@ def check_nprocs(nprocs: Any, source: str = "nprocs") -> int | None:
 
 
 def check_backend(backend: str | None) -> str | None:
-    """A ``torch.distributed`` backend name, or a per-device form such as ``"cpu:gloo,cuda:nccl"``."""
+    """A ``torch.distributed`` backend in canonical form: lower case (``"NCCL"`` -> ``"nccl"``), per-device forms
+    sorted by device (``"cuda:nccl,cpu:gloo"`` -> ``"cpu:gloo,cuda:nccl"``), and a per-device form that is one
+    backend's own device map collapsed to its name (``"cuda:nccl"`` -> ``"nccl"``, as torch reads ``"nccl"``).
+
+    So every later test of the backend (``== "nccl"``, NCCL-only groups) sees one spelling.
+    """
     if backend is None:
         return None
-    if not isinstance(backend, str) or not backend:
+    if not isinstance(backend, str) or not backend.strip():
         raise ConfigError(f"backend must be a string such as 'gloo' or 'nccl', got {backend!r}")
     known = [b.lower() for b in dist.Backend.backend_list]
-    # torch also accepts per-device forms like "cpu:gloo,cuda:nccl"
-    names = [part.split(":")[-1].strip().lower() for part in backend.split(",")]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ConfigError(f"backend={backend!r}: {unknown[0]!r} is not a torch.distributed backend here; "
-                          f"available: {', '.join(known)}")
-    return backend
+
+    def checked(name: str) -> str:
+        if name not in known:
+            raise ConfigError(f"backend={backend!r}: {name!r} is not a torch.distributed backend here; "
+                              f"available: {', '.join(known)}")
+        return name
+
+    text = backend.strip().lower()
+    if ":" not in text:
+        return checked(text)
+    pairs: dict[str, str] = {}
+    for part in text.split(","):
+        device, sep, name = (p.strip() for p in part.partition(":"))
+        if not sep or not device or not name or ":" in name or device in pairs:
+            raise ConfigError(f"backend={backend!r}: {part.strip()!r} is not a 'device:backend' pair of its own; "
+                              "write one pair per device type, e.g. 'cpu:gloo,cuda:nccl'")
+        pairs[device] = checked(name)
+    for name, devices in dist.Backend.backend_capability.items():
+        if pairs == dict.fromkeys(devices, name):
+            return name
+    return ",".join(f"{device}:{pairs[device]}" for device in sorted(pairs))
 
 
 def check_seed(seed: Any) -> int | None:

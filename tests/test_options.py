@@ -60,3 +60,26 @@ def test_process_count_rule() -> None:
         requested_nprocs(Options(), {"DISTFN_NPROCS": "two"})
     with pytest.raises(ConfigError, match="DISTFN_NPROCS=2 but mode='single' runs one process"):
         default_nprocs(Options(mode="single"), {"DISTFN_NPROCS": "2"}, no_gpus)
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        ("NCCL", "nccl"),
+        (" Gloo ", "gloo"),
+        ("cuda:nccl", "nccl"),  # torch's own device map of "nccl"
+        ("CPU:gloo,CUDA:gloo", "gloo"),
+        ("cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl"),  # one canonical order
+        ("cpu:gloo, cuda:NCCL", "cpu:gloo,cuda:nccl"),
+        ("cpu:gloo", "cpu:gloo"),
+    ],
+)
+def test_backend_is_stored_in_one_spelling(given: str, stored: str) -> None:
+    """Issue 20 item 7: later tests of the backend (`== "nccl"`) must not depend on how the user typed it."""
+    assert Options(backend=given).backend == stored
+
+
+@pytest.mark.parametrize("bad", ["cuda:nccl,gloo", "cpu:gloo,cpu:gloo", "cuda:", ":nccl", "cuda:nccl:x"])
+def test_malformed_per_device_backend_is_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="'device:backend' pair"):
+        Options(backend=bad)
