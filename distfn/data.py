@@ -3,9 +3,10 @@ workers per rank, and ``gather_for_metrics``, which collects per-sample results 
 duplicates ``DistributedSampler`` pads the last batch with.
 
 Why a loader subclass: forgetting ``sampler.set_epoch(epoch)`` silently replays the same shuffle every epoch.
-``DistributedLoader`` calls it on every new iteration, so the loop needs nothing; ``loader.set_epoch(e)`` stays
-for exact resume. It also remembers which batch it is on, which is what lets ``gather_for_metrics`` tell padding
-rows from real ones.
+``DistributedLoader`` calls it itself and moves to the next epoch once an iteration has run (not on a mere
+peek such as ``next(iter(loader))``), so the loop needs nothing; ``loader.set_epoch(e)`` stays for exact
+resume. It also remembers which batch it is on, which is what lets ``gather_for_metrics`` tell padding rows
+from real ones.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ _current: weakref.ref[DistributedLoader] | None = None
 class DistributedLoader(DataLoader):
     """A ``DataLoader`` over this rank's ``DistributedSampler`` that advances the sampler's epoch itself.
 
-    Every ``iter(loader)`` (each ``for batch in loader``) first calls ``sampler.set_epoch(loader.next_epoch)``
-    and then increments ``next_epoch``, so each epoch shuffles differently and identically on all ranks.
+    Every ``iter(loader)`` (each ``for batch in loader``) calls ``sampler.set_epoch(loader.next_epoch)``, so each
+    epoch shuffles differently and identically on all ranks. ``next_epoch`` moves on when an iteration ends, or
+    when a new one starts after an iteration that handed out more than one batch (a loop left with ``break``).
+    A peek that takes at most one batch and is abandoned, such as ``len(next(iter(loader))[0])`` to read the
+    batch size, does not use up an epoch: the next iteration shuffles as if the peek had not happened.
     ``set_epoch(e)`` makes the next iteration use epoch ``e`` (for exact resume). When distfn owns the worker
     seeding (no ``generator`` was passed), the DataLoader workers' seeds are re-derived from
     ``(seed, rank, epoch)`` each epoch, so a resumed epoch sees the same random augmentations (with
@@ -70,6 +74,8 @@ class DistributedLoader(DataLoader):
         self._seed_parts = seed_parts  # (base seed, rank) when distfn seeds the workers, else None
         self._batch = -1  # index of the batch most recently handed out in this epoch
         self._done = False  # True once this epoch's iteration ran to its end
+        self._pending = False  # an iteration started and next_epoch has not moved past it yet
+        self._iterations = 0  # iterators created so far (only the newest one may advance the epoch)
 
     @property
     def global_batch_size(self) -> int:
@@ -81,25 +87,32 @@ class DistributedLoader(DataLoader):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"set_epoch expects a non-negative int, got {epoch!r}")
         self.next_epoch = epoch
+        self._pending = False
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        # An iteration left with `break` after more than one batch counts as an epoch; a peek does not.
+        if self._pending and self._batch >= 1:
+            self.next_epoch += 1
         # Everything that depends on the epoch happens here, before DataLoader creates its iterator: the
         # iterator takes the sampler's order and draws the workers' base seed when it is created.
         epoch = self.next_epoch
         self.sampler.set_epoch(epoch)
         if self._seed_parts is not None and self.generator is not None:
             self.generator.manual_seed(mix_seed(*self._seed_parts, epoch))
-        self.epoch, self.next_epoch = epoch, epoch + 1
-        self._batch, self._done = -1, False
-        return self._track(super().__iter__())
+        self.epoch = epoch
+        self._batch, self._done, self._pending = -1, False, True
+        self._iterations += 1
+        return self._track(super().__iter__(), self._iterations)
 
-    def _track(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _track(self, batches: Iterator[Any], iteration: int) -> Iterator[Any]:
         global _current
         for batch in batches:
             self._batch += 1
             _current = weakref.ref(self)
             yield batch
         self._done = True
+        if self._pending and iteration == self._iterations:  # not overtaken by a newer iteration or set_epoch
+            self.next_epoch, self._pending = self.next_epoch + 1, False
 
     # -- positions, for gather_for_metrics -------------------------------------------------------------------
     def _batch_len(self, k: int) -> int:
@@ -157,7 +170,8 @@ def dataloader(
     """Build the ``DistributedLoader`` behind ``ctx.dataloader`` (see there).
 
     ``make_sampler(dataset, shuffle=..., drop_last=...)`` makes this rank's sampler (``ctx.sampler``).
-    ``batch_size`` is per rank. ``pin_memory`` defaults to ``device.type == "cuda"``. Unless ``generator`` is
+    ``batch_size`` is per rank. ``pin_memory`` defaults to ``device.type == "cuda"`` and is dropped on other
+    devices. Unless ``generator`` is
     passed, the workers' base seed comes from a generator seeded with ``(seed, rank, epoch)``: without it,
     identically seeded ranks would give their DataLoader workers identical random streams (the same
     "random" augmentation on every GPU).
@@ -177,6 +191,11 @@ def dataloader(
                 "ctx.dataloader(dataset, batch_size, shuffle=...) or build a DataLoader with ctx.sampler(dataset)"
             )
     sampler = make_sampler(dataset, shuffle=shuffle, drop_last=drop_last)
+    if device.type != "cuda" and kwargs.get("pin_memory"):
+        # Pinned memory only speeds up copies to a GPU; on a CPU rank torch warns once per rank that it is unused
+        # (a script written for GPUs runs on CPUs unchanged, so drop it here instead).
+        logger.debug("dataloader: pin_memory=True dropped on {} (it only helps copies to a GPU)", device)
+        kwargs["pin_memory"] = False
     kwargs.setdefault("pin_memory", device.type == "cuda")
     inherited = multiprocessing.get_start_method(allow_none=True)
     if kwargs.get("num_workers", 0) > 0 and kwargs.get("multiprocessing_context") is None \

@@ -165,7 +165,7 @@ def test_dataloader_refuses_what_it_cannot_shard() -> None:
             ctx.gather_for_metrics(torch.zeros(2), loader)
         with pytest.raises(ConfigError, match="set_epoch"):
             loader.set_epoch(-1)
-        with pytest.raises(ConfigError, match="ctx.all_reduce"):
+        with pytest.raises(ConfigError, match=r"ctx\.all_reduce"):
             for (x,) in loader:
                 ctx.gather_for_metrics(x.sum())
         # One process: nothing padded, gather is the identity on the rows.
@@ -181,3 +181,66 @@ def test_mix_seed_is_stable_and_spreads() -> None:
     assert ddata.mix_seed(1, 0) == ddata.mix_seed(1, 0)
     seeds = {ddata.mix_seed(s, r, e) for s in range(3) for r in range(4) for e in range(3)}
     assert len(seeds) == 36 and all(0 <= s < 2**63 for s in seeds)
+
+
+# -- epochs: a peek at the first batch is not an epoch (issue 18) ---------------------------------------------
+def _tutorial(peek: bool, epochs: range) -> tuple[list, list, list]:
+    """The PyTorch DDP tutorial's loop: it reads the batch size with `len(next(iter(loader))[0])` every epoch;
+    a run that starts at epoch `epochs.start` > 0 resumes with `loader.set_epoch`."""
+
+    @distributed(mode="single", seed=3)
+    def job(cfg, ctx):
+        xs = torch.randn(16, 2, generator=torch.Generator().manual_seed(0))
+        loader = ctx.dataloader(TensorDataset(xs, xs.sum(1, keepdim=True)), 4)
+        if epochs.start:
+            loader.set_epoch(epochs.start)
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        orders, epochs_used = [], []
+        for _ in epochs:
+            if peek:
+                assert len(next(iter(loader))[0]) == 4
+            order = []
+            for x, y in loader:
+                order.append(x)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                ctx.step(opt)
+            orders.append(torch.cat(order).tolist())
+            epochs_used.append(loader.epoch)
+        return orders, epochs_used, [p.detach().clone() for p in model.parameters()]
+
+    return job()
+
+
+def test_a_peek_at_the_first_batch_does_not_start_a_new_epoch() -> None:
+    plain_orders, plain_epochs, plain_weights = _tutorial(False, range(3))
+    orders, epochs, weights = _tutorial(True, range(3))
+    assert plain_epochs == epochs == [0, 1, 2]
+    assert orders == plain_orders and len({str(o) for o in orders}) == 3  # three different shuffles
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
+    # A resume with set_epoch, peeking too, sees the same epochs as the uninterrupted run.
+    resumed, resumed_epochs, _ = _tutorial(True, range(1, 3))
+    assert resumed_epochs == [1, 2] and resumed == orders[1:]
+
+
+def test_a_loop_left_with_break_still_uses_up_its_epoch() -> None:
+    loader = _shard_loader(16, rank=0, batch_size=2)
+    loader.sampler.shuffle = True
+    first = [int(i) for (x,) in loader for i in x]
+    for k, _ in enumerate(loader):  # epoch 1, left after two batches
+        if k == 1:
+            break
+    assert loader.epoch == 1
+    third = [int(i) for (x,) in loader for i in x]
+    assert loader.epoch == 2 and loader.next_epoch == 3 and third != first
+
+
+def test_pin_memory_is_dropped_on_cpu_without_a_warning() -> None:
+    import warnings
+
+    loader = _shard_loader(4, rank=0, batch_size=2, pin_memory=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch: "'pin_memory' argument is set as true but no accelerator ..."
+        assert [x.tolist() for (x,) in loader] == [[0, 2]]
+    assert loader.pin_memory is False
+
