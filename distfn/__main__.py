@@ -1,10 +1,17 @@
-"""``python -m distfn env`` (or the ``distfn`` console script): what distfn would detect in this process.
+"""The ``distfn`` command (also ``python -m distfn``): ``distfn test``, ``distfn env``, ``distfn version``.
 
-The first thing to paste into a bug report. It shows the launcher distfn would pick and why, the ranks, which
-device each rank would use and how ``CUDA_VISIBLE_DEVICES`` maps program indices to physical GPUs, the
-default backend, the versions of torch / CUDA / NCCL, and the launcher variables that are set. Nothing is
-started: no process group, no worker, no name lookup. Run it the way you run your script to see what each
-rank would see, e.g. ``srun -n2 python -m distfn env`` or ``torchrun --nproc_per_node=2 -m distfn env``.
+- ``distfn test`` is what to run first on a new machine or cluster: it starts 2 ranks the way a job would (the
+  detected launcher, e.g. ``srun -N2 distfn test`` or ``torchrun --nproc_per_node=2 -m distfn test``, or
+  self-spawned under a plain shell), runs an all-reduce, a barrier, a checkpoint save/load round trip and one
+  DDP step, and prints a pass/fail line with the time of each. ``--gpu`` runs it over NCCL on the GPUs. The
+  exit status is non-zero when a check fails.
+- ``distfn env`` prints what distfn would detect in this process, the first thing to paste into a bug report:
+  the launcher and why, the ranks, the device of each rank and how ``CUDA_VISIBLE_DEVICES`` maps program indices
+  to physical GPUs, the default backend, CPUs and memory, the versions of torch / CUDA / NCCL / the driver, and
+  the launcher variables that are set. Nothing is started: no process group, no worker, no name lookup. Under
+  a launcher every rank prints one block headed by its rank (``--rank0``: rank 0 only).
+
+Output here is for a person at a terminal, so this module prints (the library itself logs).
 """
 
 from __future__ import annotations
@@ -15,16 +22,20 @@ import os
 import platform
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
-__all__ = ["collect", "main", "render"]
+__all__ = ["collect", "main", "render", "report", "smoke_checks"]
 
 #: Environment variables worth reporting besides the launchers' own (which ``topology.describe`` lists).
 _EXTRA_VARIABLES = (
-    "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME",
-    "NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "GLOO_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+    "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "GLOO_SOCKET_IFNAME",
+    "TORCH_DISTRIBUTED_DEBUG",
 )
 
 
@@ -35,28 +46,20 @@ def _version(package: str) -> str | None:
         return None
 
 
+# -- distfn env ----------------------------------------------------------------------------------------------------
 def _visible_mapping(env: Mapping[str, str], count: int) -> list[dict[str, Any]]:
-    """Program index -> physical GPU, as CUDA applies ``CUDA_VISIBLE_DEVICES`` (``'0,5'``:
-    ``cuda:1`` is physical GPU 5)."""
+    """Program index -> physical GPU, as CUDA applies ``CUDA_VISIBLE_DEVICES`` (``'0,5'``: ``cuda:1`` is
+    physical GPU 5)."""
     raw = env.get("CUDA_VISIBLE_DEVICES")
     entries = [e.strip() for e in raw.split(",")] if raw is not None else []
-    out = []
-    for index in range(count):
-        physical = entries[index] if index < len(entries) else str(index)
-        out.append({"index": index, "physical": physical})
-    return out
+    return [{"index": i, "physical": entries[i] if i < len(entries) else str(i)} for i in range(count)]
 
 
 def _cuda(env: Mapping[str, str]) -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {
-        "available": False,
-        "device_count": 0,
-        "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
-        "mapping": [],
-        "initialized": torch.cuda.is_initialized(),
-    }
+    info: dict[str, Any] = {"available": False, "device_count": 0, "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+                            "mapping": [], "initialized": torch.cuda.is_initialized()}
     try:
         info["device_count"] = torch.cuda.device_count()  # NVML first, like distfn's launching process
         info["available"] = info["device_count"] > 0
@@ -71,6 +74,31 @@ def _cuda(env: Mapping[str, str]) -> dict[str, Any]:
             item["name"] = f"? ({type(exc).__name__}: {exc})"
     info["mapping"] = mapping
     return info
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA kernel driver's version, from the driver itself (no library needed), or None."""
+    try:
+        first = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    words = first.split()
+    return next((w for w in words if w[:1].isdigit() and "." in w), first.strip())
+
+
+def _machine() -> dict[str, Any]:
+    """CPUs (all, and those this process may run on) and memory (total, available), from the OS."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory: dict[str, float] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                memory[key] = int(value.split()[0]) / 2**20  # kB -> GiB
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpus_usable": usable, "memory_gib": memory.get("MemTotal"),
+            "memory_available_gib": memory.get("MemAvailable")}
 
 
 def _versions() -> dict[str, Any]:
@@ -88,22 +116,12 @@ def _versions() -> dict[str, Any]:
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     except Exception:  # noqa: BLE001
         cudnn = None
+    backends = {name: bool(getattr(dist, f"is_{name}_available", lambda: False)()) for name in ("gloo", "nccl", "mpi")}
     return {
-        "distfn": _version("distfn"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": cudnn,
-        "nccl": nccl,
-        "backends": {
-            name: bool(getattr(dist, f"is_{name}_available", lambda: False)())
-            for name in ("gloo", "nccl", "mpi")
-        } if dist.is_available() else {},
-        "safetensors": _version("safetensors"),
-        "attrs": _version("attrs"),
-        "loguru": _version("loguru"),
-        "numpy": _version("numpy"),
+        "distfn": _version("distfn"), "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "driver": _driver_version(), "cudnn": cudnn,
+        "nccl": nccl, "backends": backends if dist.is_available() else {},
+        **{name: _version(name) for name in ("safetensors", "attrs", "loguru", "numpy", "tqdm", "cloudpickle")},
     }
 
 
@@ -111,9 +129,9 @@ def _start_method() -> tuple[str | None, str]:
     """What ``start_method="auto"`` would choose in this process. Asked before anything touches CUDA here:
     reading the device names below initialises CUDA, after which the answer would always be spawn."""
     try:
-        from . import preflight
+        from .preflight import choose_start_method
 
-        return preflight.choose_start_method("auto")
+        return choose_start_method("auto")
     except Exception as exc:  # noqa: BLE001
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -121,23 +139,26 @@ def _start_method() -> tuple[str | None, str]:
 def _plan(describe: Mapping[str, Any], cuda: Mapping[str, Any], env: Mapping[str, str],
           start_method: tuple[str | None, str] = (None, "")) -> dict[str, Any]:
     """Ranks, device per rank and backend that a decorated ``mode="ddp"`` call would use here."""
+    from .errors import ConfigError
+    from .options import NPROCS_ENV, default_nprocs, make_options, requested_nprocs
+
     count = cuda["device_count"]
     plan: dict[str, Any] = {"backend": "nccl" if count else "gloo"}
     topo = describe.get("topology")
-    if describe.get("launcher") == "spawn":
-        raw = env.get("DISTFN_NPROCS", "").strip()
-        if raw:
-            nprocs, source = raw, "DISTFN_NPROCS"
-        else:
-            nprocs, source = str(count or 1), ("visible CUDA devices" if count else "no CUDA: one process")
-        plan["nprocs"] = nprocs
-        plan["nprocs_source"] = source
-        plan["start_method"], plan["start_method_reason"] = start_method
-        local_ranks = range(int(nprocs)) if nprocs.isdigit() else range(0)
+    local_ranks: range = range(0)
+    if describe.get("launcher") in ("spawn", "local"):
+        opts = make_options({})
+        try:  # the decorator's own rule: DISTFN_NPROCS, else one per visible GPU, else 1
+            requested, nprocs = requested_nprocs(opts, env), default_nprocs(opts, env, lambda: count)
+        except ConfigError as exc:
+            plan["error"], requested, nprocs = str(exc), None, 0
+        source = NPROCS_ENV if requested is not None else ("visible CUDA devices" if count else "no CUDA: one process")
+        plan["nprocs"], plan["nprocs_source"] = nprocs, source
+        if nprocs > 1:
+            plan["start_method"], plan["start_method_reason"] = start_method
+        local_ranks = range(nprocs)
     elif topo is not None:
         local_ranks = range(topo["local_rank"], topo["local_rank"] + 1)
-    else:
-        local_ranks = range(0)
     mapping = {m["index"]: m["physical"] for m in cuda["mapping"]}
     plan["devices"] = [
         {"local_rank": r, "device": f"cuda:{r % count}", "physical_gpu": mapping.get(r % count)} if count
@@ -152,9 +173,14 @@ def collect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = N
     """Everything ``distfn env`` reports, as a JSON-ready dict.
 
     Args:
-        env: environment variables (default ``os.environ``).
-        argv: the process's arguments, for the legacy ``--local_rank=N`` (default none).
+        env: environment variables (default `os.environ`).
+        argv: the process's arguments, for the legacy launcher's ``--local-rank=N`` (default none).
         launcher: as ``@distributed(launcher=...)``: ``"auto"`` detects, the others force one.
+
+    Returns:
+        The keys ``host``, ``pid``, ``launcher`` (what was detected and why), ``plan`` (processes, start
+        method, device of each local rank, backend), ``cuda``, ``machine`` (CPUs, memory), ``versions`` and
+        ``variables`` (the launcher, CUDA and ``DISTFN_*`` variables that are set).
     """
     from .topology import describe
 
@@ -162,30 +188,23 @@ def collect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = N
     detected = describe(env, tuple(argv or ()), launcher)
     start_method = _start_method()
     cuda = _cuda(env)
+    plan = _plan(detected, cuda, env, start_method)
+    if detected["launcher"] == "spawn" and plan.get("nprocs") == 1:
+        # One process runs in place (no worker is started): what the run itself reports as `local`.
+        detected = {**detected, "launcher": "local", "reason": f"one process, run in place ({plan['nprocs_source']})"}
     variables = dict(detected.pop("variables"))
     variables.update({k: env[k] for k in _EXTRA_VARIABLES if k in env})
     variables.update({k: v for k, v in env.items() if k.startswith("DISTFN_")})
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "launcher": detected,
-        "plan": _plan(detected, cuda, env, start_method),
-        "cuda": cuda,
-        "versions": _versions(),
-        "variables": dict(sorted(variables.items())),
-    }
+    return {"host": socket.gethostname(), "pid": os.getpid(), "launcher": detected, "plan": plan, "cuda": cuda,
+            "machine": _machine(), "versions": _versions(), "variables": dict(sorted(variables.items()))}
 
 
 def _line(key: str, value: Any) -> str:
     return f"  {key:<20} {value}"
 
 
-def render(info: Mapping[str, Any]) -> str:
-    """The human-readable report of :func:`collect`'s result."""
-    det, plan, cuda, ver = info["launcher"], info["plan"], info["cuda"], info["versions"]
-    out = [f"distfn {ver['distfn']} on {info['host']} (pid {info['pid']})", "", "launcher"]
-    out.append(_line("detected", det["launcher"] or "error"))
-    out.append(_line("why", det["reason"]))
+def _render_launcher(det: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
+    out = ["launcher", _line("detected", det["launcher"] or "error"), _line("why", det["reason"])]
     if det.get("requested", "auto") != "auto":
         out.append(_line("requested", det["requested"]))
     if det.get("error"):
@@ -193,23 +212,39 @@ def render(info: Mapping[str, Any]) -> str:
     for name, why in det.get("candidates", {}).items():
         if name != det["launcher"] and not (det.get("error") and why.startswith("inconsistent")):
             out.append(_line(f"also set: {name}", why))
-    topo = det.get("topology")
     out += ["", "ranks"]
+    topo = det.get("topology")
     if topo is not None:
         out.append(_line("rank", f"{topo['rank']} of {topo['world_size']}"))
         out.append(_line("local rank", f"{topo['local_rank']} of {topo['local_world_size']}"))
         out.append(_line("node", f"{topo['node_rank']} of {topo['num_nodes']}"))
         if topo.get("master_addr"):
             out.append(_line("rendezvous", f"{topo['master_addr']}:{topo['master_port']}"))
+    elif plan.get("error"):
+        out.append(_line("error", plan["error"]))
+    elif det["launcher"] == "local":
+        out.append(_line("local", f"1 process, this one ({plan['nprocs_source']})"))
     elif det["launcher"] == "spawn":
         out.append(_line("self-spawn", f"{plan['nprocs']} worker(s) ({plan['nprocs_source']})"))
         if plan.get("start_method"):
             out.append(_line("start method", f"{plan['start_method']}: {plan['start_method_reason']}"))
         out.append(_line("rendezvous", "127.0.0.1, a free port chosen at launch"))
+    return out
+
+
+def render(info: Mapping[str, Any]) -> str:
+    """The human-readable report of a `collect` result."""
+    plan, cuda, ver, machine = info["plan"], info["cuda"], info["versions"], info["machine"]
+    out = [f"distfn {ver['distfn']} on {info['host']} (pid {info['pid']})", ""]
+    out += _render_launcher(info["launcher"], plan)
+    out += ["", "machine", _line("CPUs", f"{machine['cpus']} ({machine['cpus_usable']} usable by this process)")]
+    if machine["memory_gib"] is not None:
+        out.append(_line("memory", f"{machine['memory_gib']:.1f} GiB ({machine['memory_available_gib']:.1f} GiB "
+                                   "available)"))
     out += ["", "devices"]
     out.append(_line("CUDA available", cuda["available"] if "error" not in cuda else f"no ({cuda['error']})"))
-    out.append(_line("CUDA_VISIBLE_DEVICES", cuda["visible_devices"] if cuda["visible_devices"] is not None
-                     else "(unset: all GPUs)"))
+    visible = cuda["visible_devices"]
+    out.append(_line("CUDA_VISIBLE_DEVICES", visible if visible is not None else "(unset: all GPUs)"))
     for m in cuda["mapping"]:
         out.append(_line(f"cuda:{m['index']}", f"physical GPU {m['physical']}  {m.get('name', '')}".rstrip()))
     for d in plan["devices"]:
@@ -217,23 +252,156 @@ def render(info: Mapping[str, Any]) -> str:
         out.append(_line(f"local rank {d['local_rank']}", where))
     out.append(_line("backend", f"{plan['backend']} (default for these devices)"))
     out += ["", "versions"]
-    for key in ("python", "platform", "torch", "cuda", "cudnn", "nccl", "safetensors", "attrs", "loguru", "numpy"):
+    for key in ("python", "platform", "torch", "cuda", "driver", "nccl", "cudnn", "safetensors", "attrs", "loguru",
+                "numpy", "tqdm", "cloudpickle"):
         out.append(_line(key, ver[key] if ver[key] is not None else "-"))
     backends = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in ver["backends"].items())
     out.append(_line("torch.distributed", backends or "not available"))
     out += ["", "variables"]
-    if info["variables"]:
-        out += [_line(k, v) for k, v in info["variables"].items()]
-    else:
-        out.append("  (no launcher, CUDA or distfn variables set)")
+    out += [_line(k, v) for k, v in info["variables"].items()] or ["  (no launcher, CUDA or distfn variables set)"]
     return "\n".join(out)
 
 
+def _print_env(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    info = collect(argv=argv, launcher=args.launcher)
+    topo = info["launcher"].get("topology")
+    if topo is not None and args.rank0 and topo["rank"] != 0:
+        return 1 if info["launcher"].get("error") else 0
+    text = json.dumps(info, indent=2, default=str) if args.json else render(info)
+    if topo is not None and topo["world_size"] > 1 and not args.json:
+        # Every rank prints at once under srun/mpirun/torchrun: a header per block, written in one call, in
+        # rank order as far as a short stagger can make it (there is no process group to order them).
+        text = (f"===== rank {topo['rank']} of {topo['world_size']} (local rank {topo['local_rank']}, node "
+                f"{topo['node_rank']}) on {info['host']} =====\n{text}")
+        time.sleep(min(topo["rank"], 64) * 0.05)
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
+    # Non-zero when the launcher variables are inconsistent: the job itself would refuse to start.
+    return 1 if info["launcher"].get("error") else 0
+
+
+# -- distfn test ---------------------------------------------------------------------------------------------------
+def smoke_checks(cfg: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
+    """The body of ``distfn test``, run on every rank: each check's name, pass/fail, seconds and detail.
+
+    A wrong value is a failed check (the ranks agree on it, so they all go on); an exception on a rank ends the
+    job with a `WorkerError` naming that rank, which ``distfn test`` reports as the failure.
+    """
+    import torch
+    from torch import nn
+
+    from . import load
+
+    started = time.time() - cfg["t0"]
+    checks: list[dict[str, Any]] = [
+        {"name": "start", "ok": True, "seconds": started,
+         "detail": f"{ctx.world_size} ranks up, {ctx.backend} process group on {ctx.device} ({ctx.launcher})"}]
+
+    def check(name: str, body: Callable[[], tuple[bool, str]]) -> None:
+        t = time.perf_counter()
+        ok, detail = body()
+        checks.append({"name": name, "ok": ok, "seconds": time.perf_counter() - t, "detail": detail})
+
+    def all_reduce() -> tuple[bool, str]:
+        total = ctx.all_reduce(torch.tensor([ctx.rank + 1.0], device=ctx.device), op="sum").item()
+        want = ctx.world_size * (ctx.world_size + 1) / 2
+        return total == want, f"sum of 1..{ctx.world_size} over the ranks = {total:g} (expected {want:g})"
+
+    def barrier() -> tuple[bool, str]:
+        ctx.barrier()
+        return True, "every rank arrived"
+
+    def save_load() -> tuple[bool, str]:
+        if not ctx.is_main:
+            return True, "rank 0 writes and reads"
+        model = nn.Linear(16, 8)
+        with tempfile.TemporaryDirectory(prefix="distfn-test-") as tmp:
+            path = ctx.save({"model": model, "step": 7}, Path(tmp) / "check.safetensors")
+            loaded = load(path)
+            same = all(torch.equal(loaded[f"model.{k}"], v) for k, v in model.state_dict().items())
+            verdict = "equal" if same else "DIFFERENT"
+            return same, f"{path.stat().st_size} bytes written atomically and read back: {verdict}"
+
+    def ddp_step() -> tuple[bool, str]:
+        wrap = time.perf_counter()
+        model = ctx.wrap(nn.Linear(32, 4))
+        wrap = time.perf_counter() - wrap
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(ctx.rank)  # different data on every rank
+        x, y = torch.randn(64, 32, generator=gen), torch.randn(64, 4, generator=gen)
+        nn.functional.mse_loss(model(x.to(ctx.device)), y.to(ctx.device)).backward()
+        opt.step()
+        digest = float(sum(p.detach().double().sum().item() for p in model.parameters()))
+        low, high = ctx.all_reduce(digest, op="min"), ctx.all_reduce(digest, op="max")
+        same = f"weights identical on {ctx.world_size} ranks after a step on different data"
+        return low == high, (same if low == high else f"weights differ across ranks ({low} vs {high})") + \
+            f" (ctx.wrap: {_format_seconds(wrap)}{', DDP imports torch._dynamo once' if wrap > 1 else ''})"
+
+    check("all-reduce", all_reduce)
+    check("barrier", barrier)
+    check("save/load", save_load)
+    check("ddp step", ddp_step)
+    return {"rank": ctx.rank, "world_size": ctx.world_size, "launcher": ctx.launcher, "backend": ctx.backend,
+            "device": str(ctx.device), "checks": checks}
+
+
+def _format_seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.1f} ms"
+
+
+def _run_test(args: argparse.Namespace) -> int:
+    t0 = time.time()
+    import torch
+
+    from . import WorkerError, distributed
+    from .errors import DistfnError
+
+    options: dict[str, Any] = {"mode": "ddp", "seed": 0, "timeout": args.timeout}
+    if args.gpu:
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            print("distfn test --gpu: no CUDA GPU is visible here (torch.cuda.device_count() == 0)", file=sys.stderr)
+            return 2
+        options.update(backend="nccl", nprocs=args.nprocs or min(2, gpus))  # one rank per GPU: NCCL needs it
+    else:
+        options.update(backend="gloo", nprocs=args.nprocs or 2)
+    try:
+        result = distributed(**options)(smoke_checks)({"t0": t0})
+    except (WorkerError, DistfnError) as exc:
+        print(f"distfn test: FAILED after {_format_seconds(time.time() - t0)}\n{exc}", file=sys.stderr)
+        return 1
+    if result["rank"] != 0:  # under a launcher every rank returns; rank 0 reports, the others only exit
+        return 0 if all(c["ok"] for c in result["checks"]) else 1
+    text, status = report(result, time.time() - t0)
+    print(text)
+    return status
+
+
+def report(result: Mapping[str, Any], seconds: float) -> tuple[str, int]:
+    """``distfn test``'s report of rank 0's `smoke_checks` result, and the exit status (1 when a check failed)."""
+    failed = [c["name"] for c in result["checks"] if not c["ok"]]
+    lines = [f"distfn test: {result['world_size']} ranks ({result['launcher']}), {result['backend']} on "
+             f"{result['device'].split(':')[0]}"]
+    for c in result["checks"]:
+        lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']:<12} {_format_seconds(c['seconds']):>9}  "
+                     f"{c['detail']}")
+    verdict = f"{len(failed)} of {len(result['checks'])} checks FAILED: {', '.join(failed)}" if failed else \
+        f"all {len(result['checks'])} checks passed"
+    lines.append(f"{verdict} in {_format_seconds(seconds)}")
+    return "\n".join(lines), 1 if failed else 0
+
+
+# -- command line --------------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distfn", description="distfn command line.")
     sub = parser.add_subparsers(dest="command")
+    test = sub.add_parser("test", help="a 2-rank smoke test: all-reduce, barrier, save/load, a DDP step")
+    test.add_argument("--gpu", action="store_true", help="on the GPUs over NCCL (default: CPU over gloo)")
+    test.add_argument("--nprocs", type=int, default=None,
+                      help="ranks to self-spawn (default 2; with --gpu, min(2, GPUs)); a launcher's count wins")
+    test.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
     env = sub.add_parser("env", help="print what distfn detects here (paste it into bug reports)")
     env.add_argument("--json", action="store_true", help="print JSON instead of text")
+    env.add_argument("--rank0", action="store_true", help="under a launcher, only rank 0 prints")
     env.add_argument("--launcher", default="auto",
                      help="detect as @distributed(launcher=...) would: auto, spawn, torchrun, slurm, mpi")
     sub.add_parser("version", help="print the distfn version")
@@ -244,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m distfn`` and the ``distfn`` console script; returns the exit status."""
     parser = _parser()
     given = list(sys.argv[1:] if argv is None else argv)
-    # The legacy `python -m torch.distributed.launch` appends --local_rank=N to every process's arguments.
+    # The legacy `python -m torch.distributed.launch` appends --local-rank=N to every process's arguments.
     args, unknown = parser.parse_known_args(given)
     unknown = [a for a in unknown if not a.startswith(("--local_rank", "--local-rank")) and not a.isdigit()]
     if unknown:
@@ -252,18 +420,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "version":
         print(_version("distfn"))
         return 0
-    if args.command != "env":
-        parser.print_help()
-        return 2
-    from .topology import LAUNCHERS
+    if args.command == "env":
+        from .options import LAUNCHERS
 
-    if args.launcher not in LAUNCHERS:
-        parser.error(f"--launcher must be one of {', '.join(LAUNCHERS)}")
-    # Only --local_rank matters from argv (legacy torch.distributed.launch passes it to the module).
-    info = collect(argv=given, launcher=args.launcher)
-    print(json.dumps(info, indent=2, default=str) if args.json else render(info))
-    # Non-zero when the launcher variables are inconsistent: the job itself would refuse to start.
-    return 1 if info["launcher"].get("error") else 0
+        if args.launcher not in LAUNCHERS:
+            parser.error(f"--launcher must be one of {', '.join(LAUNCHERS)}")
+        return _print_env(args, given)
+    if args.command == "test":
+        return _run_test(args)
+    parser.print_help()
+    return 2
 
 
 if __name__ == "__main__":

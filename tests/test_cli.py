@@ -1,10 +1,12 @@
-"""``python -m distfn env`` / the ``distfn`` console script: what it detects, in text and JSON."""
+"""The ``distfn`` command (``python -m distfn``): ``env`` (what it detects, text and JSON) and ``test`` (the
+2-rank smoke test)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -21,13 +23,18 @@ SLURM_TASK = {
 }
 
 
-def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _clean(**extra: str) -> dict[str, str]:
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_", "TORCHELASTIC_", "DISTFN_"))
              and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    clean.update(env or {})
-    return subprocess.run([sys.executable, "-m", "distfn", *args], env=clean, capture_output=True, text=True,
-                          timeout=120)
+    clean.update(extra)
+    clean["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{clean.get('PATH', '')}"  # the venv's torchrun
+    return clean
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "distfn", *args], env=_clean(**(env or {})), capture_output=True,
+                          text=True, timeout=240)
 
 
 def test_env_text_and_json_in_a_plain_shell() -> None:
@@ -43,7 +50,7 @@ def test_env_text_and_json_in_a_plain_shell() -> None:
     raw = _run("env", "--json", env={"DISTFN_NPROCS": "3"})
     info = json.loads(raw.stdout)
     assert info["launcher"]["launcher"] == "spawn"
-    assert info["plan"]["nprocs"] == "3" and info["plan"]["start_method"] in ("fork", "spawn")
+    assert info["plan"]["nprocs"] == 3 and info["plan"]["start_method"] in ("fork", "spawn")
     assert info["variables"]["DISTFN_NPROCS"] == "3"
     assert info["versions"]["torch"].startswith("2.")
 
@@ -83,12 +90,94 @@ def test_forced_launcher_and_bad_option(capsys: pytest.CaptureFixture[str]) -> N
     assert cli.main([]) == 2  # no command: help
 
 
-def test_visible_devices_mapping_per_rank() -> None:
-    """CUDA_VISIBLE_DEVICES='0,5' makes cuda:1 physical GPU 5."""
+def test_visible_devices_mapping_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_VISIBLE_DEVICES='0,5' makes cuda:1 physical GPU 5 (two GPUs faked: no CUDA here)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Fake GPU {i}")
     env = {"CUDA_VISIBLE_DEVICES": "0,5", "DISTFN_NPROCS": "2"}
-    cuda = {"device_count": 2, "mapping": cli._visible_mapping(env, 2)}
-    plan = cli._plan({"launcher": "spawn", "topology": None}, cuda, env)
-    assert plan["backend"] == "nccl"
-    assert [(d["device"], d["physical_gpu"]) for d in plan["devices"]] == [("cuda:0", "0"), ("cuda:1", "5")]
-    torchrun = {"launcher": "torchrun", "topology": {"local_rank": 3}}
-    assert cli._plan(torchrun, cuda, env)["devices"] == [{"local_rank": 3, "device": "cuda:1", "physical_gpu": "5"}]
+    info = cli.collect(env)
+    assert info["launcher"]["launcher"] == "spawn" and info["plan"]["backend"] == "nccl"
+    assert [(d["device"], d["physical_gpu"]) for d in info["plan"]["devices"]] == [("cuda:0", "0"), ("cuda:1", "5")]
+    assert re.search(r"cuda:1\s+physical GPU 5  Fake GPU 1", cli.render(info))
+    torchrun = {**env, "TORCHELASTIC_RUN_ID": "x", "RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4",
+                "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
+    assert cli.collect(torchrun)["plan"]["devices"] == [{"local_rank": 3, "device": "cuda:1", "physical_gpu": "5"}]
+
+
+def test_env_says_local_for_one_process_with_cpu_memory_and_versions() -> None:
+    """One CPU process runs in place, and the run itself says `local`: so does `distfn env` (not `spawn`)."""
+    text = _run("env", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert text.returncode == 0, text.stderr
+    assert "detected             local" in text.stdout and "spawn" not in text.stdout.split("machine")[0]
+    assert re.search(r"CPUs\s+\d+ \(\d+ usable by this process\)", text.stdout)
+    assert re.search(r"memory\s+[\d.]+ GiB \([\d.]+ GiB available\)", text.stdout)
+    assert re.search(r"\n  driver\s+", text.stdout) and re.search(r"\n  nccl\s+", text.stdout)
+    info = json.loads(_run("env", "--json", env={"CUDA_VISIBLE_DEVICES": ""}).stdout)
+    assert info["launcher"]["launcher"] == "local" and info["plan"]["nprocs"] == 1
+    assert info["machine"]["cpus"] >= 1 and info["machine"]["memory_gib"] > 0
+
+
+def test_env_reports_a_bad_distfn_nprocs_instead_of_crashing() -> None:
+    text = _run("env", env={"DISTFN_NPROCS": "two"})
+    assert text.returncode == 0, text.stderr
+    assert "DISTFN_NPROCS='two' is not an integer" in text.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_env_under_torchrun_prints_one_labelled_block_per_rank() -> None:
+    every = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "distfn", "env"],
+                           env=_clean(), capture_output=True, text=True, timeout=240)
+    assert every.returncode == 0, every.stderr
+    headers = re.findall(r"^===== rank (\d) of 2 \(local rank \d, node 0\) on .+ =====$", every.stdout, re.M)
+    assert sorted(headers) == ["0", "1"]
+    # each block is whole: its header, then its own launcher section, never another rank's lines in between
+    for block in every.stdout.split("===== rank")[1:]:
+        assert block.count("launcher\n") == 1
+    only = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "distfn", "env", "--rank0"],
+                          env=_clean(), capture_output=True, text=True, timeout=240)
+    assert only.returncode == 0, only.stderr
+    assert re.findall(r"^===== rank (\d) of 2", only.stdout, re.M) == ["0"]
+
+
+@pytest.mark.slow
+def test_distfn_test_passes_and_reports_each_check_with_its_time() -> None:
+    done = _run("test")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "distfn test: 2 ranks (spawn), gloo on cpu"
+    for name in ("start", "all-reduce", "barrier", "save/load", "ddp step"):
+        assert re.search(rf"^  PASS  {re.escape(name)}\s+[\d.]+ m?s  ", done.stdout, re.M), (name, done.stdout)
+    assert "sum of 1..2 over the ranks = 3" in done.stdout and "weights identical on 2 ranks" in done.stdout
+    assert re.match(r"all 5 checks passed in [\d.]+ m?s$", lines[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_distfn_test_under_torchrun_runs_in_place_and_rank_0_reports() -> None:
+    done = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "distfn", "test"],
+                          env=_clean(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("distfn test: 2 ranks (torchrun), gloo on cpu") == 1  # one report, rank 0's
+    assert "all 5 checks passed" in done.stdout
+
+
+def test_distfn_test_fails_with_a_non_zero_status() -> None:
+    bad = _run("test", env={"DISTFN_NPROCS": "0"})  # the job refuses to start: reported, status 1
+    assert bad.returncode == 1 and "distfn test: FAILED" in bad.stderr and "DISTFN_NPROCS" in bad.stderr
+    result = {"world_size": 2, "launcher": "spawn", "backend": "gloo", "device": "cpu", "checks": [
+        {"name": "all-reduce", "ok": False, "seconds": 0.002, "detail": "sum of 1..2 over the ranks = 4"},
+        {"name": "barrier", "ok": True, "seconds": 0.001, "detail": "every rank arrived"}]}
+    text, status = cli.report(result, 1.5)
+    assert status == 1
+    assert "  FAIL  all-reduce" in text and "  PASS  barrier" in text
+    assert text.endswith("1 of 2 checks FAILED: all-reduce in 1.50 s")
+
+
+def test_distfn_test_gpu_without_gpus_says_so() -> None:
+    if __import__("torch").cuda.device_count():
+        pytest.skip("GPUs are visible here: tests/test_gpu.py runs `distfn test --gpu`")
+    done = _run("test", "--gpu")
+    assert done.returncode == 2 and "no CUDA GPU is visible" in done.stderr
