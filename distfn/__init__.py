@@ -16,12 +16,14 @@ runs in place, one rank per process.
 
 from __future__ import annotations
 
-from typing import Any
-
+from . import checkpoint
+from .checkpoint import latest, load
 from .context import Context
 from .decorator import distributed
-from .errors import (CheckpointError, ConfigError, DistfnError, LauncherError, NestedLaunchError, Terminated,
-                     WorkerError)
+from .errors import CheckpointError, ConfigError, DistfnError, LauncherError, NestedLaunchError, Terminated, WorkerError
+from .worker import adopt_legacy_local_rank as _adopt_legacy_local_rank
+
+_adopt_legacy_local_rank()  # `python -m torch.distributed.launch` appends --local-rank=N: out of sys.argv at once
 
 __all__ = [
     "CheckpointError",
@@ -32,26 +34,10 @@ __all__ = [
     "NestedLaunchError",
     "Terminated",
     "WorkerError",
+    "checkpoint",
     "distributed",
     "latest",
     "load",
 ]
 
 __version__ = "0.1.0"
-
-
-def load(path: Any, device: Any = "cpu") -> dict[str, Any]:
-    """Read a distfn/safetensors checkpoint as a plain ``{name: tensor}`` dict (no process group needed).
-
-    Never unpickles: a pickle ``.pt``/``.bin`` file is refused with the one-line conversion.
-    """
-    from . import checkpoint
-
-    return checkpoint.load(path, device=device)
-
-
-def latest(directory: Any) -> Any:
-    """The newest complete ``ckpt-{step}.safetensors`` in ``directory``, or ``None``."""
-    from . import checkpoint
-
-    return checkpoint.latest(directory)

@@ -274,3 +274,43 @@ def test_save_and_load_work_without_numpy(tmp_path: pathlib.Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_distfn_checkpoint_is_an_attribute_in_a_fresh_process(tmp_path: pathlib.Path) -> None:
+    """`import distfn; distfn.checkpoint.load(...)` as the docs write it, with nothing else imported (issue 17)."""
+    path = checkpoint.save({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+    code = f"import distfn; print(distfn.checkpoint.load({str(path)!r})['w'].tolist())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=repo_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[1.0, 1.0]"
+
+
+def test_top_level_load_and_latest_take_prefixes(tmp_path: pathlib.Path) -> None:
+    """distfn.load / distfn.latest are as capable as the module's functions (issue 18 item 5)."""
+    import distfn
+
+    model = Net()
+    path = checkpoint.save({"model": model, "step": 3}, tmp_path / "snapshot-3.safetensors")
+    equal_state(distfn.load(path, prefix="model"), model.state_dict())
+    assert distfn.load(path, "cpu", prefix="model.").keys() == model.state_dict().keys()
+    assert distfn.latest(tmp_path, prefix="snapshot-") == path
+    assert distfn.latest is checkpoint.latest and distfn.load is checkpoint.load
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run1/ckpt-1.safetensors", "gs://b/ckpt-1.safetensors",
+                                 "https://example.com/ckpt-1.safetensors", "hdfs://nn/x/ckpt-1.safetensors"])
+def test_urls_are_refused_not_written_locally(tmp_path: pathlib.Path, monkeypatch, url: str) -> None:
+    """A remote URL used to be written to ./s3:/bucket/... and then 'found' by latest (issue 18 item 6)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="is a URL"):
+        checkpoint.save({"w": torch.ones(1)}, url)
+    with pytest.raises(CheckpointError, match="is a URL"):
+        checkpoint.load(url)
+    with pytest.raises(CheckpointError, match="is a URL"):
+        checkpoint.load_into(url, {})
+    with pytest.raises(CheckpointError, match="is a URL"):
+        checkpoint.latest(url.rsplit("/", 1)[0])
+    with pytest.raises(CheckpointError, match="is a URL"):
+        checkpoint.read_metadata(url)
+    assert list(tmp_path.iterdir()) == []  # nothing was written locally

@@ -29,3 +29,22 @@ def test_keep_rotation_and_latest(tmp_path: pathlib.Path) -> None:
     assert checkpoint.latest(tmp_path, prefix="nothing-") is None
     with pytest.raises(CheckpointError, match="keep= must be a positive int"):
         checkpoint.save({}, tmp_path / "ckpt-1.safetensors", keep=0)
+
+
+def test_latest_says_what_it_skipped(tmp_path: pathlib.Path) -> None:
+    """Other names used to be ignored silently, and the job trained from scratch (issue 18 item 5)."""
+    from loguru import logger
+
+    for name in ("snapshot.safetensors", "snapshot-3.safetensors"):
+        checkpoint.save({"w": torch.ones(1)}, tmp_path / name)
+    messages: list[str] = []
+    sink = logger.add(lambda m: messages.append(str(m)), level="DEBUG", format="{level} {message}")
+    logger.enable("distfn")  # a library is quiet outside a job unless asked
+    try:
+        assert checkpoint.latest(tmp_path) is None
+        assert checkpoint.latest(tmp_path, prefix="snapshot-") == tmp_path / "snapshot-3.safetensors"
+    finally:
+        logger.disable("distfn")
+        logger.remove(sink)
+    warning = next(m for m in messages if m.startswith("WARNING"))
+    assert "snapshot-3.safetensors" in warning and "snapshot.safetensors" in warning and "prefix=" in warning

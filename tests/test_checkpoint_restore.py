@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -260,5 +261,25 @@ def test_missing_entries_and_wrong_into(tmp_path: pathlib.Path) -> None:
     bare = checkpoint.save(model, tmp_path / "bare.safetensors")
     with pytest.raises(CheckpointError, match="bare state dict; to load a module from it pass into=model"):
         checkpoint.load_into(bare, {"model": Net()})
-    with pytest.raises(CheckpointError, match="cannot restore into int at 'step'"):
-        checkpoint.load_into(path, {"step": 5})
+    with pytest.raises(CheckpointError, match="cannot restore into list at 'model'"):
+        checkpoint.load_into(path, {"model": [Net()]})  # restorable objects inside a list are not plain values
+
+
+def test_plain_values_in_into_are_replaced_by_the_saved_ones(tmp_path: pathlib.Path) -> None:
+    """The README's resume block: `state` holds "step": step and is passed to load as it is (issue 17)."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt, 1)
+    path = checkpoint.save({"model": model, "optimizer": opt, "step": 7, "tag": "run1", "losses": [0.5, 0.25],
+                            "meta": {"epoch": 2}}, tmp_path / "ckpt-7.safetensors")
+    fresh = Net()
+    state = {"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1), "step": 0, "tag": "",
+             "losses": [], "meta": {"epoch": 0}}
+    rest = checkpoint.load_into(path, state)
+    assert rest["step"] == 7 and rest["tag"] == "run1" and rest["losses"] == [0.5, 0.25]
+    assert state["step"] == 7 and state["tag"] == "run1" and state["losses"] == [0.5, 0.25]
+    assert state["meta"] == {"epoch": 2}  # nested plain values too
+    assert state["model"] is fresh  # restored in place, not replaced
+    equal_state(fresh.state_dict(), model.state_dict())
+    frozen = types.MappingProxyType({"model": Net(), "step": 0})  # read-only: returned only
+    assert checkpoint.load_into(path, frozen, strict=False)["step"] == 7 and frozen["step"] == 0

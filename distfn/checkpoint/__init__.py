@@ -78,7 +78,7 @@ def save(
         CheckpointError: a value that cannot be stored (the message names its key path; raised before anything
             is written), an invalid ``keep``, or an I/O failure (the target is then left untouched).
     """
-    target = pathlib.Path(os.fspath(path)).expanduser().absolute()
+    target = storage.local_path(path).absolute()
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"keep= must be a positive int or None, got {keep!r}")
     if keep is not None and step_of(target.name) is None:
@@ -147,7 +147,7 @@ def read_metadata(path: PathLike) -> dict[str, Any]:
     Returns:
         The values passed as ``metadata=`` to `save`, decoded.
     """
-    header = storage.read_header(pathlib.Path(os.fspath(path)))
+    header = storage.read_header(storage.local_path(path))
     if fmt.KEY_METADATA in header.metadata:
         return fmt.decode(json.loads(header.metadata[fmt.KEY_METADATA]), fmt.NoTensors())
     return dict(header.metadata)

@@ -58,26 +58,37 @@ def latest(directory: str | os.PathLike[str], prefix: str = "ckpt-") -> pathlib.
 
     Args:
         directory: where to look; a missing directory gives ``None``.
-        prefix: the name before the step number (``ckpt-`` matches ``ckpt-1200.safetensors``).
+        prefix: the name before the step number (``ckpt-`` matches ``ckpt-1200.safetensors``,
+            ``snapshot-`` matches ``snapshot-3.safetensors``).
 
     Returns:
         The path of the newest complete file, or ``None`` when there is none. Files whose header or size is
-        inconsistent (e.g. torn copies made by other tools) are skipped with a warning; temporary files of
-        distfn's own writers are never considered.
+        inconsistent (torn or malformed copies) are skipped with a warning; temporary files of distfn's own
+        writers are never considered. ``.safetensors`` files with other names are not candidates: they are
+        logged (a warning when nothing matched, so a resume that would start from scratch says why).
     """
-    d = pathlib.Path(os.fspath(directory)).expanduser()
+    d = storage.local_path(directory)
     if not d.is_dir():
         return None
     candidates = []
+    others = []
     for p in d.iterdir():
         s = step_of(p.name)
         if s is not None and s[0] == prefix and p.is_file():
             candidates.append((s[1], p))
+        elif p.name.endswith(".safetensors") and not p.name.startswith("."):
+            others.append(p.name)
+    skipped = ", ".join(sorted(others)[:8]) + (" ..." if len(others) > 8 else "")
     for _, p in sorted(candidates, reverse=True):
         try:
             storage.read_header(p)
         except CheckpointError as exc:
             logger.warning("skipping incomplete checkpoint {}: {}", p, exc)
             continue
+        if others:
+            logger.debug("latest('{}', prefix='{}'): skipped other names: {}", d, prefix, skipped)
         return p
+    if others:
+        logger.warning("latest('{}', prefix='{}'): no complete '{}<step>.safetensors' there; skipped other names: {} "
+                       "(pass prefix= to match them)", d, prefix, prefix, skipped)
     return None

@@ -6,7 +6,7 @@ A mismatch (missing keys, shapes, optimizer layout) therefore leaves every targe
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Final
 
 import attrs
@@ -14,6 +14,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from .. import tree
 from ..errors import CheckpointError
 from ..modules import unwrap_module
 from . import format as fmt
@@ -31,6 +32,19 @@ def _child(node: dict[Any, Any], key: Any) -> Any:
     prefix = f"{key}."
     sub = {k[len(prefix):]: v for k, v in node.items() if isinstance(k, str) and k.startswith(prefix)}
     return sub or None
+
+
+def _restorable(value: Any) -> bool:
+    """Whether ``value`` is restored in place (a module, optimizer, tensor or stateful object)."""
+    return isinstance(value, (nn.Module, torch.optim.Optimizer, torch.Tensor)) or fmt.is_stateful(value)
+
+
+def _plain(value: Any) -> bool:
+    """A plain value of ``into=`` (``0``, ``"run"``, ``[]``): replaced by the saved value instead of restored in
+    place. A mapping is not plain (its entries are matched one by one), nor a list holding restorable objects."""
+    if isinstance(value, Mapping):
+        return False
+    return not any(_restorable(leaf) for leaf in tree.tree_leaves(value, is_leaf=_restorable))
 
 
 def _strip_wrappers(key: str) -> str:
@@ -82,8 +96,8 @@ class _Restorer:
         else:
             raise CheckpointError(
                 f"cannot restore into {type(target).__qualname__} at '{where}': into= takes modules, optimizers, "
-                "schedulers, GradScalers, tensors, objects with load_state_dict() and mappings of those. Plain "
-                "values (step, epoch, ...) are not restored in place; load_into returns them."
+                "schedulers, GradScalers, tensors, objects with load_state_dict() and mappings of those (plain "
+                "values such as a step count are replaced by the saved value)."
             )
         return None
 
@@ -102,6 +116,9 @@ class _Restorer:
             if child is None:
                 missing.append(key)
                 continue
+            if _plain(target):  # e.g. "step": 0 -> the saved step (returned, and set in `into` when it can be)
+                self._replace(into, key, child, (*path, key))
+                continue
             used.add(key)
             if key not in children:  # gathered from "key.*" names
                 used.update(k for k in children if isinstance(k, str) and k.startswith(f"{key}."))
@@ -109,6 +126,15 @@ class _Restorer:
         if missing:
             self._report_missing(missing, children)
         return {k: v for k, v in children.items() if k not in used}
+
+    def _replace(self, into: Mapping[Any, Any], key: Any, node: Any, path: tuple[Any, ...]) -> None:
+        if not isinstance(into, MutableMapping):
+            return  # left in the returned values only
+
+        def apply() -> None:
+            into[key] = fmt.decode(node, self.reader, self.device)
+
+        self.steps.append(_Step(fmt.path_str(path), apply))
 
     def _report_missing(self, missing: list[Any], children: dict[Any, Any]) -> None:
         holds = fmt.describe([str(k) for k in children])
@@ -267,16 +293,19 @@ def load_into(
             e.g. an optimizer), or a mapping naming the entries of a training state to restore, e.g.
             ``{"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "rng": RNG}``. Values
             may be modules, optimizers, schedulers, ``GradScaler`` objects, tensors, objects with
-            ``load_state_dict()``, nested mappings of those, or ``None`` (skipped). Module entries accept keys
-            prefixed by ``module.`` / ``_orig_mod.``.
+            ``load_state_dict()``, nested mappings of those, or ``None`` (skipped). A plain value (``"step": 0``,
+            a string, a list of numbers) is replaced by the saved one: set in ``into`` itself when it is a
+            mutable mapping, and returned (top-level entries). Module entries accept keys prefixed by
+            ``module.`` / ``_orig_mod.``.
         device: where returned tensors (and the state of generic stateful objects) are placed. Module and
             optimizer tensors go to their parameters' devices.
         strict: when true (default) a missing entry, a missing or unexpected module key is an error; when
             false it is logged as a warning and the matching part is restored.
 
     Returns:
-        The file's top-level entries that ``into`` did not name (``step``, ``epoch``, ``best``, ...), decoded:
-        tensors on ``device``, other values as saved. ``{}`` when ``into`` is a single object.
+        The file's top-level entries that ``into`` did not restore in place (``step``, ``epoch``, ``best``, ...,
+        including those ``into`` held as plain values), decoded: tensors on ``device``, other values as saved.
+        ``{}`` when ``into`` is a single object.
 
     Raises:
         CheckpointError: unreadable or pickle file, missing/unexpected keys (strict), the first shape mismatch

@@ -29,7 +29,15 @@ from ..errors import CheckpointError
 from . import format as fmt
 
 __all__ = [
-    "TMP_MARK", "Reader", "Staging", "open_reader", "read_header", "remove_stale_tmps", "tmp_name", "write",
+    "TMP_MARK",
+    "Reader",
+    "Staging",
+    "local_path",
+    "open_reader",
+    "read_header",
+    "remove_stale_tmps",
+    "tmp_name",
+    "write",
     "write_all",
 ]
 
@@ -37,6 +45,24 @@ TMP_MARK: Final = ".distfn-tmp"
 _WRITE_CHUNK: Final = 64 << 20  # bytes per os.write / per GPU->host copy
 _SMALL_WRITE: Final = 4 << 20  # pieces smaller than this are gathered into one write
 _PICKLE_SUFFIXES: Final = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
+
+
+_URL: Final = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path(path: str | os.PathLike[str]) -> pathlib.Path:
+    """``path`` as a local path (``~`` expanded); a URL (``s3://``, ``gs://``, ``http://``, any ``scheme://``) is
+    a `CheckpointError`, never a local directory named ``s3:``.
+    """
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if _URL.match(text):
+        raise CheckpointError(
+            f"'{text}' is a URL; distfn reads and writes checkpoints on a local or mounted file system only. Save "
+            "to a local path (or a mounted bucket) and copy it with your storage tool."
+        )
+    return pathlib.Path(text).expanduser()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,4 +395,4 @@ class Reader:
 
 def open_reader(path: str | os.PathLike[str], device: str | torch.device) -> Reader:
     """A `Reader` of ``path`` (``~`` expanded) serving tensors on ``device``."""
-    return Reader(pathlib.Path(os.fspath(path)).expanduser(), torch.device(device))
+    return Reader(local_path(path), torch.device(device))
