@@ -1,8 +1,12 @@
-"""The exception types distfn raises, so users can catch them precisely."""
+"""The exception types distfn raises, so users can catch them precisely.
+
+Every one survives pickle and copy with its message and fields (a job may run inside a `multiprocessing.Pool`
+task or a `ProcessPoolExecutor`, which send exceptions back by pickle).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .failures import Failure
@@ -47,6 +51,11 @@ class WorkerError(DistfnError):
     def __init__(self, failures: list[Failure]) -> None:
         self.failures = list(failures)
         super().__init__(self._render())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickle and copy rebuild an exception from ``args`` (here the rendered text, not the failures): rebuild
+        # it from the failures instead, and carry the attributes set on it (as torch's ProcessRaisedException)
+        return type(self), (self.failures,), self.__dict__
 
     @property
     def first(self) -> Failure:
