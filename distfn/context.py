@@ -184,6 +184,16 @@ class Context:
             self._loop = amp.LoopState(precision=self.precision, device=self.device)
         return self._loop
 
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The `GradScaler` of a `precision="16"` run (`None` otherwise), used by `ctx.backward` and `ctx.step`.
+
+        Put it in the training state so that an fp16 run resumes exactly (its loss scale and growth tracker
+        are part of the state): `ctx.save({"model": model, "optimizer": opt, "scaler": ctx.scaler, ...}, path)`,
+        and the same mapping in `ctx.load(path, into=...)` restores it in place.
+        """
+        return self._loop_state().scaler
+
     def no_sync(self, model: nn.Module) -> Any:
         """Context manager skipping DDP's gradient all-reduce for the forward and backward inside it (a no-op
         for unwrapped models). `ctx.accumulate` does the counting for you.

@@ -70,7 +70,7 @@ def test_fp16_uses_a_grad_scaler_and_skips_overflowing_steps() -> None:
         loss = out.float().pow(2).mean()
         expected = torch.autograd.grad(model(x).pow(2).mean(), model.weight)[0]
         ctx.backward(loss)
-        scale = ctx._loop_state().scaler.get_scale()
+        scale = ctx.scaler.get_scale()
         scaled = model.weight.grad.clone()
         w0 = model.weight.detach().clone()
         assert ctx.step(opt)
@@ -80,7 +80,7 @@ def test_fp16_uses_a_grad_scaler_and_skips_overflowing_steps() -> None:
         w1 = model.weight.detach().clone()
         ctx.step(opt, zero_grad=False)
         return (ctx.precision, str(out.dtype), scale, scaled, expected, update, torch.equal(w1, model.weight),
-                ctx._loop_state().scaler.get_scale())
+                ctx.scaler.get_scale())
 
     precision, dtype, scale, scaled, expected, update, skipped, new_scale = job()
     assert precision == "16" and dtype == "torch.float16" and scale == 65536.0
@@ -130,3 +130,44 @@ def test_argument_checks() -> None:
         step(LoopState())
     with pytest.raises(ConfigError, match="reduce_loss expects a tensor"):
         reduce_loss(1.0)
+
+
+def _fp16_steps(ctx, model, opt, steps: range) -> None:
+    for i in steps:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(8, 4, generator=g) * 4  # the first scaled gradients overflow fp16
+        with ctx.autocast():
+            loss = model(x).float().pow(2).mean()
+        ctx.backward(loss)
+        ctx.step(opt)
+
+
+def _fp16_run(path: str, steps: range, resume: bool) -> tuple[list[torch.Tensor], float]:
+    @distributed(mode="single", seed=0, precision="16")
+    def job(cfg, ctx):
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        state = {"model": model, "optimizer": opt, "scaler": ctx.scaler}
+        if resume:
+            ctx.load(path, into=state)
+        _fp16_steps(ctx, model, opt, steps)
+        if not resume:
+            ctx.save(state, path)
+        return [p.detach().clone() for p in model.parameters()], ctx.scaler.get_scale()
+
+    return job()
+
+
+def test_fp16_resume_is_bit_exact_with_the_scaler_in_the_state(tmp_path) -> None:
+    @distributed(mode="single", seed=0)
+    def plain(cfg, ctx):
+        return ctx.scaler
+
+    assert plain() is None  # only precision="16" has a scaler
+    path = str(tmp_path / "half.safetensors")
+    straight, straight_scale = _fp16_run(str(tmp_path / "all.safetensors"), range(12), resume=False)
+    _fp16_run(path, range(6), resume=False)
+    resumed, resumed_scale = _fp16_run(path, range(6, 12), resume=True)
+    assert straight_scale < 65536.0  # overflows happened: the scale is part of what must resume
+    assert resumed_scale == straight_scale
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
