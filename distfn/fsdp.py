@@ -310,7 +310,10 @@ _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def wrap(model: nn.Module, options: FsdpOptions, device: torch.device) -> nn.Module:
-    """Shard ``model`` (already on ``device``) in place with ``fully_shard``: the planned units, then the root.
+    """Shard ``model`` in place with ``fully_shard``: the planned units, then the root.
+
+    ``model`` may still be on the CPU: ``fully_shard`` moves each unit's parameters and buffers to ``device``
+    just before sharding them, so the full model never sits on the device at once.
 
     Returns the same module object, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
     """

@@ -39,13 +39,15 @@ def wrap(
         raise ConfigError(f"ctx.wrap expects a torch.nn.Module, got {type(model).__name__}")
     if ddp_kwargs and mode not in MULTI_RANK_MODES:
         raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={mode!r}")
-    model = model.to(device)
     if mode == "fsdp":
         from . import fsdp  # deferred: ~1.5 s (torch._dynamo)
 
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, device, warn=is_main)
+        # No model.to(device) first: fully_shard moves each unit to the device and shards it, one unit at a time,
+        # so a rank never holds the whole model on its GPU (and cpu_offload keeps the GPU free of it).
         return fsdp.wrap(model, fsdp.parse_options(fsdp.options(), **ddp_kwargs) or fsdp.options(), device)
+    model = model.to(device)
     if mode == "ddp":
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, device, warn=is_main)

@@ -77,3 +77,33 @@ def test_fork_is_refused_after_cuda_is_available(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "with spawn" in done.stderr and "CUDA driver" in done.stderr
     assert "RESULT 1.0" in done.stdout
+
+
+_FSDP_WRAP_MEMORY = """
+import torch
+from torch import nn
+from distfn import distributed
+
+@distributed(mode="fsdp", nprocs=2, fsdp={"module_classes": ["Linear"]})
+def f(cfg, ctx):
+    model = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(16)])  # ~4 GiB of fp32 parameters, on the CPU
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    ctx.wrap(model)
+    torch.cuda.synchronize(ctx.device)
+    return ctx.gather_object(torch.cuda.max_memory_allocated(ctx.device) / size)
+
+if __name__ == "__main__":
+    print("RESULT", f())
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_wrap_never_holds_the_whole_model_on_a_gpu(tmp_path: Path) -> None:
+    # issue 20: ctx.wrap used to call model.to(device) before fully_shard (a full replica per GPU).
+    script = tmp_path / "fsdp_memory.py"
+    script.write_text(_FSDP_WRAP_MEMORY)
+    done = run_python([str(script)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peaks = eval(done.stdout.split("RESULT", 1)[1].strip())  # noqa: S307 - our own script's list of floats
+    assert len(peaks) == 2 and all(p < 0.6 for p in peaks), peaks  # about half the model (+ one unit), not all

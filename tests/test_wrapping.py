@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from loguru import logger
 from torch import nn
@@ -26,3 +28,30 @@ def test_sync_batchnorm_on_cpu_keeps_batchnorm_and_warns_once() -> None:
     assert r0["sync_bn_modules"] == r1["sync_bn_modules"] == ["BatchNorm1d", "Linear", "Sequential"]
     assert sum("sync_batchnorm=True is ignored on CPU" in m for m in r0["messages"]) == 1
     assert not any("sync_batchnorm" in m for m in r1["messages"])
+
+
+class _CountsTo(nn.Sequential):
+    """Records every `.to()` on the whole model."""
+
+    calls: ClassVar[list] = []
+
+    def to(self, *args, **kwargs):  # type: ignore[override]
+        _CountsTo.calls.append((args, kwargs))
+        return super().to(*args, **kwargs)
+
+
+@distributed(mode="fsdp", nprocs=1, fsdp={"min_params": 10})
+def _fsdp_wrap_job(cfg, ctx):
+    _CountsTo.calls = []
+    model = ctx.wrap(_CountsTo(nn.Linear(4, 8), nn.Linear(8, 2)))
+    model(torch.randn(3, 4, device=ctx.device)).sum().backward()
+    devices = {p.device.type for p in model.parameters()}
+    return len(_CountsTo.calls), devices, ctx.device.type
+
+
+def test_fsdp_wrap_leaves_moving_to_fully_shard() -> None:
+    # fully_shard moves each unit to the device just before sharding it; a model.to(device) first would put the
+    # whole model on every GPU (issue 20), and defeat cpu_offload.
+    moves, devices, device = _fsdp_wrap_job()
+    assert moves == 0
+    assert devices == {device}
