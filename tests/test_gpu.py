@@ -3,6 +3,7 @@ GPU tensors through the pinned staging buffer, and the fork probe after a CUDA d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,7 @@ def test_fork_is_refused_after_cuda_is_available(tmp_path: Path) -> None:
 
 
 _FSDP_WRAP_MEMORY = """
+import json
 import torch
 from torch import nn
 from distfn import distributed
@@ -94,7 +96,7 @@ def f(cfg, ctx):
     return ctx.gather_object(torch.cuda.max_memory_allocated(ctx.device) / size)
 
 if __name__ == "__main__":
-    print("RESULT", f())
+    print("RESULT", json.dumps(f()))
 """
 
 
@@ -105,5 +107,5 @@ def test_fsdp_wrap_never_holds_the_whole_model_on_a_gpu(tmp_path: Path) -> None:
     script.write_text(_FSDP_WRAP_MEMORY)
     done = run_python([str(script)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    peaks = eval(done.stdout.split("RESULT", 1)[1].strip())  # noqa: S307 - our own script's list of floats
+    peaks = json.loads(done.stdout.split("RESULT", 1)[1].strip())
     assert len(peaks) == 2 and all(p < 0.6 for p in peaks), peaks  # about half the model (+ one unit), not all
