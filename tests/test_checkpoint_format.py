@@ -78,3 +78,68 @@ def test_unsupported_values_name_their_key_path_and_write_nothing(tmp_path: path
     with pytest.raises(CheckpointError, match="keep="):
         checkpoint.save(Net(), target, keep=2)  # not a step-numbered name
     assert list(tmp_path.iterdir()) == []
+
+
+def _write_raw(path: pathlib.Path, header: dict, data: bytes) -> pathlib.Path:
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+def _f32(shape: list, begin: int, end: int) -> dict:
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+_TREE = {"__metadata__": {"distfn.format": "1"}}
+
+
+@pytest.mark.parametrize(
+    ("case", "header", "data", "message"),
+    [
+        ("overlap", {"a": _f32([2], 0, 8), "b": _f32([2], 4, 12)}, bytes(12), "overlaps"),
+        ("hole", {"a": _f32([1], 0, 4), "b": _f32([1], 8, 12)}, bytes(12), "hole of 4 bytes"),
+        ("hole at start", {"a": _f32([1], 4, 8)}, bytes(8), "hole of 4 bytes"),
+        ("negative shape", {"a": _f32([-1], 0, 4)}, bytes(4), "not a list of non-negative ints"),
+        ("float shape", {"a": _f32([2.5], 0, 4)}, bytes(4), "not a list of non-negative ints"),
+        ("shape not a list", {"a": _f32(3, 0, 12)}, bytes(12), "not a list of non-negative ints"),
+        ("size mismatch", {"a": _f32([3], 0, 8)}, bytes(8), "needs 12"),
+        ("bad offsets", {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, bytes(4), "data_offsets"),
+        ("entry not a map", {"a": [1, 2]}, bytes(4), "needs dtype, shape and data_offsets"),
+        ("metadata not a map", {"__metadata__": [1, 2], "a": _f32([1], 0, 4)}, bytes(4), "__metadata__ must map"),
+        ("metadata values", {"__metadata__": {"k": 3}, "a": _f32([1], 0, 4)}, bytes(4), "__metadata__ must map"),
+        ("unknown device", {"__metadata__": {"distfn.tree": '{"d": {"__device__": "warp:9"}}'}}, b"",
+         "'warp:9' is not a device"),
+        ("dtype tag naming a function", {"__metadata__": {"distfn.tree": '{"x": {"__dtype__": "load"}}'}}, b"",
+         "'load' is not a dtype"),
+        ("float tag", {"__metadata__": {"distfn.tree": '{"x": {"__float__": "1e400"}}'}}, b"", "not nan/inf/-inf"),
+        ("dangling tensor", {"__metadata__": {"distfn.tree": '{"x": {"__tensor__": "nope"}}'}}, b"",
+         "names no stored tensor"),
+        ("tuple tag", {"__metadata__": {"distfn.tree": '{"x": {"__tuple__": 3}}'}}, b"", "not a list"),
+        ("aliases", {"__metadata__": {"distfn.tree": "{}", "distfn.aliases": "[1]"}}, b"", "distfn.aliases"),
+        ("metadata tree", {"__metadata__": {"distfn.tree": "{}", "distfn.metadata": '{"a": {"__dtype__": "load"}}'}},
+         b"", "'load' is not a dtype"),
+    ],
+)
+def test_malformed_headers_are_checkpoint_errors_naming_the_file(
+    tmp_path: pathlib.Path, case: str, header: dict, data: bytes, message: str
+) -> None:
+    """Issue 16 item 6: each of these was accepted, or escaped as a bare RuntimeError/ValueError/TypeError, or
+    (``__dtype__: load``) decoded to the torch.load function."""
+    path = _write_raw(tmp_path / "ckpt-5.safetensors", header, data)
+    with pytest.raises(CheckpointError, match="ckpt-5.safetensors") as info:
+        checkpoint.load_into(path, {})
+    assert message in str(info.value)
+    good = checkpoint.save({"w": torch.ones(1)}, tmp_path / "ckpt-1.safetensors")
+    assert checkpoint.latest(tmp_path) == good  # the malformed newer file is skipped as incomplete
+
+
+@pytest.mark.parametrize(("header", "data"), [({"a": _f32([2], 0, 8), "b": _f32([2], 4, 12)}, bytes(12)),
+                                              ({"a": _f32([1], 0, 4), "b": _f32([1], 8, 12)}, bytes(12))])
+def test_offsets_rejected_exactly_like_the_safetensors_library(tmp_path: pathlib.Path, header: dict,
+                                                               data: bytes) -> None:
+    path = _write_raw(tmp_path / "x.safetensors", header, data)
+    with pytest.raises(Exception):  # noqa: B017 - the library raises its own SafetensorError
+        load_file(path)
+    with pytest.raises(CheckpointError):
+        checkpoint.load(path)

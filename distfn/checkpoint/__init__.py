@@ -17,7 +17,6 @@ generator states live in `distfn.rng` and module unwrapping in `distfn.modules`;
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from collections.abc import Mapping
@@ -117,7 +116,7 @@ def load(
     """
     with storage.open_reader(path, device) as reader:
         names = reader.names()
-        aliases = json.loads(reader.header.metadata.get(fmt.KEY_ALIASES, "{}"))
+        aliases = fmt.saved_aliases(reader.header)
         if prefix is not None:
             start = prefix.rstrip(".") + "."
             wanted = {n for n in [*names, *aliases] if n.startswith(start)}
@@ -147,7 +146,4 @@ def read_metadata(path: PathLike) -> dict[str, Any]:
     Returns:
         The values passed as ``metadata=`` to `save`, decoded.
     """
-    header = storage.read_header(storage.local_path(path))
-    if fmt.KEY_METADATA in header.metadata:
-        return fmt.decode(json.loads(header.metadata[fmt.KEY_METADATA]), fmt.NoTensors())
-    return dict(header.metadata)
+    return fmt.saved_metadata(storage.read_header(storage.local_path(path)))

@@ -15,6 +15,7 @@ from typing import Final
 from loguru import logger
 
 from ..errors import CheckpointError
+from . import format as fmt
 from . import storage
 
 __all__ = ["latest", "rotate", "step_of"]
@@ -81,7 +82,7 @@ def latest(directory: str | os.PathLike[str], prefix: str = "ckpt-") -> pathlib.
     skipped = ", ".join(sorted(others)[:8]) + (" ..." if len(others) > 8 else "")
     for _, p in sorted(candidates, reverse=True):
         try:
-            storage.read_header(p)
+            fmt.check(storage.read_header(p))
         except CheckpointError as exc:
             logger.warning("skipping incomplete checkpoint {}: {}", p, exc)
             continue

@@ -26,6 +26,7 @@ from ..modules import unwrap_module
 
 __all__ = [
     "DTYPES",
+    "DTYPE_NAMES",
     "FORMAT_VERSION",
     "FROM_CODE",
     "KEY_ALIASES",
@@ -39,6 +40,8 @@ __all__ = [
     "Plan",
     "TensorSource",
     "as_plain_dict",
+    "check",
+    "check_tree",
     "decode",
     "describe",
     "is_stateful",
@@ -47,6 +50,8 @@ __all__ = [
     "path_str",
     "plan",
     "ref",
+    "saved_aliases",
+    "saved_metadata",
     "saved_tree",
 ]
 
@@ -308,8 +313,12 @@ class Header:
 def parse_header(path: pathlib.Path, raw: bytes, size: int) -> Header:
     """Check the JSON header ``raw`` of the ``size``-byte file ``path`` (its 8-byte length prefix excluded).
 
+    As strict as the safetensors library: every entry has a known dtype, a shape of non-negative ints and
+    ``data_offsets`` whose length matches them; sorted by offset the tensors tile the data exactly (no overlap,
+    no hole) up to the end of the file; ``__metadata__`` is a map of strings.
+
     Raises:
-        CheckpointError: the header is not JSON, an entry is malformed, or the data does not fill the file.
+        CheckpointError: naming the file and what is wrong with it.
     """
     try:
         header = json.loads(raw)
@@ -317,34 +326,154 @@ def parse_header(path: pathlib.Path, raw: bytes, size: int) -> Header:
         raise CheckpointError(f"'{path}' has a corrupt safetensors header: {exc}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"'{path}' has a corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"'{path}' has a corrupt safetensors header: __metadata__ must map strings to strings")
+    spans = sorted((_span(path, name, info), name) for name, info in header.items())
     end = 0
-    for name, info in header.items():
-        try:
-            begin, stop = (int(x) for x in info["data_offsets"])
-            if not 0 <= begin <= stop:
-                raise ValueError
-            if info["dtype"] not in FROM_CODE:
-                raise CheckpointError(f"'{path}': tensor '{name}' has dtype {info['dtype']}, unknown to this torch")
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"'{path}': corrupt entry for tensor '{name}' in the header") from None
-        end = max(end, int(stop))
+    for (begin, stop), name in spans:
+        if begin != end:
+            what = "overlaps the previous tensor" if begin < end else f"leaves a hole of {begin - end} bytes before it"
+            raise CheckpointError(f"'{path}' is corrupt: the data of tensor '{name}' (bytes {begin}-{stop}) {what}")
+        end = stop
     n = len(raw)
     if 8 + n + end != size:
         raise CheckpointError(f"'{path}' is incomplete or corrupt: the header describes {8 + n + end} bytes, the "
                               f"file has {size}")
-    return Header(path, 8 + n, header, dict(metadata))
+    return Header(path, 8 + n, header, metadata)
+
+
+def _span(path: pathlib.Path, name: str, info: Any) -> tuple[int, int]:
+    """The checked ``data_offsets`` of one header entry."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"'{path}': corrupt entry for tensor '{name}' in the header: {what}")
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise bad("it needs dtype, shape and data_offsets")
+    dtype = FROM_CODE.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise CheckpointError(f"'{path}': tensor '{name}' has dtype {info['dtype']!r}, unknown to this torch")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(_natural(d) for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative ints")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(x) for x in offsets):
+        raise bad(f"data_offsets {offsets!r} is not two non-negative ints")
+    begin, stop = offsets
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if stop - begin != nbytes:
+        raise bad(f"data_offsets {offsets} hold {stop - begin} bytes, shape {shape} of {info['dtype']} needs {nbytes}")
+    return begin, stop
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def saved_tree(header: Header) -> Any:
-    """The saved object's JSON tree; a foreign file (no distfn metadata) reads as a flat name -> tensor map."""
+    """The saved object's JSON tree, checked (`check_tree`); a foreign file (no distfn metadata) reads as a flat
+    name -> tensor map."""
     raw = header.metadata.get(KEY_TREE)
     if raw is None:
         return {name: {"__tensor__": name} for name in header.tensors}
     try:
-        return json.loads(raw)
+        node = json.loads(raw)
     except ValueError as exc:
         raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {exc}") from None
+    check_tree(node, header.tensors, header.path)
+    return node
+
+
+def saved_aliases(header: Header) -> dict[str, str]:
+    """The tied names of a file: ``{alias: stored name}`` (checked: strings naming stored tensors)."""
+    raw = header.metadata.get(KEY_ALIASES)
+    if raw is None:
+        return {}
+    try:
+        aliases = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {exc}") from None
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {KEY_ALIASES} must map names to names")
+    return aliases
+
+
+def saved_metadata(header: Header) -> dict[str, Any]:
+    """The ``metadata=`` mapping saved with a file (checked), or its raw string metadata for a foreign file."""
+    raw = header.metadata.get(KEY_METADATA)
+    if raw is None:
+        return dict(header.metadata)
+    try:
+        node = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {exc}") from None
+    check_tree(node, None, header.path)
+    value = decode(node, NoTensors())
+    if not isinstance(value, dict):
+        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {KEY_METADATA} is not a mapping")
+    return value
+
+
+def check(header: Header) -> None:
+    """Check everything distfn reads from a header (tree, aliases, metadata) without reading any tensor."""
+    saved_tree(header)
+    saved_aliases(header)
+    saved_metadata(header)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tags: what each may hold, checked before anything is decoded
+
+#: Every dtype a ``{"__dtype__": name}`` tag may name (and nothing else from the torch namespace).
+DTYPE_NAMES: Final[dict[str, torch.dtype]] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+_FLOATS: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def check_tree(node: Any, tensors: Mapping[str, Any] | None, path: pathlib.Path | None = None) -> None:
+    """Raise `CheckpointError` (naming ``path``) unless every tag in ``node`` holds what it may: a stored tensor's
+    name (``tensors``; ``None``: no tensor references allowed), a float name, a known dtype or device, lists."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if len(item) == 1 and next(iter(item)) in TAGS:
+                (tag, value), = item.items()
+                problem = _tag_problem(tag, value, tensors)
+                if problem is not None:
+                    where = f"'{path}' has corrupt distfn metadata" if path else "corrupt distfn metadata"
+                    raise CheckpointError(f"{where}: {problem}")
+                if tag in ("__tuple__", "__dict__"):
+                    stack.extend(value)
+            else:
+                stack.extend(item.values())
+
+
+def _tag_problem(tag: str, value: Any, tensors: Mapping[str, Any] | None) -> str | None:
+    if tag in ("__tensor__", "__ndarray__"):
+        if tensors is None:
+            return f"unexpected tensor reference {value!r}"
+        return None if isinstance(value, str) and value in tensors else f"{tag} names no stored tensor: {value!r}"
+    if tag == "__tuple__":
+        return None if isinstance(value, list) else f"__tuple__ holds {type(value).__name__}, not a list"
+    if tag == "__dict__":
+        ok = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)
+        return None if ok else "__dict__ must hold [key, value] pairs"
+    if tag == "__float__":
+        return None if isinstance(value, str) and value in _FLOATS else f"__float__ {value!r} is not nan/inf/-inf"
+    if tag == "__dtype__":
+        return None if isinstance(value, str) and value in DTYPE_NAMES else f"__dtype__ {value!r} is not a dtype"
+    if isinstance(value, str):  # "__device__"
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError, TypeError):
+            return f"__device__ {value!r} is not a device"
+        return None
+    return f"__device__ {value!r} is not a device"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,7 +494,8 @@ class NoTensors:
 
 
 def decode(node: Any, reader: TensorSource, device: torch.device | None = None) -> Any:
-    """Rebuild the Python value of a JSON tree node, reading referenced tensors from ``reader``."""
+    """Rebuild the Python value of a JSON tree node (checked by `check_tree`), reading referenced tensors from
+    ``reader``."""
     if isinstance(node, list):
         return [decode(v, reader, device) for v in node]
     if not isinstance(node, dict):
@@ -385,9 +515,9 @@ def _decode_tag(tag: str, value: Any, reader: TensorSource, device: torch.device
     if tag == "__tuple__":
         return tuple(decode(v, reader, device) for v in value)
     if tag == "__float__":
-        return float(value)
+        return _FLOATS[value]
     if tag == "__dtype__":
-        return getattr(torch, value)
+        return DTYPE_NAMES[value]
     if tag == "__device__":
         return torch.device(value)
     return {decode(k, reader, device): decode(v, reader, device) for k, v in value}  # "__dict__"
