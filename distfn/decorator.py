@@ -84,6 +84,7 @@ def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: 
 
 def _decorate(func: Callable[..., R], opts: Options) -> Callable[..., R]:
     _check_signature(func)
+    worker.adopt_legacy_local_rank()  # torch.distributed.launch's --local-rank=N, before the user's argparse
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> R:

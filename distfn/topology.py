@@ -9,8 +9,9 @@ Launchers nest, and the outer one's variables leak into the inner one (see the r
 team's ``slurm-mpi.md`` notes), so the order of the checks matters:
 
 1. **torchrun** (``TORCHELASTIC_RUN_ID``, or a full ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set, or the legacy
-   ``python -m torch.distributed.launch`` that passes ``--local_rank=N`` in argv). ``torchrun`` inside ``srun``
-   still sees the SLURM variables of the *agent*, which describe one task per node, not the workers.
+   ``python -m torch.distributed.launch`` that passes ``--local-rank=N`` in argv, see `split_local_rank`).
+   ``torchrun`` inside ``srun`` still sees the SLURM variables of the *agent*, which describe one task per node,
+   not the workers.
 2. **MPI**: Open MPI (``OMPI_COMM_WORLD_*``), MPICH / Intel MPI (``PMI_RANK``/``PMI_SIZE``), MVAPICH
    (``MV2_COMM_WORLD_*``). ``mpirun`` inside an ``sbatch`` job sees the job's SLURM variables, and on more
    than one node even a SLURM step (Open MPI starts its daemons through ``srun``), with wrong ranks.
@@ -57,6 +58,7 @@ __all__ = [
     "expand_hostlist",
     "expand_tasks_per_node",
     "mpi4py_available",
+    "split_local_rank",
 ]
 
 #: Ports derived from a job id fall in ``[PORT_BASE, PORT_BASE + PORT_SPAN)``: unprivileged, and below
@@ -216,25 +218,47 @@ def derive_port(job_id: str) -> int:
 _LOCAL_RANK_ARG = re.compile(r"^--local[_-]rank(?:=(.*))?$")
 
 
-def _argv_local_rank(argv: Sequence[str]) -> tuple[str, int] | None:
-    """``--local_rank=N`` / ``--local-rank=N`` / ``--local_rank N`` from argv: (the text found, N)."""
+def _find_local_rank(argv: Sequence[str]) -> tuple[int, int, str, int] | None:
+    """The legacy flag in argv: (index, number of items it takes, the text found, the local rank)."""
     args = list(argv)
     for i, arg in enumerate(args):
         m = _LOCAL_RANK_ARG.match(arg)
         if not m:
             continue
-        value = m.group(1)
-        text = arg
+        value, text, width = m.group(1), arg, 1
         if value is None:
             if i + 1 >= len(args):
                 raise LauncherError(f"{arg!r} in argv has no value; torch.distributed.launch passes "
-                                    f"'--local_rank=N'")
-            value, text = args[i + 1], f"{arg} {args[i + 1]}"
+                                    f"'--local-rank=N'")
+            value, text, width = args[i + 1], f"{arg} {args[i + 1]}", 2
         try:
-            return text, int(value)
+            return i, width, text, int(value)
         except ValueError:
             raise LauncherError(f"{text!r} in argv: the local rank {value!r} is not an integer") from None
     return None
+
+
+def _argv_local_rank(argv: Sequence[str]) -> tuple[str, int] | None:
+    """``--local-rank=N`` / ``--local_rank=N`` / ``--local-rank N`` / ``--local_rank N`` from argv: (text, N)."""
+    found = _find_local_rank(argv)
+    return None if found is None else (found[2], found[3])
+
+
+def split_local_rank(argv: Sequence[str]) -> tuple[list[str], int] | None:
+    """``argv`` without the local-rank flag of ``python -m torch.distributed.launch``, and the rank it carried.
+
+    The legacy launcher appends ``--local-rank=N`` to the script's arguments (``--local_rank=N`` before torch
+    2.0; ``--local-rank N`` and ``--local_rank N`` are read too). ``None`` when argv has no such flag.
+
+    Raises:
+        LauncherError: the flag has no value, or a value that is not an integer.
+    """
+    found = _find_local_rank(argv)
+    if found is None:
+        return None
+    i, width, _, local_rank = found
+    args = list(argv)
+    return args[:i] + args[i + width:], local_rank
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -374,8 +398,9 @@ class TorchrunDetector:
 
     def claim(self, env: Mapping[str, str], argv: Sequence[str]) -> _Claim | None:
         """Why this process looks started by torchrun, or None; a partial ``RANK`` set is an error."""
-        if env.get("TORCHELASTIC_RUN_ID", "").strip():
-            return _Claim(f"TORCHELASTIC_RUN_ID={env['TORCHELASTIC_RUN_ID']} is set (torchrun)")
+        run_id = env.get("TORCHELASTIC_RUN_ID", "").strip()
+        if run_id:
+            return _Claim(self._agent_reason(env, run_id))
         legacy = _argv_local_rank(argv)
         if legacy is not None:
             return _Claim(f"{legacy[0]!r} is in argv (python -m torch.distributed.launch)", "launch")
@@ -387,6 +412,18 @@ class TorchrunDetector:
         if "RANK" in present or "WORLD_SIZE" in present:
             self._raise_partial(env)
         return None
+
+    @staticmethod
+    def _agent_reason(env: Mapping[str, str], run_id: str) -> str:
+        # torchrun's --rdzv-id defaults to the string "none" (the agents of a multi-node job without --rdzv-id)
+        if run_id == "none":
+            reason = "TORCHELASTIC_RUN_ID is set, to torchrun's default 'none' (no --rdzv-id given)"
+        else:
+            reason = f"TORCHELASTIC_RUN_ID={run_id} is set"
+        agents = env.get("GROUP_WORLD_SIZE", "").strip()
+        if agents.isdigit() and int(agents) > 1:
+            reason += f"; torchrun agent {env.get('GROUP_RANK', '?').strip()} of {agents}"
+        return reason
 
     @staticmethod
     def _raise_partial(env: Mapping[str, str]) -> None:

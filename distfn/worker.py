@@ -5,30 +5,34 @@ in place by ``decorator.py``). In order: pick and pin the device, size the CPU t
 start the process group, build the `Context`, call the function, and always destroy the process group.
 
 `in_worker` is the one nested-launch check: true while a decorated function runs in this process, and in a
-worker that spawn/forkserver is still starting (its environment carries `CHILD_ENV` while the user's script is
-re-imported, before distfn's entry point runs).
+distfn worker process from its start (its name begins with `WORKER_NAME`, which multiprocessing sets before
+spawn/forkserver re-import the user's script, before distfn's entry point runs).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from . import devices, failures, logs, preemption, rendezvous
+from . import devices, failures, logs, preemption, rendezvous, topology
 from .context import Context
+from .errors import LauncherError
 
 if TYPE_CHECKING:
     from .options import Options
     from .topology import Topology
 
-#: Set in the environment of a worker being started with spawn/forkserver, which re-imports the user's script
-#: before distfn's entry point runs: a decorated call during that import is a nested launch (see `in_worker`).
-CHILD_ENV = "_DISTFN_STARTING_WORKER"
+#: distfn's worker processes are named ``distfn-rank<N>``. multiprocessing names the child before a spawn or
+#: forkserver child re-imports the user's script, so a decorated call during that import is a nested launch, seen
+#: in the child alone: the launching process (where other threads may launch jobs of their own) is never marked.
+WORKER_NAME = "distfn-rank"
 
 # True while a distfn-decorated function runs in this process: calling another decorated function then would
 # start a second job from inside a rank (a fork bomb under self-spawn), so the decorator refuses it.
@@ -36,14 +40,44 @@ _ACTIVE = False
 
 
 def in_worker() -> bool:
-    """True inside a running distfn function, or in a distfn worker that is starting up (`CHILD_ENV` set)."""
-    return _ACTIVE or bool(os.environ.get(CHILD_ENV))
+    """True inside a running distfn function, or in a distfn worker process (named `WORKER_NAME`...)."""
+    return _ACTIVE or multiprocessing.current_process().name.startswith(WORKER_NAME)
 
 
 def mark_active(value: bool) -> None:
     """Set the nested-launch guard (used by the spawn entry point before the user's module is imported)."""
     global _ACTIVE
     _ACTIVE = value
+
+
+def adopt_legacy_local_rank(argv: list[str] | None = None,
+                            env: MutableMapping[str, str] | None = None) -> int | None:
+    """Move the ``--local-rank=N`` of ``python -m torch.distributed.launch`` from argv into ``LOCAL_RANK``.
+
+    The legacy launcher (without ``--use-env``) appends the flag to the script's arguments, so a script's own
+    ``argparse`` fails with "unrecognized arguments". distfn takes it out of ``sys.argv`` at ``import distfn``
+    and again when a function is decorated, before the user's code parses its arguments, and puts the value
+    where ``--use-env`` and torchrun put it (``ctx.local_rank`` reads it from there). Only when the process was
+    started by a launcher (``RANK`` and ``WORLD_SIZE`` set) and ``LOCAL_RANK`` is unset or agrees; otherwise
+    argv is left alone and detection explains what is wrong.
+
+    Returns:
+        The local rank taken from argv, or ``None`` when nothing was changed.
+    """
+    argv = sys.argv if argv is None else argv
+    env = os.environ if env is None else env
+    try:
+        found = topology.split_local_rank(argv)
+    except LauncherError:
+        return None  # a malformed flag: detection names it when the decorated function is called
+    if found is None or not env.get("RANK", "").strip() or not env.get("WORLD_SIZE", "").strip():
+        return None
+    rest, local_rank = found
+    if env.get("LOCAL_RANK", "").strip() not in ("", str(local_rank)):
+        return None
+    env["LOCAL_RANK"] = str(local_rank)
+    argv[:] = rest
+    return local_rank
 
 
 def seed_everything(seed: int) -> None:
@@ -88,6 +122,10 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         backend: str | None = None
         if opts.multi_rank:
             backend = opts.backend or devices.default_backend(device)
+            if opts.mode == "fsdp":  # cpu_offload on GPUs needs gloo beside NCCL (fsdp.required_backend)
+                from . import fsdp  # deferred: fsdp imports torch._dynamo (~1.5 s); only fsdp jobs pay for it
+
+                backend = fsdp.required_backend(opts.fsdp, backend)
             if store is None and topology.launcher == "local" and opts.init_method is None:
                 store = dist.HashStore()  # a world of one needs no network at all
             rendezvous.init_process_group(topology, backend, opts.timeout, store=store,

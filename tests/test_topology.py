@@ -28,6 +28,7 @@ from distfn.topology import (
     detect,
     expand_hostlist,
     expand_tasks_per_node,
+    split_local_rank,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -443,7 +444,12 @@ def test_torchrun_inside_srun_is_torchrun() -> None:
     assert fields(t) == dict(
         launcher="torchrun", rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1, num_nodes=2,
         master_addr="node1", master_port=29555)
-    assert t.reason == "TORCHELASTIC_RUN_ID=none is set (torchrun)"  # type: ignore[union-attr]
+    # torchrun's default run id is the string "none": the reason must not read as if the variable were unset
+    assert t.reason == ("TORCHELASTIC_RUN_ID is set, to torchrun's default 'none' (no --rdzv-id given); "  # type: ignore[union-attr]
+                        "torchrun agent 1 of 2")
+    standalone = run(LAUNCH_MODULE_RANK1_RECORDED)
+    assert standalone is not None
+    assert standalone.reason == "TORCHELASTIC_RUN_ID=e8f4b9ad-f4ae-4997-9898-9a513c2f2bd0 is set"
 
 
 def test_torch_distributed_launch_module() -> None:
@@ -461,6 +467,24 @@ def test_legacy_launch_local_rank_from_argv(argv: tuple[str, ...]) -> None:
     assert "argv" in t.reason and "torch.distributed.launch" in t.reason
     # no LOCAL_WORLD_SIZE / GROUP_WORLD_SIZE: one node holding every rank is the only safe reading
     assert (t.local_world_size, t.num_nodes, t.node_rank) == (4, 1, 0)
+
+
+@pytest.mark.parametrize("argv", [
+    ("t.py", "--lr", "0.1", "--local-rank=1"),  # torch >= 2.0
+    ("t.py", "--local_rank=1", "--lr", "0.1"),  # older torch
+    ("t.py", "--local-rank", "1", "--lr", "0.1"),
+    ("t.py", "--lr", "0.1", "--local_rank", "1"),
+])
+def test_split_local_rank_takes_every_spelling_out_of_argv(argv: tuple[str, ...]) -> None:
+    assert split_local_rank(argv) == (["t.py", "--lr", "0.1"], 1)
+
+
+def test_split_local_rank_without_the_flag_and_malformed() -> None:
+    assert split_local_rank(("t.py", "--lr", "0.1", "--local-ranks=3")) is None  # another option, not the flag
+    with pytest.raises(LauncherError, match="has no value"):
+        split_local_rank(("t.py", "--local-rank"))
+    with pytest.raises(LauncherError, match="'x' is not an integer"):
+        split_local_rank(("t.py", "--local-rank=x"))
 
 
 def test_legacy_launch_errors() -> None:

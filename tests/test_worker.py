@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +12,10 @@ import torch
 import distfn
 from distfn import worker
 
+from conftest import ROOT, run_python
+
 
 def test_in_worker_while_a_function_runs_and_in_a_starting_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(worker.CHILD_ENV, raising=False)
     assert not worker.in_worker()
 
     @distfn.distributed(mode="single")
@@ -21,7 +24,7 @@ def test_in_worker_while_a_function_runs_and_in_a_starting_worker(monkeypatch: p
 
     assert inside() is True and not worker.in_worker()
     # a spawn/forkserver worker re-importing the user's script, before distfn's entry point runs
-    monkeypatch.setenv(worker.CHILD_ENV, "1")
+    monkeypatch.setattr(multiprocessing.current_process(), "name", f"{worker.WORKER_NAME}1")
     assert worker.in_worker()
 
 
@@ -40,3 +43,36 @@ def test_size_thread_pool_respects_omp_num_threads(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert worker.size_thread_pool(1) == f"{before} CPU threads"
 
+
+
+# -- python -m torch.distributed.launch appends --local-rank=N to the script's arguments -----------------------
+LAUNCHED = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("flag", [["--local-rank=1"], ["--local_rank=1"], ["--local-rank", "1"], ["--local_rank", "1"]])
+def test_the_legacy_local_rank_flag_moves_from_argv_to_local_rank(flag: list[str]) -> None:
+    argv, env = ["train.py", "--lr", "0.1", *flag], dict(LAUNCHED)
+    assert worker.adopt_legacy_local_rank(argv, env) == 1
+    assert argv == ["train.py", "--lr", "0.1"] and env["LOCAL_RANK"] == "1"
+    assert worker.adopt_legacy_local_rank(argv, env) is None  # once is enough
+
+
+def test_the_legacy_flag_stays_where_no_launcher_set_it() -> None:
+    for argv, env in ((["t.py", "--local-rank=1"], {}),  # not started by a launcher: detection explains
+                      (["t.py", "--local-rank=1"], {**LAUNCHED, "LOCAL_RANK": "0"}),  # disagrees: detection says so
+                      (["t.py", "--local-rank=x"], dict(LAUNCHED))):  # malformed: detection names it
+        before = list(argv)
+        assert worker.adopt_legacy_local_rank(argv, env) is None and argv == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_env", [False, True], ids=["flag", "use-env"])
+def test_an_argparse_example_under_the_legacy_launcher(tmp_path: Path, use_env: bool) -> None:
+    """examples/train_loop.py parses its arguments before it decorates: distfn must strip the flag at import."""
+    launch = ["-m", "torch.distributed.launch", "--nproc-per-node", "2", *(["--use-env"] if use_env else [])]
+    done = run_python([*launch, str(ROOT / "examples" / "train_loop.py"), "--epochs", "1", "--precision", "32",
+                       "--log-dir", str(tmp_path / "runs")], timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "unrecognized arguments" not in done.stderr
+    assert done.stdout.count("done: 16 optimizer steps") == 2  # both ranks trained with the parsed arguments
+    assert "launcher: torchrun" in done.stderr
