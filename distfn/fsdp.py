@@ -32,11 +32,12 @@ from loguru import logger
 from torch import nn
 
 from . import checkin
+from .devices import collective_device
 from .errors import CheckpointError, ConfigError
 from .tree import tree_leaves, tree_map
 
 __all__ = ["FsdpOptions", "MixedPrecision", "begin", "finish", "indexed_optimizer_state", "is_sharded", "load",
-           "named_optimizer_state", "options", "parse_options", "plan_units", "save", "wrap"]
+           "named_optimizer_state", "options", "parse_options", "plan_units", "required_backend", "save", "wrap"]
 
 DEFAULT_MIN_PARAMS: Final = 1_000_000
 DEFAULT_SAVE_TIMEOUT: Final = 300.0
@@ -350,6 +351,30 @@ def is_sharded(obj: Any) -> bool:
     if isinstance(obj, torch.optim.Optimizer):
         return any(_is_dtensor(p) for g in obj.param_groups for p in g["params"])
     return False
+
+
+# The backend of a CPU-offloading run on GPUs: NCCL for the GPU collectives, gloo for those on CPU tensors.
+OFFLOAD_BACKEND: Final = "cuda:nccl,cpu:gloo"
+
+
+def required_backend(opts: FsdpOptions | None, backend: str) -> str:
+    """The process-group backend an fsdp run needs, given the one it would otherwise use.
+
+    With `cpu_offload` the sharded gradients and optimizer state live on the CPU, so gradient clipping
+    (`ctx.step(opt, max_grad_norm=...)`, whose norm is all-reduced) and the fp16 GradScaler's overflow check
+    all-reduce CPU tensors, which NCCL cannot take ("No backend type associated with device type cpu",
+    pytorch#148532). A group that is NCCL alone then becomes the per-device `"cuda:nccl,cpu:gloo"`, as Accelerate
+    and torchtune do. Any other backend (gloo, or a per-device form that already covers the CPU) is kept.
+
+    Args:
+        opts: the run's `fsdp={...}` options (`None`: the defaults, no offloading).
+        backend: the backend chosen from `backend=` or the device (`"nccl"` on GPUs).
+    """
+    if opts is None or not opts.cpu_offload:
+        return backend
+    if collective_device(backend, torch.device("cuda")) is None:  # the group already takes CPU tensors
+        return backend
+    return OFFLOAD_BACKEND
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,14 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_python
 from safetensors import safe_open
 from torch import nn
 
 from distfn import ConfigError, distributed
-from distfn.decorator import Options
-from distfn.fsdp import (FsdpOptions, MixedPrecision, indexed_optimizer_state, named_optimizer_state, parse_options,
-                         plan_units)
+from distfn.fsdp import (
+    FsdpOptions,
+    MixedPrecision,
+    indexed_optimizer_state,
+    named_optimizer_state,
+    parse_options,
+    plan_units,
+    required_backend,
+)
+from distfn.options import Options
+
+from conftest import SCRIPTS, run_python
 
 JOB = SCRIPTS / "fsdp_job.py"
 
@@ -56,6 +64,38 @@ def test_option_forms_pass_through() -> None:
     with pytest.raises(ConfigError, match="valid keys"):
         parse_options(opts, find_unused_parameters=True)
     assert Options(mode="fsdp").fsdp is None and parse_options(None) is None
+
+
+def test_cpu_offload_on_gpus_gets_gloo_beside_nccl() -> None:
+    # Offloaded gradients are CPU tensors: clipping and fp16 scaling all-reduce them, which NCCL alone cannot.
+    offload = parse_options({"cpu_offload": True})
+    for backend in ("nccl", "NCCL", "cuda:nccl"):
+        assert required_backend(offload, backend) == "cuda:nccl,cpu:gloo"
+    for backend in ("gloo", "cuda:nccl,cpu:gloo"):
+        assert required_backend(offload, backend) == backend
+    assert required_backend(parse_options({"min_params": 5}), "nccl") == "nccl"
+    assert required_backend(None, "nccl") == "nccl"
+
+
+def test_the_worker_starts_an_offloading_gpu_run_with_the_per_device_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from distfn import devices, rendezvous, worker
+    from distfn.topology import Topology
+
+    chosen: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(topology, backend, *args, **kwargs):
+        chosen.append(backend)
+        raise Stop
+
+    monkeypatch.setattr(devices, "default_backend", lambda device: "nccl")  # CUDA faked: what a GPU rank gets
+    monkeypatch.setattr(rendezvous, "init_process_group", init_process_group)
+    for fsdp_options, expected in (({"cpu_offload": True}, "cuda:nccl,cpu:gloo"), (None, "nccl")):
+        with pytest.raises(Stop):
+            worker.run(lambda cfg, ctx: None, None, Options(mode="fsdp", fsdp=fsdp_options), Topology.local())
+        assert chosen.pop() == expected
 
 
 # -- wrap policy (pure: no process group) ---------------------------------------------------------------------
