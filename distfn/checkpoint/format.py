@@ -415,11 +415,15 @@ def saved_metadata(header: Header) -> dict[str, Any]:
     return value
 
 
-def check(header: Header) -> None:
-    """Check everything distfn reads from a header (tree, aliases, metadata) without reading any tensor."""
-    saved_tree(header)
+def check(header: Header) -> Any:
+    """Check everything distfn reads from a header (tree, aliases, metadata) without reading any tensor.
+
+    Returns:
+        The saved tree (`saved_tree`).
+    """
     saved_aliases(header)
     saved_metadata(header)
+    return saved_tree(header)
 
 
 # --------------------------------------------------------------------------------------------------

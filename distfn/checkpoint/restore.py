@@ -313,8 +313,7 @@ def load_into(
     """
     dev = torch.device(device)
     with storage.open_reader(path, dev) as reader:
-        tree = fmt.saved_tree(reader.header)
-        fmt.saved_aliases(reader.header)  # checked: a malformed file fails here, before anything is restored
+        tree = fmt.check(reader.header)  # the whole header: a malformed file fails before anything is restored
         restorer = _Restorer(reader, dev, strict)
         if isinstance(into, Mapping):
             leftovers: dict[Any, Any] = restorer.mapping(into, tree, ())
