@@ -126,7 +126,7 @@ def distributed(
 def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     """Make ``fn(cfg, ctx)`` a distributed job: ``fn(cfg)`` then runs it on every rank and returns a value.
 
-    Args:
+    Keyword Args:
         mode: ``"ddp"`` (one process per device, DistributedDataParallel), ``"fsdp"`` (one process per device,
             parameters, gradients and optimizer state sharded with FSDP2 ``fully_shard``; see docs/modes.md),
             ``"dp"`` (one process, ``nn.DataParallel`` over the visible GPUs) or ``"single"`` (one process, one

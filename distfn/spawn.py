@@ -25,7 +25,6 @@ sends the report and arms the stack pipe, and the launcher that reads them, so t
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import faulthandler
 import os
@@ -34,7 +33,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -128,7 +127,6 @@ def _entry(
     listen_fd: int,
 ) -> None:
     """The first code a worker runs (module-level so spawn can find it)."""
-    os.environ.pop(worker.CHILD_ENV, None)
     _die_with_parent(parent_pid)
     try:
         os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches the launcher, which forwards it once
@@ -320,15 +318,6 @@ class _Forwarder:
         return 0.0 if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-@contextlib.contextmanager
-def _starting_worker() -> Iterator[None]:
-    os.environ[worker.CHILD_ENV] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(worker.CHILD_ENV, None)
-
-
 class WorkerGroup:
     """The workers of one self-spawned job and what the launching process keeps about them: their reports and
     failures, the signal forwarder and the rendezvous store (``start`` -> ``wait`` -> ``teardown`` ->
@@ -371,11 +360,10 @@ class WorkerGroup:
             args=(rank, self.nprocs, self.port, fn, cfg, self.opts, writer, stack_writer,
                   os.getpid() if self.method != "forkserver" else 0,
                   self._listener.fileno() if self.method == "fork" else -1),
-            name=f"distfn-rank{rank}",
+            name=f"{worker.WORKER_NAME}{rank}",  # marks the child as a worker (`worker.in_worker`)
             daemon=False,  # daemonic processes may not have children: DataLoader workers need them
         )
-        with _starting_worker():
-            process.start()
+        process.start()
         writer.close()
         stack_writer.close()
         os.set_blocking(stack_reader.fileno(), False)
