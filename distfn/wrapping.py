@@ -6,6 +6,7 @@ Also the model conversions that go with wrapping (SyncBatchNorm). The FSDP polic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -56,8 +57,36 @@ def wrap(
             ddp_kwargs.setdefault("output_device", device.index)
         return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     if mode == "dp":
-        return nn.DataParallel(model)
+        return DataParallel(model)
     return model
+
+
+class DataParallel(nn.DataParallel):
+    """`nn.DataParallel` whose replicas compute in the caller's autocast dtype (what `mode="dp"` wraps with).
+
+    torch's `parallel_apply` runs each replica in its own thread and re-enters autocast there without a dtype;
+    the autocast dtype is per thread, so under `ctx.autocast()` with `precision="bf16"` the replicas would
+    compute in float16, CUDA's default (pytorch#125186). Here each replica enters autocast with the dtype that
+    was active where `forward` was called.
+    """
+
+    def parallel_apply(self, replicas: Sequence[Any], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        kind = self.src_device_obj.type
+        if torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
+            replicas = [_UnderAutocast(replica, kind, dtype) for replica in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+
+class _UnderAutocast:
+    """Calls a replica inside `torch.autocast(device_type, dtype)` (in the replica's thread)."""
+
+    def __init__(self, module: Any, device_type: str, dtype: torch.dtype) -> None:
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device, *, warn: bool = True) -> nn.Module:

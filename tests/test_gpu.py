@@ -109,3 +109,30 @@ def test_fsdp_wrap_never_holds_the_whole_model_on_a_gpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     peaks = json.loads(done.stdout.split("RESULT", 1)[1].strip())
     assert len(peaks) == 2 and all(p < 0.6 for p in peaks), peaks  # about half the model (+ one unit), not all
+
+
+_DP_BF16 = """
+import torch
+from torch import nn
+from distfn import distributed
+
+@distributed(mode="dp", precision="bf16")
+def f(cfg, ctx):
+    model = ctx.wrap(nn.Linear(8, 4))
+    with ctx.autocast():
+        out = model(torch.randn(16, 8, device=ctx.device))  # one replica per GPU, each in its own thread
+    return str(out.dtype)
+
+if __name__ == "__main__":
+    print("RESULT", f())
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_dp_replicas_run_in_bf16(tmp_path: Path) -> None:
+    # issue 20: DataParallel's replica threads re-entered autocast without a dtype and computed in fp16.
+    script = tmp_path / "dp_bf16.py"
+    script.write_text(_DP_BF16)
+    done = run_python([str(script)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RESULT torch.bfloat16" in done.stdout

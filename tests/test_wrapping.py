@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import ClassVar
 
+import pytest
 import torch
 from loguru import logger
 from torch import nn
@@ -55,3 +58,46 @@ def test_fsdp_wrap_leaves_moving_to_fully_shard() -> None:
     moves, devices, device = _fsdp_wrap_job()
     assert moves == 0
     assert devices == {device}
+
+
+class _Recorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _threads_like_torch(modules, inputs, kwargs_tup, devices=None):
+    """torch's parallel_apply on CPU: one thread per replica, autocast re-entered there without a dtype."""
+    enabled = torch.is_autocast_enabled("cpu")
+    results: list = [None] * len(modules)
+
+    def work(i):
+        with torch.amp.autocast("cpu", enabled=enabled):
+            results[i] = modules[i](*inputs[i], **kwargs_tup[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(modules))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_dp_replicas_compute_in_the_callers_autocast_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPU stand-in for issue 20: the autocast dtype is per thread, and DataParallel's replica threads re-enter
+    # autocast without one (CUDA's default is fp16, the CPU's bf16: fp16 here shows the same loss of the dtype).
+    monkeypatch.setattr(sys.modules["torch.nn.parallel.data_parallel"], "parallel_apply", _threads_like_torch)
+
+    @distributed(mode="dp")
+    def job(cfg, ctx):
+        model = ctx.wrap(_Recorder())
+        model.src_device_obj = torch.device("cpu")  # what DataParallel sets on GPUs
+        x = torch.randn(3, 4)
+        with torch.autocast("cpu", dtype=torch.float16):
+            outs = model.parallel_apply([model.module, model.module], [(x,), (x,)], [{}, {}])
+        return [str(o.dtype) for o in outs]
+
+    assert job() == ["torch.float16", "torch.float16"]
