@@ -22,7 +22,7 @@ from typing import Any, TypeVar, overload
 import torch
 from loguru import logger
 
-from . import devices, logs, preflight, rendezvous, spawn, topology, worker
+from . import devices, logs, preflight, rendezvous, shipping, spawn, topology, worker
 from .context import Context
 from .errors import ConfigError, NestedLaunchError
 from .options import DEFAULT_TIMEOUT, MODES, Options, default_nprocs, make_options, requested_nprocs
@@ -99,6 +99,7 @@ def _decorate(func: Callable[..., R], opts: Options) -> Callable[..., R]:
             return _call(func, wrapper, opts, args[0] if args else None)
 
     wrapper.distfn_options = opts  # type: ignore[attr-defined]
+    shipping.start_early(opts)  # a fork server while forking is still safe, if calling it will start workers
     return wrapper
 
 
