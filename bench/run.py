@@ -1,21 +1,24 @@
 """Run every benchmark in ``bench/`` in one go: one table per benchmark, then a summary of medians, ratios
-and targets; JSON into ``bench/results/``; a chart into ``docs/assets/`` when matplotlib is installed.
+and targets; JSON into ``bench/results/``; the documentation's results page from the same run.
 
-    python bench/run.py                 # everything, default rounds (~15 minutes on 2 cores)
-    python bench/run.py --rounds 3      # quicker, noisier
-    python bench/run.py --only launch,step
+    python bench/run.py                 # everything, default rounds (~15 minutes on 2 cores): rewrites the docs
+    python bench/run.py --rounds 3      # quicker, noisier: rewrites the docs too
+    python bench/run.py --only launch,step   # JSON only: the docs keep the results of one whole run
     python bench/run.py --tiny          # one tiny round of each: a smoke test, results not kept in docs/
 
 Each ``bench/bench_<name>.py`` runs in its own fresh process (so no benchmark inherits another's threads or
 imports), with ``--json PATH`` and ``--tiny``/``--rounds`` (the convention in ``bench/_common.py``); inside
-each, the variants are interleaved over rounds. The chart (``docs/assets/benchmarks.png``) and the Markdown
-table (``docs/assets/benchmarks.md``) that the documentation shows are rewritten by a full run only.
+each, the variants are interleaved over rounds. ``docs/assets/benchmarks.md`` (included by
+docs/benchmarks.md) is rewritten only by a run of every benchmark, so every figure on the page comes from one
+commit, stated at its top: one bar chart per question, drawn as an HTML table (legible at any size, no
+plotting library needed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -93,67 +96,39 @@ def summary(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def chart(results: list[dict[str, Any]], path: Path) -> Path | None:
-    """One horizontal bar chart per table (medians, ratio labels); ``None`` when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        c.log("matplotlib is not installed (pip install 'distfn[bench]'): no chart")
-        return None
-    tables = [t for r in results for t in r["tables"] if any(row["median"] is not None for row in t["rows"])]
-    if not tables:
-        return None
-    cols = 2 if len(tables) > 3 else 1
-    grid = [tables[i:i + cols] for i in range(0, len(tables), cols)]
-    heights = [max(len(t["rows"]) for t in row) + 2 for row in grid]
-    fig, axes = plt.subplots(len(grid), cols, figsize=(9 * cols, 0.5 + 0.42 * sum(heights)), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
-    for ax in axes.flat[len(tables):]:
-        ax.set_visible(False)
-    for ax, tab in zip(axes.flat, tables, strict=False):  # spare axes hidden above
-        rows = [r for r in tab["rows"] if r["median"] is not None]
-        small = tab["unit"] == "s" and max(r["median"] for r in rows) < 1
-        scale, unit = (1000.0, "ms") if small else (1.0, tab["unit"])
-        values = [r["median"] * scale for r in rows]
-        colors = ["#d9480f" if r["variant"].startswith(("distfn", "ctx.")) else "#868e96" for r in rows]
-        bars = ax.barh([r["variant"] for r in rows], values, color=colors)
-        ax.invert_yaxis()
-        for bar, r in zip(bars, rows, strict=True):
-            label = f" {bar.get_width():.3g} {unit}" + (f"  ({r['ratio']:.2f}×)" if r.get("ratio") is not None else "")
-            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
-        ax.set_title(tab["title"], fontsize=9, loc="left")
-        ax.set_xlabel(f"median ({unit}), lower is better", fontsize=8)
-        ax.set_xlim(0, max(values) * 1.35)
-        ax.tick_params(labelsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def _bar_table(tab: dict[str, Any]) -> str:
+    """One question as an HTML table: each variant's median as a bar (distfn's in orange), ratio beside it."""
+    rows = [r for r in tab["rows"] if r["median"] is not None]
+    if not rows:
+        return ""
+    longest = max(r["median"] for r in rows) or 1.0
+    versus = f"ratio vs {tab['baseline']}" if tab.get("baseline") else "ratio"
+    out = ['<table class="bench-bars">',
+           f"<tr><th>variant</th><th>median</th><th>{versus}</th><th>runs</th><th style='width:45%'></th></tr>"]
+    for r in rows:
+        ours = r["variant"].startswith(("distfn", "ctx."))
+        color = "#d9480f" if ours else "#868e96"
+        ratio = f"{r['ratio']:.2f}×" if r.get("ratio") is not None else ""
+        width = max(0.5, 100 * r["median"] / longest)
+        name = f"<b>{r['variant']}</b>" if ours else r["variant"]
+        out.append(f"<tr><td>{name}</td><td align='right'>{c._fmt(r['median'], tab['unit'])}</td>"
+                   f"<td align='right'>{ratio}</td><td align='right'>{len(r['samples'])}</td>"
+                   f"<td><div style='background:{color};width:{width:.1f}%;height:0.9em'></div></td></tr>")
+    out.append("</table>")
+    return "\n".join(out)
 
 
-def merge(latest: Path, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The benchmarks of ``latest`` (a previous run.py JSON) with those in ``results`` replaced, in display order.
-    A benchmark that failed this time keeps its previous result."""
-    by_name: dict[str, dict[str, Any]] = {}
-    if latest.exists():
-        try:
-            by_name = {b["benchmark"]: b for b in json.loads(latest.read_text()).get("benchmarks", [])}
-        except (ValueError, KeyError, TypeError):
-            by_name = {}
-    for res in results:
-        if not res.get("error") or res["benchmark"] not in by_name:
-            by_name[res["benchmark"]] = res
-    order = [n for n in ORDER if n in by_name] + sorted(n for n in by_name if n not in ORDER)
-    return [by_name[n] for n in order]
-
-
-def markdown(results: list[dict[str, Any]]) -> str:
-    """The tables the documentation includes, each benchmark with where and when it was measured."""
-    md = ["| benchmark | target | measured | |", "| --- | --- | ---: | --- |"]
+def markdown(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
+    """The results page the documentation includes: where and when (one commit), the targets, then one bar
+    chart per question with its table."""
+    load = machine.get("load")
+    md = [f"All figures below come from one run of `python bench/run.py` at commit `{machine.get('commit', '?')}`, "
+          f"{machine.get('when', '?')}, on `{machine.get('host', '?')}`: {machine.get('cpus', '?')} CPUs, no GPU, "
+          f"torch {machine.get('torch', '?')}, Python {machine.get('python', '?')}. "
+          "It is a small machine shared with other work"
+          + (f" (load average {load} when the run started)" if load else "")
+          + ": absolute times vary from run to run, the ratios (variants interleaved round by round) much less.",
+          "", "| benchmark | target | measured | |", "| --- | --- | ---: | --- |"]
     for res in results:
         for tab in res["tables"]:
             for t in tab.get("targets", []):
@@ -162,13 +137,14 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 md.append(f"| {res['benchmark']} | {t['variant']} {goal} | {got} | {verdict} |")
     md.append("")
     for res in results:
-        m = res.get("machine", {})
         md.append(f"### {res['benchmark']}\n")
-        md.append(f"Measured {m.get('when', '?')} on `{m.get('host', '?')}` ({m.get('cpus', '?')} CPUs, torch "
-                  f"{m.get('torch', '?')}, Python {m.get('python', '?')}, commit {m.get('commit', '?')}).\n")
         if res.get("error"):
             md.append(f"**{res['error']}**\n")
-        md += [c.format_table(t) + "\n" for t in res["tables"]]
+        for tab in res["tables"]:
+            md.append(f"**{tab['title']}**\n")
+            md.append(_bar_table(tab) + "\n")
+            notes = [f"{row['variant']}: {row['note']}" for row in tab["rows"] if row.get("note")]
+            md += [f"- {n}" for n in notes] + ([""] if notes else [])
         md += [f"- {n}" for n in res.get("notes", [])] + [""]
     return "\n".join(md) + "\n"
 
@@ -181,14 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
     p.add_argument("--redraw", action="store_true",
-                   help="run nothing: redraw the docs' chart and tables from bench/results/latest.json")
+                   help="run nothing: rewrite the docs' results page from bench/results/latest.json")
     p.add_argument("--peers-python", default=None,
                    help="interpreter with accelerate / lightning / ignite installed, for the launch and import peers")
     args = p.parse_args(argv)
     if args.redraw:
-        merged = merge(args.out / "latest.json", [])
-        chart(merged, ASSETS / "benchmarks.png")
-        (ASSETS / "benchmarks.md").write_text(markdown(merged))
+        latest = json.loads((args.out / "latest.json").read_text())
+        (ASSETS / "benchmarks.md").write_text(markdown(latest["benchmarks"], latest["machine"]))
         return 0
     names = discover()
     if args.only:
@@ -198,12 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown benchmark(s) {unknown}; present: {names}")
         names = [n for n in names if n in wanted]
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    machine = {**c.machine(), "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     parts = args.out / f"parts-{stamp}"
     results = [run_one(n, parts / f"{n}.json", args.tiny, args.rounds, args.timeout, args.peers_python)
                for n in names]
     table = summary(results)
     print("## Summary\n\n" + table, flush=True)
-    combined = {"machine": c.machine(), "tiny": args.tiny, "benchmarks": results}
+    combined = {"machine": machine, "tiny": args.tiny, "benchmarks": results}
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"bench-{stamp}{'-tiny' if args.tiny else ''}.json"
     out.write_text(json.dumps(combined, indent=2, default=str) + "\n")
@@ -211,18 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         f.unlink()
     parts.rmdir() if parts.exists() else None
     c.log(f"results: {out}")
-    if not args.tiny:
-        # latest.json keeps the newest result of every benchmark, so `--only step` refreshes just that part
-        merged = merge(args.out / "latest.json", results)
-        (args.out / "latest.json").write_text(json.dumps({"machine": combined["machine"], "benchmarks": merged},
-                                                         indent=2, default=str) + "\n")
-        drawn = chart(merged, ASSETS / "benchmarks.png")
-        if drawn:
-            c.log(f"chart: {drawn}")
+    if args.tiny:
+        (args.out / "tiny-benchmarks.md").write_text(markdown(results, combined["machine"]))
+    elif set(names) == set(discover()):
+        # Only a run of every benchmark rewrites the docs: every figure there then comes from one commit.
+        (args.out / "latest.json").write_text(json.dumps(combined, indent=2, default=str) + "\n")
         ASSETS.mkdir(parents=True, exist_ok=True)
-        (ASSETS / "benchmarks.md").write_text(markdown(merged))
+        (ASSETS / "benchmarks.md").write_text(markdown(results, combined["machine"]))
+        c.log(f"docs: {ASSETS / 'benchmarks.md'}")
     else:
-        chart(results, args.out / "tiny-chart.png")
+        c.log("--only: the docs keep the results of the last whole run (one commit for every figure)")
     return 1 if any(r.get("error") for r in results) else 0
 
 
