@@ -48,6 +48,7 @@ from .errors import ConfigError, Terminated, WorkerError
 from .failures import Failure, diagnose, innermost_user_frame, main_stack, order_failures
 from .options import Options
 from .topology import Topology
+from .tree import tree_map
 
 #: Seconds the other workers get to exit after a failure or Ctrl-C before they are killed.
 STOP_GRACE = 5.0
@@ -101,17 +102,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def to_cpu(value: Any) -> Any:
-    """``value`` with every tensor inside (dicts, lists, tuples) detached and on the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)((k, to_cpu(v)) for k, v in value.items()) if type(value) is dict else {
-            k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_cpu(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(to_cpu(v) for v in value)
-    return value
+    """``value`` with every tensor inside (dicts, lists, tuples, namedtuples, dict subclasses) detached and on
+    the CPU; containers keep their types (`distfn.tree.tree_map`)."""
+    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
 
 
 def _entry(

@@ -3,8 +3,13 @@ next to it."""
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
+
+import torch
+
+from distfn import spawn
 
 from conftest import SCRIPTS, run_python
 
@@ -19,3 +24,25 @@ def test_two_threads_launch_at_once_without_a_false_nested_launch(tmp_path: Path
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results == {"a": "3", "b": "3"}, done.stderr[-3000:]
     assert marks.read_text().split() == ["True"] * 4  # 2 jobs x 2 workers, each marked during its import
+
+
+def _caller_sees(case: str, method: str = "fork") -> dict:
+    done = run_python([str(SCRIPTS / "spawn_job.py"), case, method], timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_namedtuple_and_dict_subclass_results_come_back_detached_on_the_cpu() -> None:
+    """Issue 11 item 5: to_cpu skipped namedtuples and flattened dict subclasses to dict."""
+    got = _caller_sees("namedtuple")
+    assert got == {"type": "Result", "inner": "OrderedDict", "loss": 6.0, "grad": [False, False],
+                   "devices": ["cpu", "cpu"]}
+
+
+def test_to_cpu_keeps_container_types() -> None:
+    Point = collections.namedtuple("Point", ["x", "y"])
+    w = torch.ones(2, requires_grad=True)
+    out = spawn.to_cpu({"p": Point(w * 2, [w * 3]), "d": collections.defaultdict(list, a=(w,))})
+    assert type(out["p"]) is Point and type(out["d"]) is collections.defaultdict and out["d"].default_factory is list
+    assert not out["p"].x.requires_grad and not out["p"].y[0].requires_grad and not out["d"]["a"][0].requires_grad
+    assert torch.equal(out["p"].x, torch.full((2,), 2.0))

@@ -1,0 +1,42 @@
+"""Small self-spawned 2-rank jobs whose caller-side result tests/test_spawn.py inspects.
+
+Usage: python spawn_job.py CASE [START_METHOD]   (prints one JSON line describing what the caller got)
+
+Cases: ``namedtuple`` (rank 0 returns a namedtuple and an OrderedDict holding tensors that require grad),
+``view`` (rank 0 returns a 2-element slice of a 40 MB tensor).
+"""
+
+import collections
+import json
+import sys
+
+import torch
+
+from distfn import distributed
+
+Result = collections.namedtuple("Result", ["loss", "weights"])
+
+
+def body(cfg, ctx):
+    if cfg == "namedtuple":
+        w = torch.ones(3, requires_grad=True)
+        return Result(loss=(w * 2).sum(), weights=collections.OrderedDict(w=w * 3))
+    if cfg == "view":
+        big = torch.arange(10_000_000, dtype=torch.float32)  # 40 MB
+        return big[ctx.rank:ctx.rank + 2]
+    raise ValueError(cfg)
+
+
+def describe(value):
+    if cfg_case == "namedtuple":
+        return {"type": type(value).__name__, "inner": type(value.weights).__name__,
+                "loss": value.loss.item(), "grad": [value.loss.requires_grad, value.weights["w"].requires_grad],
+                "devices": [value.loss.device.type, value.weights["w"].device.type]}
+    return {"values": value.tolist(), "storage_bytes": value.untyped_storage().nbytes()}
+
+
+if __name__ == "__main__":
+    cfg_case = sys.argv[1]
+    method = sys.argv[2] if len(sys.argv) > 2 else "auto"
+    job = distributed(nprocs=2, start_method=method, timeout=60)(body)
+    print(json.dumps(describe(job(cfg_case))), flush=True)
