@@ -229,3 +229,76 @@ def test_long_file_names_still_fit(tmp_path: pathlib.Path) -> None:
     path = checkpoint.save(Net(), tmp_path / name)
     assert [p.name for p in tmp_path.iterdir()] == [name]
     assert set(checkpoint.load(path)) == set(Net().state_dict())
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True,
+                          text=True)
+    return int(proc.stdout)
+
+
+def test_kill_9_during_a_step_named_save_leaves_nothing_after_the_next_save(tmp_path: pathlib.Path) -> None:
+    """Issue 16 item 1: a writer of ckpt-7 killed mid-save left a model-sized temp file that ckpt-8's save (and
+    keep= rotation) never removed. Now any dead writer's temp file in the directory goes; live ones stay."""
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, torch
+        from distfn.checkpoint import storage
+        real = storage.write_all
+        def write_then_die(fd, data):
+            real(fd, data)
+            os.kill(os.getpid(), signal.SIGKILL)  # kill -9 in the middle of the save
+        storage.write_all = write_then_die
+        from distfn import checkpoint
+        checkpoint.save({"w": torch.ones(2 << 20)}, sys.argv[1])
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt-7.safetensors")], env=repo_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    leaked = [p for p in tmp_path.iterdir() if p.name.endswith(".distfn-tmp")]
+    assert len(leaked) == 1 and leaked[0].name.startswith(".ckpt-7.safetensors.")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live_tmp = storage.tmp_name(tmp_path / "ckpt-9.safetensors").name.split(".")
+        live_tmp = tmp_path / ".".join([*live_tmp[:-3], str(live.pid), *live_tmp[-2:]])
+        live_tmp.write_bytes(b"a writer still at work")
+        other_host = tmp_path / f".ckpt-6.safetensors.elsewhere.{_dead_pid()}.0123abcd.distfn-tmp"
+        other_host.write_bytes(b"another host's writer: its pid means nothing here")
+        checkpoint.save({"w": torch.zeros(1)}, tmp_path / "ckpt-8.safetensors", keep=1)
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == sorted(["ckpt-8.safetensors", live_tmp.name, other_host.name])
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_failed_save_removes_the_directories_it_created(tmp_path: pathlib.Path, monkeypatch) -> None:
+    def full_disk(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage, "write_all", full_disk)
+    with pytest.raises(CheckpointError, match="No space left"):
+        checkpoint.save({"w": torch.ones(4)}, tmp_path / "runs" / "exp1" / "ckpt-1.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()  # directories that existed before stay
+    with pytest.raises(CheckpointError, match="No space left"):
+        checkpoint.save({"w": torch.ones(4)}, tmp_path / "kept" / "new" / "ckpt-1.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+
+
+def test_saving_to_a_symlink_replaces_the_link_not_its_target(tmp_path: pathlib.Path) -> None:
+    """Documented choice (docs/checkpoints.md): like `mv`, the link itself is replaced by the new file; the
+    checkpoint it pointed to is never overwritten."""
+    old = checkpoint.save({"w": torch.ones(2)}, tmp_path / "ckpt-1.safetensors")
+    link = tmp_path / "last.safetensors"
+    link.symlink_to(old.name)
+    checkpoint.save({"w": torch.zeros(2)}, link)
+    assert not link.is_symlink() and link.is_file()
+    assert torch.equal(checkpoint.load(link)["w"], torch.zeros(2))
+    assert torch.equal(checkpoint.load(old)["w"], torch.ones(2))
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    (tmp_path / "runs").symlink_to(real_dir)  # a linked directory on the way is simply followed
+    checkpoint.save({"w": torch.ones(1)}, tmp_path / "runs" / "ckpt-2.safetensors")
+    assert (real_dir / "ckpt-2.safetensors").is_file()

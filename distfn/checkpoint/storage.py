@@ -161,64 +161,94 @@ def _fsync_dir(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _tmp_prefix(target: pathlib.Path) -> str:
-    """``.<name>.<host>.``: temporary files of this target written from this host (name cut to fit NAME_MAX)."""
-    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
-    return f".{target.name[:120]}.{host}."
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
 
 
 def tmp_name(target: pathlib.Path) -> pathlib.Path:
-    """A fresh temporary path next to ``target`` for this process (host, pid and a random part in its name)."""
-    # The pid lets a later save recognise (and remove) what a killed writer left; the random part keeps two
-    # concurrent writers of the same target apart.
-    return target.with_name(f"{_tmp_prefix(target)}{os.getpid()}.{secrets.token_hex(4)}{TMP_MARK}")
+    """A fresh temporary path next to ``target`` for this process: ``.<name>.<host>.<pid>.<random>.distfn-tmp``.
+
+    The host and pid let a later save recognise (and remove) what a killed writer left; the random part keeps two
+    concurrent writers of the same target apart. The name is cut to fit NAME_MAX.
+    """
+    return target.with_name(f".{target.name[:120]}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_MARK}")
 
 
-def remove_stale_tmps(target: pathlib.Path) -> None:
-    """Remove temporary files a killed writer of *this* target on *this* host left behind."""
-    pattern = re.compile(re.escape(_tmp_prefix(target)) + r"(\d+)\.[0-9a-f]{8}" + re.escape(TMP_MARK) + "$")
+def remove_stale_tmps(directory: pathlib.Path) -> None:
+    """Remove the temporary files that writers on this host which no longer run left in ``directory``.
+
+    Every target name counts (``ckpt-7.safetensors``'s leftovers are removed by the save of ``ckpt-8``). A file is
+    removed only when its writer's pid is gone on this host: never a live writer's, never another host's.
+    """
+    pattern = re.compile(r"^\..+\." + re.escape(_host()) + r"\.(\d+)\.[0-9a-f]{8}" + re.escape(TMP_MARK) + "$")
     try:
-        names = os.listdir(target.parent)
+        names = os.listdir(directory)
     except OSError:
         return
     for name in names:
         m = pattern.match(name)
-        if m is None:
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
             continue
-        pid = int(m.group(1))
-        if pid == os.getpid():
-            continue
+        with contextlib.suppress(OSError):
+            os.unlink(directory / name)
+            logger.debug("removed {} left by a killed writer (pid {})", name, m.group(1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive but not ours (EPERM)
+        return True
+    return True
+
+
+def _make_parents(directory: pathlib.Path) -> list[pathlib.Path]:
+    """Create ``directory`` and missing parents; return those created, deepest first (to undo on failure)."""
+    missing = []
+    d = directory
+    while not d.is_dir() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    if not missing:
+        return []
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _remove_dirs(missing)
+        raise CheckpointError(f"cannot create the directory '{directory}' for the checkpoint: {exc}") from exc
+    _fsync_dir(d)
+    return missing
+
+
+def _remove_dirs(created: list[pathlib.Path]) -> None:
+    for d in created:  # deepest first; only while empty (another writer may have started using them)
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                os.unlink(target.parent / name)
-                logger.debug("removed {} left by a killed writer (pid {})", name, pid)
-        except OSError:  # alive but not ours (EPERM): leave it
-            pass
+            d.rmdir()
+        except OSError:
+            return
 
 
 def write(plan: fmt.Plan, target: pathlib.Path) -> None:
     """Write ``plan`` to ``target`` atomically and durably (temporary file, fsync, rename, directory fsync).
 
-    Missing parent directories are created.
+    Missing parent directories are created (and removed again if the save fails). Temporary files that killed
+    writers left in the directory are removed first. A symlink at ``target`` is replaced by the new file (like
+    ``mv``); the file it pointed to is left as it was.
 
     Raises:
         CheckpointError: an I/O failure; the previous file at ``target``, if any, is then intact.
     """
     parent = target.parent
-    if not parent.is_dir():
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create the directory '{parent}' for the checkpoint: {exc}") from exc
-        _fsync_dir(parent.parent)
-    remove_stale_tmps(target)
+    created = _make_parents(parent)
+    remove_stale_tmps(parent)
     tmp = tmp_name(target)
     try:
         # 0o666 & ~umask, exactly like open(..., "w"); mkstemp / NamedTemporaryFile would force 0o600.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     except OSError as exc:
+        _remove_dirs(created)
         raise CheckpointError(f"cannot create a temporary file next to '{target}': {exc}") from exc
     try:
         try:
@@ -230,6 +260,7 @@ def write(plan: fmt.Plan, target: pathlib.Path) -> None:
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        _remove_dirs(created)
         if isinstance(exc, OSError):
             raise CheckpointError(f"writing '{target}' failed ({exc}); the previous file, if any, is intact") from exc
         raise
