@@ -5,6 +5,9 @@ Both variants run the identical loop (same model, same seeded init, same per-ran
 loopback interface) on 2 ranks with gloo, each in a fresh ``python`` process per round, interleaved. The first
 ``--warmup`` steps are dropped; a round's sample is rank 0's median step time. The final weights of every run must be
 bit-identical across variants and rounds (Lightning's parity-test design). Target: ratio ≤ 1.01.
+
+``--gpu``: the same comparison on CUDA over NCCL, one rank per GPU (``min(2, GPUs)`` ranks), for distfn and the
+hand-written loop only (what ``bench/gpu_check.sh`` runs on the first machine with a GPU).
 """
 
 from __future__ import annotations
@@ -46,14 +49,18 @@ def train_loop(model: Any, rank: int, cfg: dict[str, int], prepare: Any = None, 
         model, opt = prepare(model, opt)
     backward = backward or torch.Tensor.backward
     g = torch.Generator().manual_seed(1000 + rank)
-    xs = torch.randn(cfg["steps"], cfg["batch"], 256, generator=g)
-    ys = torch.randint(0, 10, (cfg["steps"], cfg["batch"]), generator=g)
+    device = next(model.parameters()).device
+    xs = torch.randn(cfg["steps"], cfg["batch"], 256, generator=g).to(device)
+    ys = torch.randint(0, 10, (cfg["steps"], cfg["batch"]), generator=g).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the GPU's work too
     times = []
     for i in range(cfg["steps"]):
+        sync()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         backward(F.cross_entropy(model(xs[i]), ys[i]))
         opt.step()
+        sync()
         times.append(time.perf_counter() - start)
     return times
 
@@ -80,14 +87,22 @@ def handwritten_worker(rank: int, port: int, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    world = cfg["world"]
     # the same thread budget distfn gives each of the node's processes (cpus // processes), so the comparison
     # is of the loop, not of oversubscription
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // WORLD))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     # and the same network path: distfn's self-spawned ranks talk over the loopback interface
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    torch.manual_seed(SEED)
-    model = DDP(make_model(cfg["width"]))
+    if cfg["gpu"]:  # the usual recipe: pin the device first, then NCCL
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+        torch.manual_seed(SEED)
+        model = DDP(make_model(cfg["width"]).cuda(rank), device_ids=[rank])
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.manual_seed(SEED)
+        model = DDP(make_model(cfg["width"]))
     times = train_loop(model, rank, cfg)
     if rank == 0:
         _write(cfg["out"], times, model.module)
@@ -141,11 +156,14 @@ def _worker_main(kind: str, cfg: dict[str, Any]) -> None:
     elif kind == "distfn":
         from distfn import distributed
 
-        distributed(nprocs=WORLD, seed=SEED, backend="gloo")(distfn_job)(cfg)
+        backend = "nccl" if cfg["gpu"] else "gloo"
+        distributed(nprocs=cfg["world"], seed=SEED, backend=backend)(distfn_job)(cfg)
     else:
         import torch.multiprocessing as mp
 
-        mp.start_processes(handwritten_worker, args=(c.free_port(), cfg), nprocs=WORLD, start_method="fork")
+        # fork is the fastest raw start on CPU; CUDA needs spawn (the launching process never touches CUDA)
+        mp.start_processes(handwritten_worker, args=(c.free_port(), cfg), nprocs=cfg["world"],
+                           start_method="spawn" if cfg["gpu"] else "fork")
 
 
 # -- harness ----------------------------------------------------------------------------------------------------
@@ -190,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--peers-python", default=sys.executable,
                    help="interpreter with lightning / accelerate installed (their loops join the table)")
+    p.add_argument("--gpu", action="store_true", help="on CUDA over NCCL, one rank per GPU (at most 2); no peers")
     p.add_argument("--worker", choices=("distfn", "handwritten", *PEERS), help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -199,14 +218,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.rounds, args.steps, args.warmup, args.width = 1, 6, 2, 64
     with tempfile.TemporaryDirectory(prefix="distfn-bench-step-") as tmp:
-        cfg = {"steps": args.steps, "batch": args.batch, "width": args.width, "tmp": tmp}
+        world = WORLD
+        if args.gpu:
+            import torch
+
+            world = min(WORLD, torch.cuda.device_count())  # NVML count: this process stays fork-safe
+            if world == 0:
+                p.error("--gpu: no CUDA GPU is visible")
+        cfg = {"steps": args.steps, "batch": args.batch, "width": args.width, "tmp": tmp, "gpu": args.gpu,
+               "world": world}
         runs: dict[str, list[Path]] = {"distfn": [], "hand-written DDP": []}
         variants = {
             "hand-written DDP": lambda: _round("handwritten", cfg, runs["hand-written DDP"], args.warmup),
             "distfn": lambda: _round("distfn", cfg, runs["distfn"], args.warmup),
         }
         peer_runs: dict[str, list[Path]] = {}
-        for kind, module in ([] if args.tiny else PEERS.items()):
+        for kind, module in ([] if args.tiny or args.gpu else PEERS.items()):
             if _importable(args.peers_python, module):
                 c.warm_bytecode(args.peers_python, ("torch", module))
                 name = {"fabric": "lightning fabric (ddp)", "accelerate": "accelerate"}[kind]
@@ -218,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         same, how = _identical(runs)
         peers_same = [f"{name}: {'bit-identical to' if _identical({**runs, name: ps})[0] else 'different from'} "
                       f"distfn's final weights" for name, ps in peer_runs.items() if ps]
-    tab = c.table(f"Step time: DDP, {WORLD} ranks (gloo, CPU), MLP 256-{args.width}-{args.width}-10, batch "
+    where = f"{world} rank(s) (nccl, GPU)" if args.gpu else f"{world} ranks (gloo, CPU)"
+    tab = c.table(f"Step time: DDP, {where}, MLP 256-{args.width}-{args.width}-10, batch "
                   f"{args.batch}/rank, median of steps {args.warmup + 1}..{args.steps}", "s", samples,
                   baseline="hand-written DDP", targets=[{"variant": "distfn", "max_ratio": 1.01}])
     tab["identical_weights"] = same

@@ -140,3 +140,14 @@ def test_import_and_decoration_stay_light() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", f"imported at decoration time: {proc.stdout.strip()}"
+
+
+def test_gpu_check_script_fits_in_eight_minutes() -> None:
+    """bench/gpu_check.sh, the prepared command for the first GPU machine: valid bash, every step's time limit
+    (plus the 10 s grace of `timeout --kill-after`) adding up to less than 8 minutes."""
+    script = BENCH / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    limits = [int(line.split()[2]) for line in script.read_text().splitlines() if line.startswith("step ")]
+    assert len(limits) == 3 and sum(limits) + 10 * len(limits) < 8 * 60
+    text = script.read_text()
+    assert "tests/test_gpu.py" in text and "distfn test --gpu" in text and "bench_step.py --gpu" in text
