@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,24 +148,36 @@ class Context:
         return data.gather_for_metrics(value, loader, device=self._group_device)
 
     # -- models -------------------------------------------------------------------------------------------
-    def wrap(self, model: nn.Module, *, sync_batchnorm: bool = False, **ddp_kwargs: Any) -> nn.Module:
+    def wrap(
+        self,
+        model: nn.Module,
+        *,
+        sync_batchnorm: bool = False,
+        init: Callable[[nn.Module], None] | None = None,
+        **ddp_kwargs: Any,
+    ) -> nn.Module:
         """Move `model` to `ctx.device` and wrap it for the mode.
 
         * `"ddp"`: `DistributedDataParallel` (with `device_ids` on CUDA).
         * `"dp"`: `nn.DataParallel` over the visible GPUs.
         * `"single"`: no wrapper.
         * `"fsdp"`: sharded in place with FSDP2 `fully_shard` by the `fsdp={...}` policy of `@distributed`; the
-          returned module is the same object, its parameters now `DTensor` shards (see `distfn.fsdp`).
+          returned module is the same object, its parameters now `DTensor` shards (see `distfn.fsdp`). A model
+          built under `with torch.device("meta"):` is sharded first, then only this rank's shards are materialised
+          on `ctx.device` and initialised (every submodule's `reset_parameters()`, or `init`), so no rank ever holds
+          the whole model. The other modes refuse a meta model with an error saying how to materialise it.
 
         Args:
             model: the bare module.
             sync_batchnorm: convert BatchNorm layers to SyncBatchNorm first (on GPUs; on CPU, where torch's
                 SyncBatchNorm cannot train, it warns and keeps BatchNorm).
+            init: fsdp mode, meta-device model only: `init(model)` initialises the materialised shards in place
+                (under `torch.no_grad()`) instead of the submodules' `reset_parameters()`.
             ddp_kwargs: in ddp mode, `DistributedDataParallel` options (`find_unused_parameters`, ...); in fsdp
                 mode, overrides of the `fsdp={...}` options for this model (e.g. `module_classes=[Block]`).
         """
         return wrapping.wrap(model, mode=self.mode, device=self.device, is_main=self.is_main,
-                             sync_batchnorm=sync_batchnorm, **ddp_kwargs)
+                             sync_batchnorm=sync_batchnorm, init=init, **ddp_kwargs)
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:

@@ -19,10 +19,13 @@ full-state save/load are one feature that only `mode="fsdp"` loads, and importin
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import os
+import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -36,8 +39,9 @@ from .devices import collective_device
 from .errors import CheckpointError, ConfigError
 from .tree import tree_leaves, tree_map
 
-__all__ = ["FsdpOptions", "MixedPrecision", "begin", "finish", "indexed_optimizer_state", "is_sharded", "load",
-           "named_optimizer_state", "options", "parse_options", "plan_units", "required_backend", "save", "wrap"]
+__all__ = ["FsdpOptions", "MixedPrecision", "begin", "finish", "indexed_optimizer_state", "is_meta", "is_sharded",
+           "load", "materialize", "named_optimizer_state", "options", "parse_options", "plan_units", "required_backend",
+           "save", "wrap"]
 
 DEFAULT_MIN_PARAMS: Final = 1_000_000
 DEFAULT_SAVE_TIMEOUT: Final = 300.0
@@ -310,21 +314,41 @@ def plan_units(model: nn.Module, options: FsdpOptions) -> list[nn.Module]:
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def wrap(model: nn.Module, options: FsdpOptions, device: torch.device) -> nn.Module:
+def wrap(
+    model: nn.Module, options: FsdpOptions, device: torch.device, *, init: Callable[[nn.Module], None] | None = None
+) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard``: the planned units, then the root.
 
     ``model`` may still be on the CPU: ``fully_shard`` moves each unit's parameters and buffers to ``device``
-    just before sharding them, so the full model never sits on the device at once.
+    just before sharding them, so the full model never sits on the device at once. A model built under
+    ``torch.device("meta")`` is sharded first and then materialised (see `materialize`), so no rank ever holds
+    more than its shards.
 
-    Returns the same module object, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
+    Args:
+        model: the bare module, on the CPU, on ``device`` or on the meta device.
+        options: the run's options with ``ctx.wrap``'s overrides.
+        device: this rank's device.
+        init: for a meta model, initialises the materialised shards in place (called as ``init(model)`` under
+            ``torch.no_grad()``); by default every submodule's ``reset_parameters()``. An error otherwise.
+
+    Returns:
+        The same module object, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
     """
     from torch.distributed.fsdp import fully_shard
 
+    meta = is_meta(model)
+    if init is not None and not meta:
+        raise ConfigError("ctx.wrap(model, init=...) initialises a model built on the meta device "
+                          "(under `with torch.device('meta'):`); this model already holds its values: drop init=")
+    if meta and init is None:
+        _check_resettable(model)
     kwargs = options.fully_shard_kwargs(device)
     units = plan_units(model, options)
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    if meta:
+        materialize(model, device, init=init, offload=options.cpu_offload)
     # Runs before FSDP's own pre-forward all-gather (prepend), so a rank that skipped a save is caught before it
     # blocks in a collective the others will never join.
     model.register_forward_pre_hook(_on_forward, prepend=True)
@@ -333,6 +357,67 @@ def wrap(model: nn.Module, options: FsdpOptions, device: torch.device) -> nn.Mod
     local = sum(_local(p).numel() for p in model.parameters())
     logger.debug("fsdp: {} unit(s) + root; {} of {} parameters held on this rank", len(units), local, total)
     return model
+
+
+# --------------------------------------------------------------------------------------------------
+# Models built on the meta device
+
+
+def is_meta(model: nn.Module) -> bool:
+    """True when some parameter or buffer of ``model`` is on the meta device (shapes only, no values)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _check_resettable(model: nn.Module) -> None:
+    """Refuse, before any work, a meta model that ``reset_parameters()`` cannot fully initialise."""
+    missing = [name or type(model).__name__ for name, module in model.named_modules()
+               if (module._parameters or module._buffers) and not callable(getattr(module, "reset_parameters", None))]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ConfigError(
+            f"ctx.wrap got a model built on the meta device, but {shown} hold(s) parameters or buffers and ha(s/ve) "
+            "no reset_parameters() to initialise them after materialisation (their values would be uninitialised "
+            "memory). Pass ctx.wrap(model, init=fn), where fn(model) initialises every parameter and buffer in "
+            "place, or give those modules a reset_parameters() method."
+        )
+
+
+@contextlib.contextmanager
+def _shard_rng(device: torch.device) -> Iterator[None]:
+    """On a CPU mesh DTensor's random ops draw each shard from the rank's own generator, and every rank's is
+    seeded alike, so every shard would get the same values: draw from a per-rank stream instead (the caller's
+    RNG state is restored afterwards). GPU meshes have DTensor's own offset-based tracker."""
+    if device.type != "cpu":
+        yield
+        return
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        rank = _rank()
+        torch.manual_seed((torch.initial_seed() * 1_000_003 + rank + 1) % (2**63))
+        yield
+
+
+def materialize(model: nn.Module, device: torch.device, *, init: Callable[[nn.Module], None] | None = None,
+                offload: bool = False) -> None:
+    """Give the (sharded) meta tensors of ``model`` real memory and initialise them, in place.
+
+    ``to_empty`` allocates each rank's shards only (on the CPU when offloading, where FSDP keeps them; buffers go
+    to ``device``), then ``init(model)``, or every submodule's ``reset_parameters()``, fills them.
+    """
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    with torch.no_grad(), _shard_rng(device):
+        if init is not None:
+            init(model)
+        else:
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+    if offload and device.type != "cpu":
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

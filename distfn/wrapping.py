@@ -6,7 +6,8 @@ Also the model conversions that go with wrapping (SyncBatchNorm). The FSDP polic
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ def wrap(
     device: torch.device,
     is_main: bool,
     sync_batchnorm: bool = False,
+    init: Callable[[nn.Module], None] | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """`model` on `device`, wrapped for `mode` (see `Context.wrap` for what each mode gets).
@@ -34,6 +36,8 @@ def wrap(
         device: this rank's device.
         is_main: whether this is rank 0 (the rank that warns).
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm first (ddp and fsdp modes).
+        init: fsdp mode, a model built on the meta device: initialises the materialised shards (see
+            `distfn.fsdp.wrap`).
         ddp_kwargs: `DistributedDataParallel` options (ddp), or `fsdp={...}` option overrides (fsdp).
     """
     if not isinstance(model, nn.Module):
@@ -47,7 +51,17 @@ def wrap(
             model = convert_sync_batchnorm(model, device, warn=is_main)
         # No model.to(device) first: fully_shard moves each unit to the device and shards it, one unit at a time,
         # so a rank never holds the whole model on its GPU (and cpu_offload keeps the GPU free of it).
-        return fsdp.wrap(model, fsdp.parse_options(fsdp.options(), **ddp_kwargs) or fsdp.options(), device)
+        options = fsdp.parse_options(fsdp.options(), **ddp_kwargs) or fsdp.options()
+        return fsdp.wrap(model, options, device, init=init)
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        raise ConfigError(
+            f"ctx.wrap got a model built on the meta device (no values), but mode={mode!r} keeps the whole model "
+            "on every rank: materialise it first, e.g. `model.to_empty(device=ctx.device)` and then "
+            "`model.reset_parameters()` (or your own init) for every submodule, or build it on the CPU; "
+            "mode='fsdp' accepts meta models and materialises only each rank's shards"
+        )
+    if init is not None:
+        raise ConfigError(f"ctx.wrap(model, init=...) is for meta-device models in mode='fsdp', not mode={mode!r}")
     model = model.to(device)
     if mode == "ddp":
         if sync_batchnorm:

@@ -258,3 +258,118 @@ def test_save_on_rank0_only_is_an_error_not_a_hang(job: tuple[dict, Path]) -> No
     assert ("ctx.load in mode='fsdp' must be called on every rank" in load["message"]
             or "while another rank is in ctx.load" in load["message"])
     assert load["seconds"] < 60
+
+
+# -- models built on the meta device (issue 14) --------------------------------------------------------------
+class MetaNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.a = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.bn = nn.BatchNorm1d(32)
+        self.b = nn.Linear(32, 4)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.b(self.bn(self.norm(self.a(self.emb(i)))))
+
+
+def _train_and_save(ctx, model: nn.Module, start: str, out: str) -> None:
+    ctx.load(start, into=model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model((torch.arange(8) + step + ctx.rank) % 10).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ctx.save(model, out)
+
+
+@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"min_params": 100})
+def _meta_job(cfg, ctx):
+    from safetensors.torch import load_file
+
+    ctx.save(MetaNet(), f"{cfg}/start.safetensors")  # a bare CPU-built model: rank 0 writes it
+    ctx.barrier()
+    with torch.device("meta"):
+        meta = MetaNet()
+    meta = ctx.wrap(meta)
+    local = {n: p.to_local().clone() for n, p in meta.named_parameters()}
+    ctx.save(meta, f"{cfg}/initialised.safetensors")
+    _train_and_save(ctx, meta, f"{cfg}/start.safetensors", f"{cfg}/meta.safetensors")
+    _train_and_save(ctx, ctx.wrap(MetaNet()), f"{cfg}/start.safetensors", f"{cfg}/cpu.safetensors")
+    ctx.barrier()
+    if not ctx.is_main:
+        return None
+    init = load_file(f"{cfg}/initialised.safetensors")
+    meta_w, cpu_w = load_file(f"{cfg}/meta.safetensors"), load_file(f"{cfg}/cpu.safetensors")
+    return {
+        "init": {k: v.tolist() for k, v in init.items()},
+        "local_a": local["a.weight"].tolist(),
+        "trained_equal": sorted(meta_w) == sorted(cpu_w) and all(torch.equal(meta_w[k], cpu_w[k]) for k in meta_w),
+        "trained": not torch.equal(meta_w["a.weight"], load_file(f"{cfg}/start.safetensors")["a.weight"]),
+    }
+
+
+@pytest.mark.slow
+def test_a_meta_model_is_sharded_then_materialised_and_initialised(tmp_path: Path) -> None:
+    result = _meta_job(str(tmp_path))
+    init = {k: torch.tensor(v) for k, v in result["init"].items()}
+    assert set(init) == set(MetaNet().state_dict())
+    # every parameter and buffer holds what reset_parameters() gives, not uninitialised memory
+    for name, fan_in in (("a", 16), ("b", 32)):
+        bound = 1 / fan_in**0.5
+        for kind in ("weight", "bias"):
+            t = init[f"{name}.{kind}"]
+            assert t.abs().max() <= bound and t.std() > bound / 4, name
+    assert torch.isfinite(init["emb.weight"]).all() and 0.5 < init["emb.weight"].std() < 1.5
+    for ones in ("norm.weight", "bn.weight", "bn.running_var"):
+        assert torch.equal(init[ones], torch.ones(32)), ones
+    for zeros in ("norm.bias", "bn.bias", "bn.running_mean", "bn.num_batches_tracked"):
+        assert not init[zeros].any(), zeros
+    # the two ranks' shards of a weight are drawn independently (not the same values twice)
+    assert init["a.weight"][:16].tolist() != init["a.weight"][16:].tolist()
+    assert len(result["local_a"]) == 16  # this rank held only its half
+    # from the same checkpoint, a meta-built and a CPU-built model train to identical weights
+    assert result["trained"] and result["trained_equal"]
+
+
+def test_a_meta_model_outside_fsdp_is_an_error_saying_how_to_materialise() -> None:
+    @distributed(mode="ddp", nprocs=1)
+    def job(cfg, ctx):
+        with torch.device("meta"):
+            model = MetaNet()
+        with pytest.raises(ConfigError, match=r"meta device.*to_empty\(device=ctx\.device\).*reset_parameters"):
+            ctx.wrap(model)
+        with pytest.raises(ConfigError, match="init="):
+            ctx.wrap(MetaNet(), init=lambda m: None)
+        return True
+
+    assert job()
+
+
+def test_a_meta_model_without_reset_parameters_needs_init() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.gain
+
+    @distributed(mode="fsdp", nprocs=1)
+    def job(cfg, ctx):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), Scale())
+        with pytest.raises(ConfigError, match=r"'1' hold\(s\) parameters.*init=fn"):
+            ctx.wrap(model)
+
+        def init(m: nn.Module) -> None:
+            m[0].reset_parameters()
+            m[1].gain.fill_(2.0)
+
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), Scale())
+        wrapped = ctx.wrap(model, init=init)
+        return wrapped[1].gain.full_tensor().tolist()
+
+    assert job() == [2.0] * 4
