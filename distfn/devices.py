@@ -8,19 +8,21 @@ safe to fork; `select_device` runs in each rank. `check_devices` is the one GPU-
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from loguru import logger
 
-from .errors import ConfigError, LauncherError
+from .errors import ConfigError, DistfnError, LauncherError
 from .topology import Topology
 
 __all__ = [
     "apply_visible_devices",
     "check_devices",
     "collective_device",
+    "counts_without_driver",
     "default_backend",
     "select_device",
     "visible_gpus",
@@ -37,11 +39,25 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def counts_without_driver() -> bool:
+    """Whether `visible_gpus` can count through NVML here, leaving the process safe to fork.
+
+    When NVML cannot count (no ``libnvidia-ml``, or MIG UUIDs in ``CUDA_VISIBLE_DEVICES``, which torch does not
+    map through NVML), ``torch.cuda.device_count()`` falls back to the CUDA runtime, which calls into the driver:
+    then distfn's own count is what makes fork unsafe, not the user's code.
+    """
+    if torch.version.cuda is None:
+        return True  # CPU and ROCm builds: nothing here calls the CUDA driver
+    count_nvml = getattr(torch.cuda, "_device_count_nvml", None)  # private; torch 2.13: -1 when NVML fails
+    return count_nvml is None or count_nvml() >= 0
+
+
 def apply_visible_devices(devices: tuple[int, ...] | None) -> None:
     """Restrict CUDA to ``devices`` through ``CUDA_VISIBLE_DEVICES`` (before CUDA is initialised).
 
-    The mapping is CUDA's own: with ``devices=(0, 5)`` the program sees ``cuda:0`` = physical GPU 0 and
-    ``cuda:1`` = physical GPU 5.
+    The ids are those ``nvidia-smi`` shows: distfn sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` when it is unset (CUDA's
+    own default order, fastest first, can differ on machines with mixed GPUs). With ``devices=(0, 5)`` the
+    program sees ``cuda:0`` = GPU 0 and ``cuda:1`` = GPU 5.
 
     Raises:
         ConfigError: CUDA is missing, already initialised with another mapping, or fewer GPUs are visible than
@@ -60,6 +76,8 @@ def apply_visible_devices(devices: tuple[int, ...] | None) -> None:
     if current is not None and current != wanted:
         logger.warning("devices={} replaces CUDA_VISIBLE_DEVICES={}", wanted, current)
     os.environ["CUDA_VISIBLE_DEVICES"] = wanted
+    # CUDA numbers GPUs fastest first unless told otherwise; devices= means the ids nvidia-smi shows (PCI order)
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     visible = visible_gpus()
     if visible == 0:
         raise ConfigError(
@@ -79,7 +97,7 @@ def select_device(mode: str, topology: Topology, backend: str | None) -> torch.d
     With NCCL (the default on GPUs) two ranks cannot share a GPU, so more ranks on a node than visible GPUs is
     an error naming the fix, unless the launcher binds one GPU per task (``srun --gpus-per-task=1``).
     """
-    if not torch.cuda.is_available():
+    if not _cuda_usable():
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if mode == "dp":
@@ -87,6 +105,29 @@ def select_device(mode: str, topology: Topology, backend: str | None) -> torch.d
     if backend is None or "nccl" in backend.lower():
         check_devices(topology, count, env=os.environ)
     return torch.device("cuda", topology.local_rank % count)
+
+
+def _cuda_usable() -> bool:
+    """Whether this process can use CUDA; an error when NVML counts GPUs that CUDA cannot start.
+
+    Falling back to the CPU there would train on the CPU with gloo without a word, although the machine has GPUs
+    (seen after a fork once CuPy, JAX or Numba had started the driver, which distfn's fork probe cannot see).
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            return True
+    counted = torch.cuda.device_count()  # NVML's count (what the launching process used to size the job)
+    if counted <= 0:
+        return False
+    why = "; ".join(str(w.message).strip() for w in caught) or "torch.cuda.is_available() is False"
+    raise DistfnError(
+        f"NVML sees {counted} GPU(s) but this process cannot start CUDA ({why}), and training on the CPU instead "
+        "would be a silent surprise. Common causes: the workers were forked after a library (CuPy, JAX, Numba, "
+        "...) called into the CUDA driver in the launching process (use start_method='spawn', or import it "
+        f"inside the function), or an NVIDIA driver too old for torch's CUDA {torch.version.cuda}. To run on the "
+        "CPU on purpose, set CUDA_VISIBLE_DEVICES=''."
+    )
 
 
 def default_backend(device: torch.device) -> str:
@@ -100,7 +141,9 @@ def check_devices(topology: Topology, device_count: int, *, env: Mapping[str, st
     Rank ``r`` uses device ``local_rank % device_count``, and NCCL cannot run two ranks on one GPU. The one
     exception is a launcher that binds GPUs per task: under ``srun --gpus-per-task=1`` every task sees exactly
     its own GPU (``SLURM_STEP_GPUS`` set, one visible device), so ``device_count < local_world_size`` is
-    expected there and device 0 is right for each task.
+    expected there and device 0 is right for each task. Slurm sets ``SLURM_STEP_GPUS`` for every GPU step,
+    though (``--ntasks-per-node=8 --gpus-per-node=4`` too, where each task sees all 4), so it exempts a task
+    only when that task sees exactly one GPU.
 
     Args:
         topology: this process's topology.
@@ -112,8 +155,9 @@ def check_devices(topology: Topology, device_count: int, *, env: Mapping[str, st
     """
     if device_count <= 0 or topology.local_world_size <= device_count:
         return
-    if env is not None and topology.launcher == "slurm" and env.get("SLURM_STEP_GPUS", "").strip():
-        return
+    slurm_binds = env is not None and topology.launcher == "slurm" and bool(env.get("SLURM_STEP_GPUS", "").strip())
+    if slurm_binds and device_count == 1:
+        return  # srun --gpus-per-task=1: Slurm set CUDA_VISIBLE_DEVICES of each task to its own GPU
     visible = ""
     if env is not None and "CUDA_VISIBLE_DEVICES" in env:
         visible = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r})"

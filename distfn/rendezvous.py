@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import torch
 import torch.distributed as dist
 
 from .errors import LauncherError
@@ -24,6 +25,7 @@ __all__ = [
     "free_port",
     "init_method_url",
     "init_process_group",
+    "leave_process_group",
     "resolve_mpi_rendezvous",
     "resolve_rendezvous",
     "routable_address",
@@ -127,11 +129,20 @@ def init_process_group(
     *,
     store: Any = None,
     init_method: str | None = None,
+    device: torch.device | None = None,
 ) -> None:
-    """Join the job's default process group (rendezvous through ``store`` when the launcher made one)."""
+    """Join the job's default process group (rendezvous through ``store`` when the launcher made one).
+
+    ``device``, the rank's own device, is bound to the group when it is a CUDA device (``device_id=``): NCCL then
+    creates its communicator there at once, and ``barrier()`` uses it rather than guessing
+    ``global_rank % local_device_count`` (which, with ranks not numbered node by node, opens contexts on GPUs the
+    rank does not own: "Duplicate GPU detected").
+    """
     kwargs: dict[str, Any] = dict(
         backend=backend, rank=topology.rank, world_size=topology.world_size, timeout=timeout
     )
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device
     if store is None and init_method is None and topology.launcher == "torchrun":
         store = torchrun_store(timeout)
     if store is not None and init_method is None:
@@ -139,3 +150,24 @@ def init_process_group(
     else:
         kwargs["init_method"] = init_method_url(topology, init_method)
     dist.init_process_group(**kwargs)
+
+
+def leave_process_group(*, failed: bool) -> None:
+    """Leave the default process group: destroy it after a normal end, abort it after a failure.
+
+    NCCL's destroy is the normal-exit path and waits for pending work, so a rank that raised with a collective in
+    flight would sit there until the watchdog kills it (SIGABRT), and its own exception would be lost. Aborting
+    returns at once; the failure has been reported before this is called (`distfn.worker.run`).
+    """
+    if not dist.is_initialized():
+        return
+    # torch 2.13 has no public abort; _abort_process_group is what torchtitan and torch's own elastic tests use
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if failed and abort is not None:
+        try:
+            abort()
+            return
+        except Exception:  # noqa: BLE001 - a backend without abort: the plain destroy below
+            if not dist.is_initialized():
+                return
+    dist.destroy_process_group()

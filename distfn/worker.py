@@ -105,11 +105,32 @@ def size_thread_pool(local_world_size: int) -> str:
     return f"{threads} CPU thread(s) per process ({cpus} CPUs / {local_world_size} processes on this node)"
 
 
-def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None) -> Any:
-    """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always destroyed."""
+def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any) -> str:
+    """Start this rank's process group; returns its backend."""
+    backend = opts.backend or devices.default_backend(device)
+    if opts.mode == "fsdp":  # cpu_offload on GPUs needs gloo beside NCCL (fsdp.required_backend)
+        from . import fsdp  # deferred: fsdp imports torch._dynamo (~1.5 s); only fsdp jobs pay for it
+
+        backend = fsdp.required_backend(opts.fsdp, backend)
+    if store is None and topology.launcher == "local" and opts.init_method is None:
+        store = dist.HashStore()  # a world of one needs no network at all
+    rendezvous.init_process_group(topology, backend, opts.timeout, store=store, init_method=opts.init_method,
+                                  device=device)
+    return backend
+
+
+def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
+        report: Callable[[BaseException], None] | None = None) -> Any:
+    """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always left.
+
+    A failure is reported before the process group is torn down (aborted, not destroyed: NCCL's destroy waits
+    for pending work, see `distfn.rendezvous.leave_process_group`): through ``report`` when given (the spawn
+    entry passes its pipe to the launching process), else, under torchrun / srun / mpirun, by
+    `distfn.failures.report_in_place`.
+    """
     mark_active(True)
     log = logs.setup(topology.rank, topology.world_size)
-    started_group = False
+    started_group = failed = False
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
     stop_handlers = preemption.install(opt_in=preemption.polls(fn))
     try:
@@ -121,18 +142,10 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             seed_everything(opts.seed)
         backend: str | None = None
         if opts.multi_rank:
-            backend = opts.backend or devices.default_backend(device)
-            if opts.mode == "fsdp":  # cpu_offload on GPUs needs gloo beside NCCL (fsdp.required_backend)
-                from . import fsdp  # deferred: fsdp imports torch._dynamo (~1.5 s); only fsdp jobs pay for it
-
-                backend = fsdp.required_backend(opts.fsdp, backend)
-            if store is None and topology.launcher == "local" and opts.init_method is None:
-                store = dist.HashStore()  # a world of one needs no network at all
-            rendezvous.init_process_group(topology, backend, opts.timeout, store=store,
-                                          init_method=opts.init_method)
+            backend = _join_group(opts, topology, device, store)
             started_group = True
             if opts.mode == "fsdp":  # sharded like ddp needs the group; plus the ctx.save check-in bookkeeping
-                from . import fsdp  # deferred: fsdp imports torch._dynamo (~1.5 s); only fsdp jobs pay for it
+                from . import fsdp  # deferred: see _join_group
 
                 fsdp.begin(topology.rank, topology.world_size, opts.fsdp)
         if topology.rank == 0:
@@ -155,7 +168,10 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         )
         return fn(cfg, ctx)
     except BaseException as exc:
-        if topology.launcher not in ("spawn", "local"):
+        failed = True
+        if report is not None:
+            report(exc)
+        elif topology.launcher not in ("spawn", "local"):
             # torchrun / srun / mpirun: no distfn parent collects the failure, so this rank reports it itself
             failures.report_in_place(topology.rank, exc)
         raise
@@ -164,8 +180,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             from . import fsdp  # deferred: see above
 
             fsdp.finish()  # ranks waiting in an fsdp ctx.save learn that this one will never join it
-        if started_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if started_group:
+            rendezvous.leave_process_group(failed=failed)
         logs.teardown()
         preemption.restore_handlers(stop_handlers)
         mark_active(False)

@@ -3,11 +3,20 @@ right where GPUs exist."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from distfn import LauncherError
-from distfn.devices import check_devices, collective_device, default_backend, select_device
+from distfn import DistfnError, LauncherError
+from distfn.devices import (
+    apply_visible_devices,
+    check_devices,
+    collective_device,
+    counts_without_driver,
+    default_backend,
+    select_device,
+)
 from distfn.topology import Topology
 
 
@@ -88,3 +97,51 @@ def test_default_backend() -> None:
 def test_collective_device(backend: str | None, expected: str | None) -> None:
     got = collective_device(backend, torch.device("cuda", 1))
     assert got == (None if expected is None else torch.device(expected))
+
+
+# -- issue 20: the GPU paths, with CUDA faked ---------------------------------------------------------------
+def test_slurm_step_gpus_exempts_only_a_task_that_sees_one_gpu() -> None:
+    """--ntasks-per-node=4 --gpus-per-node=2: Slurm sets SLURM_STEP_GPUS, but each task sees both GPUs."""
+    t = _topo(3, 4, launcher="slurm")
+    with pytest.raises(LauncherError, match="4 ranks on node 0"):
+        check_devices(t, 2, env={"SLURM_STEP_GPUS": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"})
+    check_devices(t, 1, env={"SLURM_STEP_GPUS": "1", "CUDA_VISIBLE_DEVICES": "1"})  # --gpus-per-task=1
+
+
+def test_gpus_that_cuda_cannot_start_are_an_error_not_a_cpu_run(gpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML counts 2 GPUs, CUDA cannot start (a fork after CuPy/JAX started the driver): no silent CPU run."""
+    import warnings
+
+    def unavailable() -> bool:
+        warnings.warn("CUDA initialization: unexpected error from cudaGetDeviceCount()", UserWarning, stacklevel=1)
+        return False
+
+    gpus(2)
+    monkeypatch.setattr(torch.cuda, "is_available", unavailable)
+    with pytest.raises(DistfnError) as err:
+        select_device("ddp", _topo(0, 2), None)
+    msg = str(err.value)
+    assert "NVML sees 2 GPU(s)" in msg and "cudaGetDeviceCount" in msg
+    assert "start_method='spawn'" in msg and "CUDA_VISIBLE_DEVICES=''" in msg
+
+
+def test_counting_gpus_without_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    assert counts_without_driver()
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # MIG UUIDs, no libnvidia-ml
+    assert not counts_without_driver()
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build never calls the driver
+    assert counts_without_driver()
+
+
+def test_devices_use_nvidia_smi_numbering(gpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus(2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    apply_visible_devices((1, 0))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,0" and os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")  # the user's explicit choice stays
+    apply_visible_devices((0,))
+    assert os.environ["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_python
+from conftest import clean_env, run_python
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs CUDA GPUs")]
@@ -139,3 +139,100 @@ def test_dp_replicas_run_in_bf16(tmp_path: Path) -> None:
     done = run_python([str(script)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RESULT torch.bfloat16" in done.stdout
+
+
+# -- process group and devices on real GPUs (issue 20 items 3, 4, 8 and CUDA_DEVICE_ORDER) --------------------
+_FAIL_IN_FLIGHT = """
+import time, torch, torch.distributed as dist
+from distfn import distributed
+
+@distributed(nprocs=2, timeout=60)
+def f(cfg, ctx):
+    if ctx.rank == 0:
+        dist.all_reduce(torch.ones(2**26, device=ctx.device))  # rank 1 never joins: still in flight on rank 0
+        raise ValueError("boom with a collective in flight")
+    time.sleep(120)
+
+if __name__ == "__main__":
+    t0 = time.monotonic()
+    try:
+        f()
+    except Exception as exc:
+        print("RAISED", type(exc).__name__, round(time.monotonic() - t0), str(exc).splitlines()[0])
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_failure_with_a_collective_in_flight_is_reported_at_once(tmp_path: Path) -> None:
+    """The rank reports, then aborts its NCCL group; destroying it would wait for the watchdog (60 s here)."""
+    script = tmp_path / "in_flight.py"
+    script.write_text(_FAIL_IN_FLIGHT)
+    done = run_python([str(script)], timeout=240)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RAISED"))
+    _, kind, seconds, *_ = line.split(maxsplit=3)
+    assert kind == "WorkerError" and "ValueError" in line and "boom with a collective in flight" in line, done.stderr
+    assert int(seconds) < 45, line  # well before the 60 s watchdog
+
+
+_BOUND = """
+import warnings, torch, torch.distributed as dist
+from distfn import distributed
+
+@distributed(nprocs=1, backend="nccl")
+def f(cfg, ctx):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx.barrier()
+    bound = dist.distributed_c10d._get_default_group().bound_device_id
+    return str(bound), str(ctx.device), [str(w.message) for w in caught if "barrier" in str(w.message)]
+
+if __name__ == "__main__":
+    print("RESULT", f())
+"""
+
+
+def test_the_rank_device_is_bound_to_the_process_group(tmp_path: Path) -> None:
+    """init_process_group(device_id=...): barrier() uses the rank's GPU, not global_rank % device_count."""
+    script = tmp_path / "bound.py"
+    script.write_text(_BOUND)
+    done = run_python([str(script)], timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT ('cuda:0', 'cuda:0', [])" in done.stdout
+
+
+_DRIVER_BEFORE_FORK = """
+import ctypes, os
+ctypes.CDLL("libcuda.so.1").cuInit(0)  # what CuPy, JAX or Numba do: the driver runs, torch knows nothing of it
+pid = os.fork()
+if pid == 0:
+    from distfn.devices import select_device
+    from distfn.topology import Topology
+    try:
+        print("DEVICE", select_device("ddp", Topology.local(), None), flush=True)
+    except Exception as exc:
+        print("ERROR", type(exc).__name__, str(exc)[:200], flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_gpus_that_a_forked_rank_cannot_use_are_an_error(tmp_path: Path) -> None:
+    """A fork after another library started the CUDA driver: a clear error, not a silent CPU run."""
+    script = tmp_path / "driver_before_fork.py"
+    script.write_text(_DRIVER_BEFORE_FORK)
+    done = run_python([str(script)], timeout=120)
+    assert "ERROR DistfnError NVML sees" in done.stdout, done.stdout + done.stderr
+
+
+def test_devices_follow_nvidia_smi_numbering(tmp_path: Path) -> None:
+    script = tmp_path / "order.py"
+    script.write_text(
+        "import os\nfrom distfn import distributed\n"
+        "@distributed(mode='single', devices='0')\ndef f(cfg, ctx):\n"
+        "    return os.environ.get('CUDA_DEVICE_ORDER'), str(ctx.device)\n"
+        "if __name__ == '__main__':\n    print('RESULT', f())\n"
+    )
+    env = {k: v for k, v in clean_env().items() if k != "CUDA_DEVICE_ORDER"}
+    done = run_python([str(script)], env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT ('PCI_BUS_ID', 'cuda:0')" in done.stdout

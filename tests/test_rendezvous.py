@@ -9,11 +9,15 @@ from typing import Any
 
 import attrs
 import pytest
+import torch
+import torch.distributed as dist
 
 from distfn.errors import LauncherError
 from distfn.rendezvous import (
     free_port,
     init_method_url,
+    init_process_group,
+    leave_process_group,
     resolve_mpi_rendezvous,
     resolve_rendezvous,
     routable_address,
@@ -82,3 +86,38 @@ def test_torchrun_store_only_with_the_agent_store() -> None:
     assert torchrun_store(timeout, {}) is None
     assert torchrun_store(timeout, {"TORCHELASTIC_USE_AGENT_STORE": "False", "MASTER_ADDR": "127.0.0.1",
                                     "MASTER_PORT": "29500"}) is None
+
+
+def test_a_cuda_device_is_bound_to_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device_id= makes NCCL use the rank's GPU for barrier() too (torch 2.13 distributed_c10d.barrier)."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    timeout = datetime.timedelta(seconds=5)
+    topo = Topology.self_spawned(1, 2, 29400)
+    init_process_group(topo, "nccl", timeout, store=object(), device=torch.device("cuda", 1))
+    init_process_group(topo, "gloo", timeout, store=object(), device=torch.device("cpu"))
+    init_process_group(topo, "gloo", timeout, store=object())
+    assert calls[0]["device_id"] == torch.device("cuda", 1)
+    assert "device_id" not in calls[1] and "device_id" not in calls[2]
+
+
+def _one_rank_group() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def test_leaving_after_a_failure_aborts_instead_of_destroying(monkeypatch: pytest.MonkeyPatch) -> None:
+    destroyed: list[bool] = []
+    real_destroy = dist.destroy_process_group
+
+    def destroy(*args: Any) -> None:
+        destroyed.append(True)
+        real_destroy(*args)
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy)
+    _one_rank_group()
+    leave_process_group(failed=True)  # NCCL's destroy would wait for the collective still in flight
+    assert not dist.is_initialized() and destroyed == []
+    _one_rank_group()
+    leave_process_group(failed=False)
+    assert not dist.is_initialized() and destroyed == [True]
+    leave_process_group(failed=False)  # no group: nothing to do

@@ -5,12 +5,17 @@ from __future__ import annotations
 import multiprocessing
 import random
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 import torch
+import torch.distributed as dist
 
 import distfn
-from distfn import worker
+from distfn import failures, rendezvous, worker
+from distfn.options import Options
+from distfn.topology import Topology
 
 from conftest import ROOT, run_python
 
@@ -76,3 +81,34 @@ def test_an_argparse_example_under_the_legacy_launcher(tmp_path: Path, use_env: 
     assert "unrecognized arguments" not in done.stderr
     assert done.stdout.count("done: 16 optimizer steps") == 2  # both ranks trained with the parsed arguments
     assert "launcher: torchrun" in done.stderr
+
+
+# -- a failure is reported before the process group is torn down (aborted, not destroyed) -------------------
+def test_a_failure_is_reported_before_the_group_is_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[Any] = []
+    real_leave = rendezvous.leave_process_group
+
+    def leave(*, failed: bool) -> None:
+        events.append(("leave", failed, dist.is_initialized()))
+        real_leave(failed=failed)
+
+    def boom(cfg: Any, ctx: Any) -> None:
+        raise ValueError("boom")
+
+    monkeypatch.setattr(rendezvous, "leave_process_group", leave)
+    monkeypatch.setattr(failures, "report_in_place", lambda rank, exc: events.append(("in place", rank, str(exc))))
+    opts = Options(mode="ddp", backend="gloo")
+    # the spawn entry's hook (its pipe to the launching process)
+    with pytest.raises(ValueError, match="boom"):
+        worker.run(boom, None, opts, Topology.local(), report=lambda exc: events.append(("hook", str(exc))))
+    assert events == [("hook", "boom"), ("leave", True, True)]
+    # srun / torchrun / mpirun: the rank reports itself
+    events.clear()
+    srun = attrs.evolve(Topology.self_spawned(0, 1, 29400), launcher="slurm", reason="test")
+    with pytest.raises(ValueError, match="boom"):
+        worker.run(boom, None, opts, srun, store=dist.HashStore())
+    assert events == [("in place", 0, "boom"), ("leave", True, True)]
+    # a normal end destroys the group as before
+    events.clear()
+    assert worker.run(lambda cfg, ctx: ctx.rank, None, opts, Topology.local()) == 0
+    assert events == [("leave", False, True)] and not dist.is_initialized()
