@@ -385,8 +385,7 @@ class Context:
             if not isinstance(obj, Mapping):
                 raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
                                   "{'model': model, 'optimizer': opt, 'step': step}")
-            states = collectives.gather_object(checkpoint.rng_state())
-            obj = {**obj, "rng": checkpoint.combine_rng_states(states)}
+            obj = {**obj, "rng": checkpoint.gather_rng_states()}  # checks in first: a rank-0-only call fails fast
 
         if self.mode == "fsdp":
             from . import fsdp

@@ -5,22 +5,35 @@ tensors and JSON-able values, so they can be saved in a checkpoint. `RNG` is a s
 process's generators" to put in a training state. For one state per rank, the caller gathers `rng_state` from
 every rank and saves `combine_rng_states` of the list; on load, `rng_state_for_rank` picks a rank's state.
 
-Nothing here does a collective or touches a file: `Context.save(..., rng=True)` gathers, the checkpoint package
-writes.
+`gather_rng_states` is the one collective here (`Context.save(..., rng=True)` calls it on every rank): it first
+checks in through the process group's store, so a call on rank 0 only (under ``if ctx.is_main:``) fails within
+seconds with a `CheckpointError` naming ``rng=True`` instead of hanging in the gather until the collective
+timeout. Nothing here touches a file: the checkpoint package writes.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
+import torch.distributed as dist
 from loguru import logger
 
+from . import collectives
 from .errors import CheckpointError
 
-__all__ = ["RNG", "combine_rng_states", "rng_state", "rng_state_for_rank", "set_rng_state"]
+__all__ = ["RNG", "combine_rng_states", "gather_rng_states", "rng_state", "rng_state_for_rank", "set_rng_state"]
+
+#: Seconds rank 0 waits in `gather_rng_states` for the other ranks to arrive before it calls the mistake an error
+#: (``DISTFN_RNG_SAVE_WAIT`` overrides). Ranks leave their last collective together, so a correct program's ranks
+#: arrive within moments of each other; the wait only has to cover work some rank does alone before saving.
+DEFAULT_GATHER_WAIT: Final = 20.0
+_GATHERS = itertools.count(1)  # this process's rng=True saves: the same sequence on every rank
 
 _PARTS: Final = ("python", "torch", "numpy", "cuda")
 
@@ -158,3 +171,53 @@ class _RNG:
 
 #: This process's generators, as a stateful object for a training state (see `_RNG`).
 RNG: Final = _RNG()
+
+
+def gather_rng_states(what: str = "ctx.save(..., rng=True)", wait: float | None = None) -> dict[str, Any]:
+    """Every rank's `rng_state`, combined (`combine_rng_states`): call it on every rank.
+
+    Before the gather (a collective) every rank checks in through the process group's key-value store. Rank 0
+    waits at most ``wait`` seconds for the others (default `DEFAULT_GATHER_WAIT`, or ``DISTFN_RNG_SAVE_WAIT``);
+    if some never arrive, the usual cause is a call under ``if ctx.is_main:``, and it raises `CheckpointError`
+    saying so instead of hanging in the gather for the collective timeout. Without a process group it returns
+    this process's state alone.
+
+    Args:
+        what: the call to name in the error.
+        wait: seconds rank 0 waits for the others.
+
+    Raises:
+        CheckpointError: some rank did not arrive within ``wait`` seconds.
+    """
+    if not collectives.active():
+        return combine_rng_states([rng_state()])
+    _check_in(what, float(os.environ.get("DISTFN_RNG_SAVE_WAIT", DEFAULT_GATHER_WAIT)) if wait is None else wait)
+    return combine_rng_states(collectives.gather_object(rng_state()))
+
+
+def _check_in(what: str, wait: float) -> None:
+    try:
+        store = dist.distributed_c10d._get_default_store()  # private, but stable since torch 1.x
+    except (AttributeError, RuntimeError):
+        return  # no store to check in with: the gather alone
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = f"distfn/rng-save/{next(_GATHERS)}"
+    if store.add(key, 1) >= world:
+        store.set(key + "/all", "1")  # the last to arrive releases the others
+        return
+    if rank != 0:  # rank 0 may legitimately arrive late (evaluation, logging); it does the timing out
+        store.wait([key + "/all"])
+        return
+    deadline = time.monotonic() + wait
+    pause = 0.001
+    while not store.check([key + "/all"]):
+        if time.monotonic() >= deadline:
+            missing = world - int(store.add(key, 0))
+            raise CheckpointError(
+                f"{what} must be called on every rank: gathering every rank's random generator states is a "
+                f"collective, and rank 0 waited {wait:g} s for {missing} other rank(s) that never called it. Call "
+                f"it on every rank (not under `if ctx.is_main:`; only rank 0 writes the file), or drop rng=True. "
+                "If some rank legitimately arrives much later, raise DISTFN_RNG_SAVE_WAIT (seconds)."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pathlib
 import random
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ import torch
 
 from distfn import checkpoint
 from distfn.errors import CheckpointError
+
+from conftest import clean_env, run_python
 
 
 def test_rng_state_round_trip_through_a_file(tmp_path: pathlib.Path) -> None:
@@ -55,3 +59,44 @@ def test_per_rank_rng_states(tmp_path: pathlib.Path) -> None:
     assert checkpoint.rng_state_for_rank(single, 1, 2) is single
     with pytest.raises(CheckpointError, match="not an RNG state"):
         checkpoint.set_rng_state({"model": 1})
+
+
+_RANK0_ONLY = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+    from distfn import distributed
+
+    @distributed(mode="ddp", nprocs=2, seed=0)
+    def job(cfg, ctx):
+        model = ctx.wrap(nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(50):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if ctx.is_main and step == 2:  # the documented habit, wrong with rng=True: a collective inside
+                ctx.save({"model": model, "step": step}, cfg["path"], rng=True)
+        return "finished"
+
+    if __name__ == "__main__":
+        print(job({"path": sys.argv[1]}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_rank0_only_save_with_rng_fails_fast_naming_rng(tmp_path: pathlib.Path) -> None:
+    """Issue 18 item 4: this used to hang for the whole collective timeout (30 min) and then blame gloo."""
+    script = tmp_path / "rank0_only.py"
+    script.write_text(_RANK0_ONLY)
+    env = {**clean_env(), "DISTFN_RNG_SAVE_WAIT": "3"}
+    start = time.monotonic()
+    proc = run_python([str(script), str(tmp_path / "ckpt-2.safetensors")], env=env, timeout=150)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout
+    assert "CheckpointError" in proc.stderr and "rng=True" in proc.stderr, proc.stderr[-3000:]
+    assert "if ctx.is_main:" in proc.stderr
+    assert elapsed < 90, f"took {elapsed:.0f} s"
+    assert not (tmp_path / "ckpt-2.safetensors").exists()

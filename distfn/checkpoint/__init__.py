@@ -27,7 +27,7 @@ from loguru import logger
 
 from ..errors import CheckpointError
 from ..modules import unwrap_module
-from ..rng import RNG, combine_rng_states, rng_state, rng_state_for_rank, set_rng_state
+from ..rng import RNG, combine_rng_states, gather_rng_states, rng_state, rng_state_for_rank, set_rng_state
 from . import format as fmt
 from . import storage
 from .files import latest, rotate, step_of
@@ -36,6 +36,7 @@ from .restore import load_into
 __all__ = [
     "RNG",
     "combine_rng_states",
+    "gather_rng_states",
     "latest",
     "load",
     "load_into",
