@@ -101,10 +101,26 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _own_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy when it is a view of a larger storage (pickle sends a tensor's whole storage: a
+    2-element slice of a 400 MB tensor would carry 400 MB)."""
+    if tensor.layout != torch.strided or tensor.is_nested:
+        return tensor
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def compact_views(value: Any) -> Any:
+    """``value`` with every tensor inside that views a larger storage replaced by a copy of just its bytes, for
+    sending to another process (`cfg` under spawn/forkserver)."""
+    return tree_map(lambda v: _own_bytes(v) if isinstance(v, torch.Tensor) else v, value)
+
+
 def to_cpu(value: Any) -> Any:
-    """``value`` with every tensor inside (dicts, lists, tuples, namedtuples, dict subclasses) detached and on
-    the CPU; containers keep their types (`distfn.tree.tree_map`)."""
-    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
+    """``value`` with every tensor inside (dicts, lists, tuples, namedtuples, dict subclasses) detached, on the
+    CPU and holding only its own bytes; containers keep their types (`distfn.tree.tree_map`)."""
+    return tree_map(lambda v: _own_bytes(v.detach().cpu()) if isinstance(v, torch.Tensor) else v, value)
 
 
 def _entry(
@@ -523,6 +539,7 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
         logger.trace("starting {} workers with fork: {}", nprocs, reason)
     else:
         logger.info("starting {} workers with {}: {}", nprocs, method, reason)
+        cfg = compact_views(cfg)  # travels by pickle: a view must not carry its whole storage
         fn = preflight.sendable(fn)
         preflight.check_picklable(fn, cfg, method)
     group = WorkerGroup(method, nprocs, opts)

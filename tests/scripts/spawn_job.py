@@ -3,7 +3,7 @@
 Usage: python spawn_job.py CASE [START_METHOD]   (prints one JSON line describing what the caller got)
 
 Cases: ``namedtuple`` (rank 0 returns a namedtuple and an OrderedDict holding tensors that require grad),
-``view`` (rank 0 returns a 2-element slice of a 40 MB tensor).
+``view`` (cfg holds a 2-element slice of a 40 MB tensor, and rank 0 returns one: only their bytes travel).
 """
 
 import collections
@@ -21,9 +21,10 @@ def body(cfg, ctx):
     if cfg == "namedtuple":
         w = torch.ones(3, requires_grad=True)
         return Result(loss=(w * 2).sum(), weights=collections.OrderedDict(w=w * 3))
-    if cfg == "view":
+    if isinstance(cfg, dict) and cfg["case"] == "view":
         big = torch.arange(10_000_000, dtype=torch.float32)  # 40 MB
-        return big[ctx.rank:ctx.rank + 2]
+        return {"cfg": cfg["tensor"].tolist(), "cfg_bytes": cfg["tensor"].untyped_storage().nbytes(),
+                "view": big[ctx.rank + 1:ctx.rank + 3]}
     raise ValueError(cfg)
 
 
@@ -32,11 +33,16 @@ def describe(value):
         return {"type": type(value).__name__, "inner": type(value.weights).__name__,
                 "loss": value.loss.item(), "grad": [value.loss.requires_grad, value.weights["w"].requires_grad],
                 "devices": [value.loss.device.type, value.weights["w"].device.type]}
-    return {"values": value.tolist(), "storage_bytes": value.untyped_storage().nbytes()}
+    view = value["view"]
+    return {"cfg": value["cfg"], "cfg_bytes": value["cfg_bytes"], "values": view.tolist(),
+            "storage_bytes": view.untyped_storage().nbytes()}
 
 
 if __name__ == "__main__":
     cfg_case = sys.argv[1]
     method = sys.argv[2] if len(sys.argv) > 2 else "auto"
     job = distributed(nprocs=2, start_method=method, timeout=60)(body)
-    print(json.dumps(describe(job(cfg_case))), flush=True)
+    cfg = cfg_case
+    if cfg_case == "view":
+        cfg = {"case": "view", "tensor": torch.arange(10_000_000, dtype=torch.float32)[3:5]}
+    print(json.dumps(describe(job(cfg))), flush=True)
