@@ -70,6 +70,9 @@ def _cuda_blocks_fork() -> str | None:
         except BaseException:  # noqa: BLE001 - whatever happens, the child must not return
             os._exit(2)
     _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) == 1 and not devices.counts_without_driver():
+        return ("NVML cannot count the GPUs here (no libnvidia-ml, or MIG UUIDs in CUDA_VISIBLE_DEVICES), so counting "
+                "them had to call into the CUDA driver, after which forked workers cannot use CUDA")
     if os.waitstatus_to_exitcode(status) == 1:
         return ("this process already called into the CUDA driver (e.g. torch.cuda.is_available()), after which "
                 "forked workers cannot use CUDA; count GPUs with torch.cuda.device_count() before the call to "

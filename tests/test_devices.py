@@ -145,3 +145,17 @@ def test_devices_use_nvidia_smi_numbering(gpus, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")  # the user's explicit choice stays
     apply_visible_devices((0,))
     assert os.environ["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+
+
+def test_the_fork_probe_does_not_blame_the_user_when_nvml_cannot_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML failed, so distfn's own GPU count called the CUDA driver: the reason says so."""
+    from distfn import preflight
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # MIG UUIDs, or no libnvidia-ml
+    monkeypatch.setattr(preflight, "BASELINE_THREADS", preflight.thread_ids())
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)  # the child sees the driver call
+    method, reason = preflight.choose_start_method("auto")
+    assert method != "fork" and "NVML cannot count the GPUs here" in reason
+    assert "torch.cuda.is_available()" not in reason  # the user did not call it

@@ -17,6 +17,7 @@ from distfn import ConfigError, distributed, preflight
 def test_fork_refused_after_a_cuda_driver_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)  # NVML counted them (no driver call)
     monkeypatch.setattr(preflight, "BASELINE_THREADS", preflight.thread_ids())
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)  # what a child sees after is_available()
     method, reason = preflight.choose_start_method("auto")
