@@ -42,6 +42,19 @@ _PEER_LOSS = re.compile(r"connection closed by peer|connection reset by peer|bro
 _TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|deadline exceeded", re.IGNORECASE)
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder naming the type when the exception's own ``__str__`` raises (the report
+    must still reach the user with the rank, the type and the traceback)."""
+    try:
+        return str(exc)
+    except Exception as err:  # noqa: BLE001 - any failure of user code in __str__
+        try:
+            detail = f"{type(err).__name__}: {err}"
+        except Exception:  # noqa: BLE001
+            detail = type(err).__name__
+        return f"<str() of {type(exc).__qualname__} raised {detail}>"
+
+
 @attrs.frozen
 class Failure:
     """One worker's failure: where it happened and why."""
@@ -80,7 +93,7 @@ class Failure:
             host=socket.gethostname(),
             pid=os.getpid(),
             exc_type=type(exc).__qualname__,
-            message=str(exc),
+            message=exception_text(exc),
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         )
 
@@ -121,20 +134,21 @@ def report_in_place(rank: int, exc: BaseException) -> None:
     the root cause. The caller re-raises, so the process exits non-zero and the launcher tears the job down.
     A stop from outside (SIGTERM, Ctrl-C) is not a root cause: one warning line, no error file.
     """
+    message = exception_text(exc)
     if isinstance(exc, (Terminated, KeyboardInterrupt)) or (isinstance(exc, SystemExit) and not exc.code):
-        logger.warning("rank {} stopped: {}: {}", rank, type(exc).__name__, exc)
+        logger.warning("rank {} stopped: {}: {}", rank, type(exc).__name__, message)
         return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    logger.error("rank {} failed with {}: {}\n{}", rank, type(exc).__qualname__, exc, text.rstrip())
+    logger.error("rank {} failed with {}: {}\n{}", rank, type(exc).__qualname__, message, text.rstrip())
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     stamp = int(time.time())
-    if _PEER_LOSS.search(str(exc)):
+    if _PEER_LOSS.search(message):
         # torchrun names the failure with the smallest timestamp (whole seconds, ties go to the lowest rank):
         # losing a peer is a consequence of that peer's failure, so it must sort after it
         stamp += 1
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+    data = {"message": {"message": f"{type(exc).__name__}: {message}",
                         "extraInfo": {"py_callstack": text, "timestamp": str(stamp)}}}
     try:
         with open(path, "w", encoding="utf-8") as f:

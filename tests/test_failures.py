@@ -64,3 +64,23 @@ def test_root_cause_ordering() -> None:
     assert failures.order_failures([peer, own, death]) == [death, own, peer]
     err = distfn.WorkerError([own, peer])
     assert str(err).startswith("rank 1 (pid 1 on") and "1 other rank(s) failed after it" in str(err)
+
+
+class _BadStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_a_failure_is_recorded_when_the_exception_cannot_be_printed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        raise _BadStr("lost")
+    except _BadStr as exc:
+        f = failures.Failure.from_exception(2, exc)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+        failures.report_in_place(2, exc)
+    assert f.exc_type == "_BadStr" and f.message == "<str() of _BadStr raised RuntimeError: no text>"
+    assert f.headline().endswith("failed with _BadStr: <str() of _BadStr raised RuntimeError: no text>")
+    assert 'raise _BadStr("lost")' in f.traceback
+    written = json.loads((tmp_path / "error.json").read_text())
+    assert written["message"]["message"] == "_BadStr: <str() of _BadStr raised RuntimeError: no text>"

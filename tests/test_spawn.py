@@ -59,3 +59,11 @@ def test_views_travel_with_their_own_bytes_only() -> None:
     assert small.tolist() == [10.0, 11.0] and small.untyped_storage().nbytes() == 8
     whole = spawn.to_cpu(big)
     assert whole.data_ptr() == big.data_ptr()  # a tensor that is its whole storage is not copied
+
+
+def test_an_exception_whose_str_raises_is_still_reported() -> None:
+    """Issue 16 item 5: the report was lost ("exited with code 1 without reporting a result")."""
+    error = _caller_sees("bad_str")["error"]
+    first = error.splitlines()[0]
+    assert first.startswith("rank 1 (pid ") and "failed with BadStr: <str() of BadStr raised RuntimeError" in first
+    assert 'raise BadStr("lost")' in error  # the traceback

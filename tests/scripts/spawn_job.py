@@ -3,7 +3,8 @@
 Usage: python spawn_job.py CASE [START_METHOD]   (prints one JSON line describing what the caller got)
 
 Cases: ``namedtuple`` (rank 0 returns a namedtuple and an OrderedDict holding tensors that require grad),
-``view`` (cfg holds a 2-element slice of a 40 MB tensor, and rank 0 returns one: only their bytes travel).
+``view`` (cfg holds a 2-element slice of a 40 MB tensor, and rank 0 returns one: only their bytes travel),
+``bad_str`` (rank 1 raises an exception whose ``__str__`` raises). A failed job prints ``{"error": ...}``.
 """
 
 import collections
@@ -12,9 +13,14 @@ import sys
 
 import torch
 
-from distfn import distributed
+from distfn import WorkerError, distributed
 
 Result = collections.namedtuple("Result", ["loss", "weights"])
+
+
+class BadStr(Exception):
+    def __str__(self):
+        raise RuntimeError("__str__ is broken too")
 
 
 def body(cfg, ctx):
@@ -25,6 +31,11 @@ def body(cfg, ctx):
         big = torch.arange(10_000_000, dtype=torch.float32)  # 40 MB
         return {"cfg": cfg["tensor"].tolist(), "cfg_bytes": cfg["tensor"].untyped_storage().nbytes(),
                 "view": big[ctx.rank + 1:ctx.rank + 3]}
+    if cfg == "bad_str":
+        ctx.barrier()
+        if ctx.rank == 1:
+            raise BadStr("lost")
+        ctx.barrier()
     raise ValueError(cfg)
 
 
@@ -45,4 +56,8 @@ if __name__ == "__main__":
     cfg = cfg_case
     if cfg_case == "view":
         cfg = {"case": "view", "tensor": torch.arange(10_000_000, dtype=torch.float32)[3:5]}
-    print(json.dumps(describe(job(cfg))), flush=True)
+    try:
+        out = describe(job(cfg))
+    except WorkerError as exc:
+        out = {"error": str(exc)}
+    print(json.dumps(out), flush=True)
