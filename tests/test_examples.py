@@ -20,7 +20,7 @@ import torch
 
 import distfn
 
-from conftest import requires
+from conftest import free_port, requires
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 pytestmark = pytest.mark.slow
@@ -101,6 +101,21 @@ def test_resume_demo_in_the_docstring_crashes_then_resumes(tmp_path: Path) -> No
     out, resumed = run_example("resume.py", *commands[1], cwd=tmp_path)
     assert "resumed from" in out and "(epoch 2 was done" in out
     assert resumed is not None and resumed["epochs_run"] == 3  # epochs 3, 4 and 5
+
+
+def test_argparse_examples_under_the_legacy_launcher(tmp_path: Path) -> None:
+    """`python -m torch.distributed.launch` appends --local-rank=N to each process's arguments: distfn takes it
+    out of sys.argv before the script parses them (argparse would exit; quickstart would save to a file named
+    '--local-rank=0')."""
+    legacy = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    done = subprocess.run([*legacy, str(EXAMPLES / "resume.py"), "--dir", str(tmp_path / "r"), "--epochs", "1"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "unrecognized arguments" not in done.stderr and "'epochs_run': 1" in done.stdout
+    done = subprocess.run([*legacy, str(EXAMPLES / "quickstart.py")], cwd=tmp_path, env=_env(EPOCHS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert (tmp_path / "quickstart.safetensors").exists() and not list(tmp_path.glob("--local*"))
 
 
 def test_dp_loss_in_forward(tmp_path: Path) -> None:
