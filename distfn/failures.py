@@ -98,6 +98,16 @@ class Failure:
         )
 
     @classmethod
+    def from_early_exit(cls, rank: int, exc: SystemExit) -> Failure:
+        """This process, rank ``rank``, ended the function with ``sys.exit(0)`` (or ``sys.exit()``): no error by
+        itself, but the root cause when the other ranks then fail waiting for it."""
+        return attrs.evolve(
+            cls.from_exception(rank, exc), exitcode=0,
+            message=f"{exception_text(exc) or 'None'} (sys.exit({exc.code!r}) ended the function on this rank while "
+                    "the other ranks were still running it)",
+        )
+
+    @classmethod
     def from_exit(cls, rank: int, pid: int, exitcode: int, crash: str = "") -> Failure:
         """A worker that exited without reporting; ``crash`` is what its faulthandler wrote (if anything)."""
         if exitcode < 0:
@@ -116,10 +126,10 @@ class Failure:
 
 
 def order_failures(failures: list[Failure]) -> list[Failure]:
-    """Likely root cause first: deaths without a report (signals, exit codes), then the ranks' own errors,
-    then errors about losing a peer; by time within each group."""
+    """Likely root cause first: ranks that left without an error (signals, exit codes, ``sys.exit(0)``), then
+    the ranks' own errors, then errors about losing a peer; by time within each group."""
     def key(f: Failure) -> tuple[int, float]:
-        if f.exc_type in ("Signal", "ExitCode"):
+        if f.exc_type in ("Signal", "ExitCode") or f.exitcode == 0:
             return 0, f.time
         return (2 if _PEER_LOSS.search(f.message) else 1), f.time
 

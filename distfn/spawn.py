@@ -157,6 +157,7 @@ def _entry(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
     topology = Topology.self_spawned(rank, world_size, port)
     failure: Failure | None = None
+    early: Failure | None = None
     payload: bytes | None = None
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size, False, opts.timeout)
@@ -170,13 +171,16 @@ def _entry(
     except SystemExit as exc:
         if exc.code not in (None, 0):
             failure = Failure.from_exception(rank, exc)
+        else:
+            early = Failure.from_early_exit(rank, exc)
     except BaseException as exc:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
         failure = Failure.from_exception(rank, exc)
     # The function is over: a SIGTERM now (the launching process stopping the job) just ends the process,
     # rather than raising Terminated into the report being sent or into interpreter shutdown.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        conn.send(("error", failure) if failure is not None else ("ok", payload))
+        conn.send(("error", failure) if failure is not None else ("exit", early) if early is not None
+                  else ("ok", payload))
         conn.close()
     except (OSError, ValueError):
         pass  # the launcher is gone; PDEATHSIG ends us
@@ -225,6 +229,7 @@ class _Worker:
     ok: bool = False  # reported a result (the function returned)
     result: bytes | None = None
     dump: bytes = b""  # what came through the stack pipe so far
+    early_exit: Failure | None = None  # the function ended with sys.exit(0): no error, unless the others fail
 
     def read_stacks(self) -> bool:
         """Append what the stack pipe holds to ``dump``; False once the pipe is closed."""
@@ -256,6 +261,9 @@ class _Worker:
         if kind == "ok":
             self.ok = True
             self.result = data
+        elif kind == "exit":
+            self.ok = True
+            self.early_exit = data
         else:
             failures.append(data)
         self.conn.close()
@@ -390,11 +398,13 @@ class WorkerGroup:
                 return
         if self.failures:
             self.settle()
+            # a rank that left with sys.exit(0) is why its peers lost it: a failure now, and likely the root cause
+            self.failures.extend(w.early_exit for w in self.workers if w.early_exit is not None)
             self.failures[:] = order_failures(self.failures)
             first = self.failures[0]
             self.failures[0] = diagnose(
                 first, timeout_s=self.opts.timeout.total_seconds(), forwarded=self.forwarder.received,
-                returned=[w.rank for w in self.workers if w.ok],
+                returned=[w.rank for w in self.workers if w.ok and w.early_exit is None],
                 failed=[w.rank for w in self.workers if w.reported and not w.ok],
                 stacks=lambda: self.request_stacks(
                     [w for w in self.workers if w.rank != first.rank and not w.reported]),

@@ -67,3 +67,11 @@ def test_an_exception_whose_str_raises_is_still_reported() -> None:
     first = error.splitlines()[0]
     assert first.startswith("rank 1 (pid ") and "failed with BadStr: <str() of BadStr raised RuntimeError" in first
     assert 'raise BadStr("lost")' in error  # the traceback
+
+
+def test_an_early_sys_exit_0_leads_the_report() -> None:
+    """Issue 16 (also): the first line was rank 0's gloo "Connection reset by peer", not rank 1's early exit."""
+    error = _caller_sees("exit0")["error"]
+    first = error.splitlines()[0]
+    assert first.startswith("rank 1 (pid ") and "SystemExit" in first and "sys.exit(0)" in first, error
+    assert "1 other rank(s) failed after it:" in error and "  - rank 0 " in error

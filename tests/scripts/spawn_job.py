@@ -4,7 +4,8 @@ Usage: python spawn_job.py CASE [START_METHOD]   (prints one JSON line describin
 
 Cases: ``namedtuple`` (rank 0 returns a namedtuple and an OrderedDict holding tensors that require grad),
 ``view`` (cfg holds a 2-element slice of a 40 MB tensor, and rank 0 returns one: only their bytes travel),
-``bad_str`` (rank 1 raises an exception whose ``__str__`` raises). A failed job prints ``{"error": ...}``.
+``bad_str`` (rank 1 raises an exception whose ``__str__`` raises), ``exit0`` (rank 1 calls ``sys.exit(0)``
+while rank 0 goes on to a collective). A failed job prints ``{"error": ...}``.
 """
 
 import collections
@@ -36,6 +37,12 @@ def body(cfg, ctx):
         if ctx.rank == 1:
             raise BadStr("lost")
         ctx.barrier()
+    if cfg == "exit0":
+        ctx.barrier()
+        if ctx.rank == 1:
+            sys.exit(0)
+        ctx.barrier()
+        return "rank 0 got through"
     raise ValueError(cfg)
 
 
