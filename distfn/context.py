@@ -43,7 +43,8 @@ class Context:
         backend: the process group backend (`"gloo"`, `"nccl"`, ...), or `None` without a process group.
         mode: `"ddp"`, `"fsdp"`, `"dp"` or `"single"`.
         launcher: who started this process: `"spawn"` (distfn), `"torchrun"`, `"slurm"`, `"mpi"`,
-            or `"local"` (one process run in place, no launcher).
+            `"kubernetes"` / `"env"` (a plain env:// launcher such as a PyTorchJob), or `"local"` (one process
+            run in place, no launcher).
         seed: the seed every rank was seeded with, or `None`.
         log: this rank's loguru logger, bound to the rank (`ctx.log.info(...)`; INFO shows on rank 0 only
             unless `DISTFN_LOG_RANKS=all`).

@@ -8,10 +8,11 @@ mutate anything, so the tests can feed recorded environments of real launchers w
 Launchers nest, and the outer one's variables leak into the inner one (see the recorded environments in the
 team's ``slurm-mpi.md`` notes), so the order of the checks matters:
 
-1. **torchrun** (``TORCHELASTIC_RUN_ID``, or a full ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set, or the legacy
-   ``python -m torch.distributed.launch`` that passes ``--local-rank=N`` in argv, see `split_local_rank`).
-   ``torchrun`` inside ``srun`` still sees the SLURM variables of the *agent*, which describe one task per node,
-   not the workers.
+1. **torchrun** (``TORCHELASTIC_RUN_ID``, or the legacy ``python -m torch.distributed.launch`` that passes
+   ``--local-rank=N`` in argv, see `split_local_rank`), and **plain env:// launchers** (a full
+   ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set without torchrun's variables: a Kubernetes PyTorchJob, or a set
+   made by hand; launcher ``"kubernetes"`` or ``"env"``). ``torchrun`` inside ``srun`` still sees the SLURM
+   variables of the *agent*, which describe one task per node, not the workers.
 2. **MPI**: Open MPI (``OMPI_COMM_WORLD_*``), MPICH / Intel MPI (``PMI_RANK``/``PMI_SIZE``), MVAPICH
    (``MV2_COMM_WORLD_*``). ``mpirun`` inside an ``sbatch`` job sees the job's SLURM variables, and on more
    than one node even a SLURM step (Open MPI starts its daemons through ``srun``), with wrong ranks.
@@ -390,11 +391,13 @@ class Detector(Protocol):
 
 
 class TorchrunDetector:
-    """``torchrun`` (torch elastic), ``python -m torch.distributed.launch`` and hand-made ``env://`` setups."""
+    """``torchrun`` (torch elastic), ``python -m torch.distributed.launch`` and plain ``env://`` launchers
+    (Kubernetes PyTorchJob, hand-made sets), which share torch's variable names."""
 
     name: Final = "torchrun"
     variables: Final = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                        "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                        "GROUP_RANK", "GROUP_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "KUBERNETES_SERVICE_HOST")
 
     def claim(self, env: Mapping[str, str], argv: Sequence[str]) -> _Claim | None:
         """Why this process looks started by torchrun, or None; a partial ``RANK`` set is an error."""
@@ -407,7 +410,10 @@ class TorchrunDetector:
         core = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
         present = [n for n in core if env.get(n, "").strip()]
         if len(present) == len(core):
-            return _Claim("RANK, WORLD_SIZE and MASTER_ADDR are set (torchrun-style env:// launcher)", "env")
+            where = ("; KUBERNETES_SERVICE_HOST is set: a Kubernetes pod, e.g. a Kubeflow PyTorchJob"
+                     if env.get("KUBERNETES_SERVICE_HOST", "").strip() else "")
+            return _Claim(f"RANK, WORLD_SIZE and MASTER_ADDR are set without TORCHELASTIC_RUN_ID (a plain env:// "
+                          f"launcher{where})", "env")
         # MASTER_ADDR alone is a legitimate hint for MPI or SLURM runs; RANK or WORLD_SIZE alone is not.
         if "RANK" in present or "WORLD_SIZE" in present:
             self._raise_partial(env)
@@ -431,41 +437,73 @@ class TorchrunDetector:
         present = {n: env[n] for n in names if env.get(n, "").strip()}
         missing = [n for n in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if n not in present]
         raise LauncherError(
-            f"partial torchrun-style environment: {_fmt(present)} set but {', '.join(missing)} missing. "
-            "Either launch with torchrun (which sets them all), set all of RANK, WORLD_SIZE, MASTER_ADDR and "
+            f"partial env:// environment: {_fmt(present)} set but {', '.join(missing)} missing. Either launch "
+            "with torchrun (which sets them all), set all of RANK, WORLD_SIZE, MASTER_ADDR and "
             "MASTER_PORT, or unset the stray ones to let distfn detect another launcher or self-spawn"
         )
 
     def topology(self, env: Mapping[str, str], argv: Sequence[str], claim: _Claim | None) -> Topology:
-        """The torchrun topology; raises when the variables torchrun always sets are missing."""
+        """The torchrun topology; raises when the variables torchrun always sets are missing.
+
+        A plain ``env://`` launcher (claim flavour ``"env"``: a Kubernetes PyTorchJob, a hand-made set) gives each
+        process ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` only: without ``LOCAL_RANK`` the process
+        is alone on its node (one per pod), local rank 0 of ``LOCAL_WORLD_SIZE`` (default 1). Its launcher is
+        ``"kubernetes"`` where ``KUBERNETES_SERVICE_HOST`` is set, else ``"env"``.
+        """
         reason = claim.reason if claim else "launcher='torchrun' was forced"
+        plain = claim is not None and claim.flavor == "env"
         legacy = _argv_local_rank(argv)
         required = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-        if legacy is None:
+        if legacy is None and not plain:
             required.insert(2, "LOCAL_RANK")
-        _require(env, "torchrun", required,
-                 "Run the script with `torchrun --nproc_per_node=N script.py`, or use launcher='auto'.")
+        hint = ("A plain env:// launcher (a Kubernetes PyTorchJob, or variables set by hand) must set all four; "
+                "torchrun sets them itself." if plain else
+                "Run the script with `torchrun --nproc_per_node=N script.py`, or use launcher='auto'.")
+        _require(env, "env://" if plain else "torchrun", required, hint)
         rank = _int(env, "RANK")
         world = _int(env, "WORLD_SIZE", minimum=1)
-        if legacy is not None:
-            local_rank = legacy[1]
-            if env.get("LOCAL_RANK", "").strip() and _int(env, "LOCAL_RANK") != local_rank:
-                raise LauncherError(f"LOCAL_RANK={env['LOCAL_RANK']!r} disagrees with {legacy[0]!r} in argv")
-        else:
-            local_rank = _int(env, "LOCAL_RANK")
         if not 0 <= rank < world:
             raise LauncherError(f"RANK={env['RANK']!r} is not in [0, WORLD_SIZE={env['WORLD_SIZE']!r})")
-        if env.get("LOCAL_WORLD_SIZE", "").strip():
-            local_world = _int(env, "LOCAL_WORLD_SIZE", minimum=1)
-        elif env.get("GROUP_WORLD_SIZE", "").strip() and world % _int(env, "GROUP_WORLD_SIZE", minimum=1) == 0:
-            local_world = world // _int(env, "GROUP_WORLD_SIZE", minimum=1)
-        else:
-            # Old launchers and hand-made env:// setups do not say; one node is the only safe guess.
-            local_world = world
+        local_rank = self._local_rank(env, legacy)
+        alone = plain and local_rank is None  # one process per pod / node
+        local_world = self._local_world(env, world, alone)
+        local_rank = local_rank or 0
         if not 0 <= local_rank < local_world <= world:
             raise LauncherError(
-                f"local rank {local_rank} (LOCAL_RANK / --local_rank) is not in [0, LOCAL_WORLD_SIZE="
+                f"local rank {local_rank} (LOCAL_RANK / --local-rank) is not in [0, LOCAL_WORLD_SIZE="
                 f"{local_world}) or LOCAL_WORLD_SIZE exceeds WORLD_SIZE={world}")
+        num_nodes, node_rank = self._nodes(env, rank, world, local_world)
+        launcher = "torchrun"
+        if plain:
+            launcher = "kubernetes" if env.get("KUBERNETES_SERVICE_HOST", "").strip() else "env"
+        return Topology(
+            launcher=launcher, rank=rank, local_rank=local_rank, world_size=world,
+            local_world_size=local_world, node_rank=node_rank, num_nodes=num_nodes,
+            master_addr=env["MASTER_ADDR"].strip(), master_port=_port(env, "MASTER_PORT"), reason=reason,
+        )
+
+    @staticmethod
+    def _local_rank(env: Mapping[str, str], legacy: tuple[str, int] | None) -> int | None:
+        """``LOCAL_RANK`` (or the legacy argv flag, which must agree with it), ``None`` when neither is set."""
+        if legacy is not None:
+            if env.get("LOCAL_RANK", "").strip() and _int(env, "LOCAL_RANK") != legacy[1]:
+                raise LauncherError(f"LOCAL_RANK={env['LOCAL_RANK']!r} disagrees with {legacy[0]!r} in argv")
+            return legacy[1]
+        return _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK", "").strip() else None
+
+    @staticmethod
+    def _local_world(env: Mapping[str, str], world: int, alone: bool) -> int:
+        if env.get("LOCAL_WORLD_SIZE", "").strip():
+            return _int(env, "LOCAL_WORLD_SIZE", minimum=1)
+        if env.get("GROUP_WORLD_SIZE", "").strip() and world % _int(env, "GROUP_WORLD_SIZE", minimum=1) == 0:
+            return world // _int(env, "GROUP_WORLD_SIZE", minimum=1)
+        # A process without LOCAL_RANK is alone on its node; old launchers and hand-made sets with LOCAL_RANK do
+        # not say how many share the node, and one node holding every rank is the only safe guess.
+        return 1 if alone else world
+
+    @staticmethod
+    def _nodes(env: Mapping[str, str], rank: int, world: int, local_world: int) -> tuple[int, int]:
+        """(number of nodes, node index) from GROUP_WORLD_SIZE / GROUP_RANK / NODE_RANK, else the layout."""
         if env.get("GROUP_WORLD_SIZE", "").strip():
             num_nodes = _int(env, "GROUP_WORLD_SIZE", minimum=1)
         else:
@@ -479,11 +517,7 @@ class TorchrunDetector:
         if not 0 <= node_rank < num_nodes:
             raise LauncherError(f"node rank {node_rank} (GROUP_RANK / NODE_RANK) is not in [0, GROUP_WORLD_SIZE="
                                 f"{num_nodes})")
-        return Topology(
-            launcher="torchrun", rank=rank, local_rank=local_rank, world_size=world,
-            local_world_size=local_world, node_rank=node_rank, num_nodes=num_nodes,
-            master_addr=env["MASTER_ADDR"].strip(), master_port=_port(env, "MASTER_PORT"), reason=reason,
-        )
+        return num_nodes, node_rank
 
 
 # (flavor, rank, size, local rank candidates, local size candidates, job id candidates)
@@ -785,11 +819,13 @@ def _detect_unchecked(env: Mapping[str, str], argv: Sequence[str], launcher: str
 
 
 def _claim_torchrun_forced(env: Mapping[str, str], argv: Sequence[str]) -> _Claim | None:
-    # Forced torchrun reports missing variables itself rather than the "partial set" message.
+    # Forced torchrun reports missing variables itself rather than the "partial set" message, and reads a plain
+    # env:// set as torchrun's own (LOCAL_RANK required).
     try:
-        return TORCHRUN.claim(env, argv)
+        claim = TORCHRUN.claim(env, argv)
     except LauncherError:
         return None
+    return None if claim is not None and claim.flavor == "env" else claim
 
 
 def _validate_launcher(launcher: str) -> None:

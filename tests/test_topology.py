@@ -189,6 +189,16 @@ MPIRUN_IN_SBATCH_NO_STEP_RANK1: Final = {
 # LOCAL_RANK and no TORCHELASTIC_RUN_ID.
 OLD_LAUNCH_RANK3: Final = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 
+# Kubeflow Training Operator v1 PyTorchJob (1 Master + 1 Worker replica, port 23456), as its controller sets them
+# (pkg/controller.v1/pytorch/envvar.go, master.go: MASTER_ADDR = <job>-master-0, RANK = index (+1 for workers),
+# WORLD_SIZE = all replicas) plus what Kubernetes injects into every pod. No LOCAL_RANK, no TORCHELASTIC_RUN_ID.
+PYTORCHJOB_MASTER_POD: Final = {
+    "HOSTNAME": "mnist-master-0", "KUBERNETES_PORT": "tcp://10.96.0.1:443", "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+    "KUBERNETES_SERVICE_PORT": "443", "KUBERNETES_SERVICE_PORT_HTTPS": "443", "MASTER_ADDR": "mnist-master-0",
+    "MASTER_PORT": "23456", "PYTHONUNBUFFERED": "0", "RANK": "0", "WORLD_SIZE": "2",
+}
+PYTORCHJOB_WORKER_POD: Final = {**PYTORCHJOB_MASTER_POD, "HOSTNAME": "mnist-worker-0", "RANK": "1"}
+
 RESOLVABLE: Final = {"node1", "node2", "vm", "localhost", "10.0.0.1", "127.0.0.1", "node01", "gpu-a01"}
 
 
@@ -501,7 +511,46 @@ def test_legacy_launch_errors() -> None:
 def test_env_style_full_set_without_torchelastic() -> None:
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501"}
     t = run(env)
-    assert t is not None and t.launcher == "torchrun" and "RANK, WORLD_SIZE and MASTER_ADDR" in t.reason
+    assert t is not None and t.launcher == "env" and "RANK, WORLD_SIZE and MASTER_ADDR" in t.reason
+    # LOCAL_RANK without LOCAL_WORLD_SIZE (old launchers): one node holding every rank, as before
+    assert (t.local_rank, t.local_world_size, t.num_nodes) == (1, 2, 1)
+
+
+@pytest.mark.parametrize(("env", "rank"), [(PYTORCHJOB_MASTER_POD, 0), (PYTORCHJOB_WORKER_POD, 1)],
+                         ids=["master-pod", "worker-pod"])
+def test_pytorchjob_pods_run_in_place_one_rank_each(env: Mapping[str, str], rank: int) -> None:
+    t = detect(env, ("train.py",), resolve_host=None)
+    assert fields(t) == dict(
+        launcher="kubernetes", rank=rank, local_rank=0, world_size=2, local_world_size=1, node_rank=rank,
+        num_nodes=2, master_addr="mnist-master-0", master_port=23456)
+    assert t is not None and "Kubernetes" in t.reason and "env://" in t.reason
+
+
+def test_plain_env_launcher_outside_kubernetes_and_with_local_variables() -> None:
+    plain = env_of(PYTORCHJOB_WORKER_POD, KUBERNETES_SERVICE_HOST=None)
+    t = detect(plain, resolve_host=None)
+    assert t is not None and (t.launcher, t.rank, t.local_rank, t.local_world_size) == ("env", 1, 0, 1)
+    # two processes per pod, said by the launcher
+    t = detect(env_of(PYTORCHJOB_WORKER_POD, RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2"),
+               resolve_host=None)
+    assert fields(t) == dict(
+        launcher="kubernetes", rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1, num_nodes=2,
+        master_addr="mnist-master-0", master_port=23456)
+
+
+def test_torchrun_in_a_pod_stays_torchrun() -> None:
+    """Training Operator v2 / PET_* variables: torchrun runs in the pod and sets its own variables."""
+    env = env_of(PYTORCHJOB_MASTER_POD, TORCHELASTIC_RUN_ID="mnist", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+                 GROUP_RANK="0", GROUP_WORLD_SIZE="2", WORLD_SIZE="4", PET_NPROC_PER_NODE="2", PET_NNODES="2")
+    t = detect(env, resolve_host=None)
+    assert t is not None and t.launcher == "torchrun" and (t.world_size, t.local_world_size) == (4, 2)
+
+
+def test_plain_env_launcher_partial_sets_name_what_is_missing() -> None:
+    with pytest.raises(LauncherError, match=r"missing environment variable\(s\) MASTER_PORT"):
+        detect(env_of(PYTORCHJOB_MASTER_POD, MASTER_PORT=None), resolve_host=None)
+    with pytest.raises(LauncherError, match="WORLD_SIZE, MASTER_ADDR, MASTER_PORT missing"):
+        detect({"RANK": "0", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}, resolve_host=None)
 
 
 @pytest.mark.parametrize("present", [{"RANK": "0"}, {"WORLD_SIZE": "2"}, {"RANK": "1", "WORLD_SIZE": "2"}])
