@@ -25,7 +25,7 @@ from loguru import logger
 from . import devices, logs, preflight, rendezvous, shipping, spawn, topology, worker
 from .context import Context
 from .errors import ConfigError, NestedLaunchError
-from .options import DEFAULT_TIMEOUT, MODES, Options, default_nprocs, make_options, requested_nprocs
+from .options import DEFAULT_TIMEOUT, MODES, Options, default_nprocs, make_options, requested_nprocs, with_env
 
 __all__ = ["DEFAULT_TIMEOUT", "MODES", "Options", "distributed"]
 
@@ -57,6 +57,7 @@ def _check_backend_fits(opts: Options) -> None:
 def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: Any) -> R:
     """Run one job: ``fn`` is the user's function, ``sendable`` what spawn may pickle to reach it."""
     name = getattr(fn, "__qualname__", "the function")
+    opts = with_env(opts, os.environ)  # DISTFN_PRECISION & co., read at each call
     if worker.in_worker():
         raise NestedLaunchError(
             f"{name}() was called from inside a running distfn worker. A decorated function starts a whole job; "
@@ -82,8 +83,11 @@ def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: 
     return spawn.launch(sendable, cfg, opts, nprocs)
 
 
-def _decorate(func: Callable[..., R], opts: Options) -> Callable[..., R]:
-    _check_signature(func)
+def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | None = None) -> Callable[..., R]:
+    """The decorated ``func``. ``origin``: the wrapper that ``fn.options(...)`` derived this one from; it stays
+    what spawn pickles (by name, it is the one a worker finds in the user's module; the options travel apart)."""
+    if origin is None:
+        _check_signature(func)
     worker.adopt_legacy_local_rank()  # torch.distributed.launch's --local-rank=N, before the user's argparse
 
     @functools.wraps(func)
@@ -96,9 +100,15 @@ def _decorate(func: Callable[..., R], opts: Options) -> Callable[..., R]:
                 f"{func.__qualname__}(cfg) or {func.__qualname__}()."
             )
         with logs.launcher():  # one log format from here on ("launcher", then "rank r/n" in the ranks)
-            return _call(func, wrapper, opts, args[0] if args else None)
+            return _call(func, origin or wrapper, opts, args[0] if args else None)
+
+    def options(**changes: Any) -> Callable[..., R]:
+        """The same function with some arguments of ``@distributed`` changed for the calls made through it,
+        checked like the decorator's own: ``train.options(precision="16" if cfg.amp else "32")(cfg)``."""
+        return _decorate(func, make_options(changes, opts), origin or wrapper)
 
     wrapper.distfn_options = opts  # type: ignore[attr-defined]
+    wrapper.options = options  # type: ignore[attr-defined]
     shipping.start_early(opts)  # a fork server while forking is still safe, if calling it will start workers
     return wrapper
 
@@ -159,6 +169,11 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
 
     The caller gets rank 0's return value (tensors moved to the CPU) when distfn spawned the workers; under an
     external launcher every process gets its own. A failing worker raises ``distfn.WorkerError``.
+
+    Options at run time: ``fn.options(**changes)`` returns the function with some of these arguments changed
+    (checked the same way), e.g. ``train.options(precision="16" if cfg.use_amp else "32")(cfg)``; and the
+    environment overrides them at each call: ``DISTFN_NPROCS``, ``DISTFN_PRECISION``, ``DISTFN_BACKEND``,
+    ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), over both the decorator and ``fn.options``.
     """
     opts = make_options(options)
     if fn is not None:

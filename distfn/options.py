@@ -41,8 +41,19 @@ PRECISIONS: Final = ("32", "bf16", "16")
 _PRECISION_ALIASES: Final = {32: "32", 16: "16", "fp32": "32", "float32": "32", "fp16": "16", "float16": "16",
                              "bfloat16": "bf16"}
 
-#: The environment variable that overrides ``nprocs=`` (read by `requested_nprocs` only).
+#: The environment variable that overrides ``nprocs=`` (read by `requested_nprocs` only: under an external
+#: launcher the launcher's world size wins, and one-process modes name it in their error).
 NPROCS_ENV: Final = "DISTFN_NPROCS"
+
+#: The other environment variables that override an argument of ``@distributed`` at call time (`with_env`), and
+#: how their text becomes the argument's value before the argument's own check. They win over the decorator's
+#: arguments and over ``fn.options(...)``: they are the operator's last word, e.g. ``DISTFN_PRECISION=bf16``.
+ENV_OVERRIDES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
+    "DISTFN_PRECISION": ("precision", str.strip),
+    "DISTFN_BACKEND": ("backend", str.strip),
+    "DISTFN_START_METHOD": ("start_method", str.strip),
+    "DISTFN_TIMEOUT": ("timeout", float),
+}
 
 
 # -- argument conversion (each raises ConfigError naming the argument and how to fix it) ------------------------
@@ -260,6 +271,23 @@ def make_options(given: Mapping[str, Any], base: Options | None = None) -> Optio
         raise ConfigError(f"{', '.join(map(repr, unknown))} is not an option of @distributed; valid options are: "
                           f"{', '.join(PARAMETERS)}")
     return Options(**given) if base is None else attrs.evolve(base, **given)
+
+
+def with_env(opts: Options, env: Mapping[str, str]) -> Options:
+    """``opts`` with the overrides of `ENV_OVERRIDES` that ``env`` sets (empty values are ignored), each checked
+    like the argument itself; a bad value is a `ConfigError` naming the variable. (``DISTFN_NPROCS``: see
+    `requested_nprocs`.)"""
+    changes: dict[str, Any] = {}
+    for var, (name, parse) in ENV_OVERRIDES.items():
+        text = env.get(var, "")
+        if not text.strip():
+            continue
+        try:
+            changes[name] = parse(text)
+            attrs.evolve(opts, **{name: changes[name]})
+        except (ConfigError, ValueError) as exc:
+            raise ConfigError(f"{var}={text!r} (overriding {name}=) is not valid: {exc}") from None
+    return attrs.evolve(opts, **changes) if changes else opts
 
 
 def requested_nprocs(opts: Options, env: Mapping[str, str]) -> int | None:

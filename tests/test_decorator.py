@@ -207,3 +207,20 @@ def test_devices_map_through_cuda_visible_devices_on_gpu(tmp_path: Path) -> None
     done = run_python([str(script)], timeout=120)
     assert done.returncode == 0, done.stderr
     assert "RESULT ('0', 'cuda:0', 'nccl')" in done.stdout
+
+
+def test_options_per_call_returns_a_checked_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    @distributed(mode="single", precision="32")
+    def f(cfg, ctx):
+        return ctx.precision
+
+    bf16 = f.options(precision="bf16")
+    assert bf16() == "bf16" and f() == "32"  # the original is unchanged
+    assert bf16.distfn_options.precision == "bf16" and bf16.__wrapped__ is f.__wrapped__
+    assert bf16.options(seed=3).distfn_options.precision == "bf16"  # changes stack
+    with pytest.raises(ConfigError, match="precision='fp8' is not valid"):
+        f.options(precision="fp8")
+    with pytest.raises(ConfigError, match="'procs' is not an option"):
+        f.options(procs=2)
+    monkeypatch.setenv("DISTFN_PRECISION", "16")
+    assert f() == "16" and bf16() == "16"  # the environment has the last word

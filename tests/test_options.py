@@ -3,10 +3,12 @@ naming the fix, the mode properties, and the process-count rule (nprocs=, DISTFN
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 
 from distfn import ConfigError
-from distfn.options import Options, default_nprocs, requested_nprocs
+from distfn.options import Options, default_nprocs, make_options, requested_nprocs, with_env
 
 
 @pytest.mark.parametrize(
@@ -83,3 +85,26 @@ def test_backend_is_stored_in_one_spelling(given: str, stored: str) -> None:
 def test_malformed_per_device_backend_is_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match="'device:backend' pair"):
         Options(backend=bad)
+
+
+def test_environment_overrides_are_checked_like_arguments() -> None:
+    opts = Options(precision="32", timeout=10)
+    assert with_env(opts, {}) is opts
+    got = with_env(opts, {"DISTFN_PRECISION": "bf16", "DISTFN_TIMEOUT": "2.5", "DISTFN_BACKEND": "GLOO",
+                          "DISTFN_START_METHOD": " spawn", "DISTFN_PRECISION_X": "junk"})
+    assert (got.precision, got.timeout, got.backend, got.start_method) == (
+        "bf16", datetime.timedelta(seconds=2.5), "gloo", "spawn")
+    assert with_env(opts, {"DISTFN_PRECISION": " "}) is opts  # empty: not set
+    with pytest.raises(ConfigError, match=r"DISTFN_PRECISION=.fp8. \(overriding precision=\) is not valid"):
+        with_env(opts, {"DISTFN_PRECISION": "fp8"})
+    with pytest.raises(ConfigError, match="DISTFN_TIMEOUT='soon'"):
+        with_env(opts, {"DISTFN_TIMEOUT": "soon"})
+
+
+def test_changes_on_top_of_options_are_checked() -> None:
+    base = Options(mode="ddp", precision="32", seed=1)
+    assert make_options({"precision": 16}, base) == Options(mode="ddp", precision="16", seed=1)
+    with pytest.raises(ConfigError, match="'procs' is not an option of @distributed; valid options are: mode"):
+        make_options({"procs": 2}, base)
+    with pytest.raises(ConfigError, match="runs one process"):
+        make_options({"mode": "single"}, Options(nprocs=2))

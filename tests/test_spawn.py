@@ -7,11 +7,12 @@ import collections
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from distfn import spawn
 
-from conftest import SCRIPTS, run_python
+from conftest import SCRIPTS, clean_env, run_python
 
 
 def test_two_threads_launch_at_once_without_a_false_nested_launch(tmp_path: Path) -> None:
@@ -26,8 +27,8 @@ def test_two_threads_launch_at_once_without_a_false_nested_launch(tmp_path: Path
     assert marks.read_text().split() == ["True"] * 4  # 2 jobs x 2 workers, each marked during its import
 
 
-def _caller_sees(case: str, method: str = "fork") -> dict:
-    done = run_python([str(SCRIPTS / "spawn_job.py"), case, method], timeout=180)
+def _caller_sees(case: str, method: str = "fork", **env: str) -> dict:
+    done = run_python([str(SCRIPTS / "spawn_job.py"), case, method], timeout=180, env=clean_env(**env))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -75,3 +76,11 @@ def test_an_early_sys_exit_0_leads_the_report() -> None:
     first = error.splitlines()[0]
     assert first.startswith("rank 1 (pid ") and "SystemExit" in first and "sys.exit(0)" in first, error
     assert "1 other rank(s) failed after it:" in error and "  - rank 0 " in error
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_options_per_call_and_from_the_environment(method: str) -> None:
+    """Issue 18 item 3: `train.options(precision="bf16")(cfg)` runs with the changed options on every rank, also
+    when spawn must find the function by name in the script; DISTFN_PRECISION overrides both."""
+    assert _caller_sees("options", method) == {"ranks": [["bf16", 0], ["bf16", 1]]}
+    assert _caller_sees("options", method, DISTFN_PRECISION="16") == {"ranks": [["16", 0], ["16", 1]]}

@@ -5,7 +5,9 @@ Usage: python spawn_job.py CASE [START_METHOD]   (prints one JSON line describin
 Cases: ``namedtuple`` (rank 0 returns a namedtuple and an OrderedDict holding tensors that require grad),
 ``view`` (cfg holds a 2-element slice of a 40 MB tensor, and rank 0 returns one: only their bytes travel),
 ``bad_str`` (rank 1 raises an exception whose ``__str__`` raises), ``exit0`` (rank 1 calls ``sys.exit(0)``
-while rank 0 goes on to a collective). A failed job prints ``{"error": ...}``.
+while rank 0 goes on to a collective), ``options`` (a module-level decorated function called through
+``.options(precision="bf16")``: every rank reports the precision it ran with; ``DISTFN_PRECISION``
+in the environment overrides). A failed job prints ``{"error": ...}``.
 """
 
 import collections
@@ -46,7 +48,14 @@ def body(cfg, ctx):
     raise ValueError(cfg)
 
 
+@distributed(nprocs=2, precision="32")
+def options_job(cfg, ctx):
+    return ctx.gather_object([ctx.precision, ctx.rank])
+
+
 def describe(value):
+    if cfg_case == "options":
+        return {"ranks": value}
     if cfg_case == "namedtuple":
         return {"type": type(value).__name__, "inner": type(value.weights).__name__,
                 "loss": value.loss.item(), "grad": [value.loss.requires_grad, value.weights["w"].requires_grad],
@@ -63,6 +72,8 @@ if __name__ == "__main__":
     cfg = cfg_case
     if cfg_case == "view":
         cfg = {"case": "view", "tensor": torch.arange(10_000_000, dtype=torch.float32)[3:5]}
+    if cfg_case == "options":
+        job = options_job.options(precision="bf16", start_method=method)
     try:
         out = describe(job(cfg))
     except WorkerError as exc:
