@@ -42,7 +42,7 @@ def train(cfg: dict, ctx) -> dict:
     for epoch in range(cfg["epochs"]):
         sampler.set_epoch(epoch)
         total, batches = 0.0, 0
-        for x, y in loader:
+        for x, y in ctx.progress(loader, desc=f"epoch {epoch}"):  # a tqdm bar, on rank 0 only
             x, y = x.to(ctx.device), y.to(ctx.device)
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()

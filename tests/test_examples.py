@@ -10,6 +10,8 @@ import ast
 import importlib.util
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,11 +55,25 @@ def test_quickstart(tmp_path: Path) -> None:
     out, result = run_example("quickstart.py", str(tmp_path / "q.safetensors"), cwd=tmp_path, EPOCHS="2")
     assert result is not None and result["world_size"] == 2
     assert "epoch 1: mean loss across 2 ranks" in out
+    assert "Failed to initialize NumPy" not in out
     weights = distfn.load(result["checkpoint"])
     assert weights and not any(k.startswith("module.") for k in weights)
 
 
 @requires("sklearn", "examples")  # examples/real_dataset.py loads scikit-learn's digits
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a terminal")
+def test_quickstart_in_a_terminal_shows_rank_0s_progress_bar(tmp_path: Path) -> None:
+    """What a user sees at a terminal (a pseudo-terminal here): one tqdm bar per epoch, from rank 0 only."""
+    command = f"stty cols 120 rows 40; {shlex.quote(sys.executable)} {shlex.quote(str(EXAMPLES / 'quickstart.py'))}"
+    done = subprocess.run(["script", "-qec", command, "/dev/null"], cwd=tmp_path, env=_env(EPOCHS="2"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    screen = done.stdout.replace("\r", "\n")
+    assert re.search(r"^epoch 0: 100%\|.*\| 16/16 ", screen, re.M), screen[-3000:]
+    assert re.search(r"^epoch 1: 100%\|.*\| 16/16 ", screen, re.M)
+    assert "Failed to initialize NumPy" not in screen and "UserWarning" not in screen
+
+
 def test_real_dataset_reaches_its_accuracy(tmp_path: Path) -> None:
     out, result = run_example("real_dataset.py", "--epochs", "12", "--out", str(tmp_path / "d.safetensors"),
                               cwd=tmp_path)
