@@ -6,15 +6,15 @@ What lives here, and who calls it:
   decoration time (``decorator.Options``).
 * `plan_units` / `wrap`: the wrap policy (``Context.wrap``). Sub-modules become their own FSDP unit
   bottom-up, either by size (``min_params``) or by class (``module_classes``); the root is always sharded last.
-* `save` / `load`: full-state-dict checkpoints (``Context.save`` / ``Context.load``). The file is the
-  same single safetensors file as in DDP mode, written by `distfn.checkpoint.save` on rank 0, so a model
-  trained with FSDP loads into a bare model with ``distfn.load``, and a DDP file resumes an FSDP run.
+* `save` / `load`: full-state-dict checkpoints (``Context.save`` / ``Context.load``), re-exported from
+  `distfn.fsdp_state`, which gathers and scatters the full state dicts.
+* `is_meta` / `materialize`: models built on the meta device, materialised shard by shard after sharding.
+* `required_backend`: the process-group backend a run needs (``worker.run``).
 * `begin` / `finish`: per-run bookkeeping (``worker.run``): the run's options and the save check-in.
 
 The store-based check-in that turns a rank-0-only `ctx.save` into an error instead of a hang is in
-`distfn.checkin`. The rest stays in one module of ~600 lines on purpose: options, wrap policy and the
-full-state save/load are one feature that only `mode="fsdp"` loads, and importing this module costs ~1.5 s
-(`torch.compiler.disable` pulls in `torch._dynamo`), paid once instead of per piece.
+`distfn.checkin`. Importing this module costs ~1.5 s (`torch.compiler.disable` pulls in `torch._dynamo`), so
+only `mode="fsdp"` runs import it.
 """
 
 from __future__ import annotations
@@ -22,26 +22,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 import warnings
-import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
 import attrs
 import torch
+import torch.distributed as dist
 from loguru import logger
 from torch import nn
 
-from . import checkin
+from . import checkin, fsdp_state
 from .devices import collective_device
-from .errors import CheckpointError, ConfigError
-from .tree import tree_leaves, tree_map
+from .errors import ConfigError
+from .fsdp_state import is_sharded, load, save
 
-__all__ = ["FsdpOptions", "MixedPrecision", "begin", "finish", "indexed_optimizer_state", "is_meta", "is_sharded",
-           "load", "materialize", "named_optimizer_state", "options", "parse_options", "plan_units", "required_backend",
-           "save", "wrap"]
+__all__ = ["FsdpOptions", "MixedPrecision", "begin", "finish", "is_meta", "is_sharded", "load", "materialize",
+           "options", "parse_options", "plan_units", "required_backend", "save", "wrap"]
 
 DEFAULT_MIN_PARAMS: Final = 1_000_000
 DEFAULT_SAVE_TIMEOUT: Final = 300.0
@@ -309,11 +306,6 @@ def plan_units(model: nn.Module, options: FsdpOptions) -> list[nn.Module]:
     return units
 
 
-# Models wrapped by distfn in this process (weakly held): lets ctx.save / ctx.load find the model an optimizer
-# belongs to when only the optimizer is named.
-_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
 def wrap(
     model: nn.Module, options: FsdpOptions, device: torch.device, *, init: Callable[[nn.Module], None] | None = None
 ) -> nn.Module:
@@ -352,7 +344,7 @@ def wrap(
     # Runs before FSDP's own pre-forward all-gather (prepend), so a rank that skipped a save is caught before it
     # blocks in a collective the others will never join.
     model.register_forward_pre_hook(_on_forward, prepend=True)
-    _WRAPPED.add(model)
+    fsdp_state.remember(model)
     total = sum(p.numel() for p in model.parameters())
     local = sum(_local(p).numel() for p in model.parameters())
     logger.debug("fsdp: {} unit(s) + root; {} of {} parameters held on this rank", len(units), local, total)
@@ -392,7 +384,7 @@ def _shard_rng(device: torch.device) -> Iterator[None]:
         return
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        rank = _rank()
+        rank = dist.get_rank() if dist.is_initialized() else 0
         torch.manual_seed((torch.initial_seed() * 1_000_003 + rank + 1) % (2**63))
         yield
 
@@ -423,19 +415,6 @@ def materialize(model: nn.Module, device: torch.device, *, init: Callable[[nn.Mo
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
-
-
-def _is_dtensor(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and hasattr(t, "placements") and hasattr(t, "device_mesh")
-
-
-def is_sharded(obj: Any) -> bool:
-    """True for a module with a sharded (``DTensor``) parameter or buffer, or an optimizer over such parameters."""
-    if isinstance(obj, nn.Module):
-        return any(_is_dtensor(t) for t in obj.parameters()) or any(_is_dtensor(t) for t in obj.buffers())
-    if isinstance(obj, torch.optim.Optimizer):
-        return any(_is_dtensor(p) for g in obj.param_groups for p in g["params"])
-    return False
 
 
 # The backend of a CPU-offloading run on GPUs: NCCL for the GPU collectives, gloo for those on CPU tensors.
@@ -493,221 +472,3 @@ def _on_forward(module: nn.Module, args: Any) -> None:
     checkin.note_progress()
 
 
-# --------------------------------------------------------------------------------------------------
-# Gathering for save
-
-
-def _full_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def indexed_optimizer_state(named: Mapping[str, Any]) -> dict[str, Any]:
-    """A full optimizer state dict keyed by parameter names -> ``Optimizer.state_dict()``'s layout (ints).
-
-    The ints number the parameters across ``param_groups`` in order, as ``torch.optim.Optimizer.state_dict``
-    does, so the file matches one written in DDP mode and loads into a bare optimizer.
-    """
-    if not named:
-        return {}
-    index: dict[str, int] = {}
-    groups = []
-    for group in named["param_groups"]:
-        ids = [index.setdefault(fqn, len(index)) for fqn in group["params"]]
-        groups.append({**group, "params": ids})
-    state = {index[fqn]: value for fqn, value in named["state"].items()}
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def named_optimizer_state(
-    indexed: Mapping[Any, Any], optimizer: torch.optim.Optimizer, model: nn.Module
-) -> dict[str, Any]:
-    """The inverse of `indexed_optimizer_state` for ``optimizer``: ints -> the parameter names ``model`` uses."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    state = {order[int(i)]: v for i, v in indexed["state"].items()}
-    groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in indexed["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def _owner(optimizer: torch.optim.Optimizer, candidates: Sequence[nn.Module]) -> nn.Module:
-    wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for model in [*candidates, *_WRAPPED]:
-        if wanted <= {id(p) for p in model.parameters()}:
-            return model
-    raise CheckpointError(
-        "cannot find the sharded model this optimizer belongs to: save/load it together with its model in one "
-        "mapping (e.g. {'model': model, 'optimizer': opt}); one optimizer over several separately wrapped models "
-        "is not supported"
-    )
-
-
-def _is_state_object(value: Any) -> bool:
-    return isinstance(value, (nn.Module, torch.optim.Optimizer))
-
-
-def _state_objects(obj: Any) -> list[Any]:
-    """Every module and optimizer in ``obj`` (a value or nested containers), in a fixed order."""
-    return [x for x in tree_leaves(obj, is_leaf=_is_state_object) if _is_state_object(x)]
-
-
-def _gather(obj: Any, models: Sequence[nn.Module]) -> Any:
-    """``obj`` with every sharded module / optimizer replaced by its full state dict (on CPU, on rank 0; empty
-    elsewhere). Collective: every rank walks the same structure in the same order."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    def full(value: Any) -> Any:
-        if isinstance(value, nn.Module) and is_sharded(value):
-            return get_model_state_dict(value, options=_full_options())
-        if isinstance(value, torch.optim.Optimizer) and is_sharded(value):
-            model = _owner(value, models)
-            return indexed_optimizer_state(get_optimizer_state_dict(model, value, options=_full_options()))
-        return value
-
-    return tree_map(full, obj, is_leaf=_is_state_object)
-
-
-def save(
-    obj: Any,
-    path: str | os.PathLike[str],
-    *,
-    rank: int,
-    metadata: Mapping[str, Any] | None = None,
-    keep: int | None = None,
-    checked_in: bool = False,
-) -> Path:
-    """``ctx.save`` in fsdp mode: gather full state dicts to CPU on rank 0, which writes one safetensors file.
-
-    When ``obj`` holds a sharded module or optimizer this must run on every rank (checked, see the module
-    docstring; ``checked_in=True`` when the caller already did, see `distfn.checkin.check_in`); otherwise it behaves
-    exactly like DDP mode (rank 0 writes, no collective).
-    """
-    from . import checkpoint
-
-    found = _state_objects(obj)
-    if any(is_sharded(x) for x in found):
-        if not checked_in:
-            checkin.check_in("ctx.save")
-        obj = _gather(obj, [m for m in found if isinstance(m, nn.Module) and is_sharded(m)])
-    if rank == 0:
-        return checkpoint.save(obj, path, metadata=metadata, keep=keep)
-    return Path(path)
-
-
-# --------------------------------------------------------------------------------------------------
-# Loading into sharded objects
-
-
-class _ModuleTarget(nn.Module):
-    """Stands in for a sharded module inside `distfn.checkpoint.load_into`.
-
-    ``state_dict()`` describes the *full* (unsharded) tensors without holding their data, so the checkpoint
-    engine validates names, shapes and tied weights exactly as for a bare module; ``load_state_dict`` then
-    receives full CPU tensors and hands them to ``set_model_state_dict``, which keeps each rank's shard.
-
-    Only rank 0's tensors are used (``broadcast_from_rank0``): they go out one at a time and every rank keeps
-    its slice. The engine's tensors are views of a memory-mapped file, so on the other ranks, which never touch
-    them, the full model is never read into memory: a node running 8 ranks does not hold 8 copies of it.
-    """
-
-    _sharded: nn.Module
-    _strict: bool
-
-    def __init__(self, model: nn.Module, strict: bool) -> None:
-        super().__init__()
-        object.__setattr__(self, "_sharded", model)  # not a registered sub-module: no recursion into it
-        object.__setattr__(self, "_strict", strict)
-        self._ties: dict[str, str] = {}
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        out: dict[str, torch.Tensor] = {}
-        first: dict[int, str] = {}
-        for name, value in self._sharded.state_dict().items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if id(value) in first:  # the same parameter under two names (tied): same stand-in, same storage
-                self._ties[name] = first[id(value)]
-                out[name] = out[first[id(value)]]
-                continue
-            first[id(value)] = name
-            # One element of real memory per tensor, viewed at the full shape: distinct storages keep tie
-            # detection honest, and nothing of the model's size is allocated.
-            out[name] = torch.empty((1,) * value.dim(), dtype=value.dtype).expand(value.shape)
-        return out
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        full: dict[str, Any] = {}
-        if _rank() == 0:
-            full = dict(state_dict)  # set_model_state_dict replaces the values of the dict it is given
-            for alias, stored in self._ties.items():
-                if alias not in full and stored in full:
-                    full[alias] = full[stored]
-                elif stored not in full and alias in full:
-                    full[stored] = full[alias]
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=self._strict)
-        return set_model_state_dict(self._sharded, full, options=options)
-
-
-class _OptimizerTarget(torch.optim.Optimizer):
-    """Stands in for an optimizer over sharded parameters inside `distfn.checkpoint.load_into`: the engine
-    checks the param-group layout against the live groups, then rank 0's full (indexed) state goes through
-    ``set_optimizer_state_dict(broadcast_from_rank0=True)``, and each rank keeps its shard of every moment."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-        # Deliberately no super().__init__: this object only forwards load_state_dict.
-        self.param_groups = optimizer.param_groups
-        self._optimizer = optimizer
-        self._model = model
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        named = named_optimizer_state(state_dict, self._optimizer, self._model) if _rank() == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(self._model, self._optimizer, named, options=options)
-
-    def __repr__(self) -> str:
-        return f"sharded {type(self._optimizer).__name__}"
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _targets(into: Any, models: Sequence[nn.Module], strict: bool) -> Any:
-    def target(value: Any) -> Any:
-        if isinstance(value, nn.Module) and is_sharded(value):
-            return _ModuleTarget(value, strict)
-        if isinstance(value, torch.optim.Optimizer) and is_sharded(value):
-            return _OptimizerTarget(value, _owner(value, models))
-        return value
-
-    return tree_map(target, into, is_leaf=_is_state_object)
-
-
-def load(
-    path: str | os.PathLike[str],
-    into: nn.Module | Mapping[str, Any],
-    *,
-    device: torch.device,
-    strict: bool = True,
-) -> dict[str, Any]:
-    """``ctx.load`` in fsdp mode: restore sharded modules and optimizers (and everything else) from a full file.
-
-    Every rank opens the file (as in DDP mode: header validation, plain values, unsharded objects); the sharded
-    tensors are read on rank 0 only and broadcast, each rank keeping its shard. The file may come from DDP or
-    fsdp mode, written by any world size. Collective when ``into`` holds sharded objects: call it on every rank.
-    Returns the values not restored in place (``step``, ...), like `distfn.checkpoint.load_into`.
-    """
-    from . import checkpoint
-
-    found = _state_objects(into)
-    if any(is_sharded(x) for x in found):
-        checkin.check_in("ctx.load")
-    models = [m for m in found if isinstance(m, nn.Module) and is_sharded(m)]
-    return checkpoint.load_into(path, _targets(into, models, strict), device=device, strict=strict)
