@@ -46,6 +46,7 @@ class _State:
     default: int = 0  # loguru's stock stderr handler: 0 at import, a new id once distfn gave it back
     removed_default: bool = False
     was_enabled: bool = False  # the user had called logger.enable("distfn") before the job
+    bad_level: str | None = None  # an invalid DISTFN_LOG_LEVEL already reported
 
 
 _state = _State()
@@ -62,12 +63,12 @@ def _distfn_enabled() -> bool:
     return bool(seen)
 
 
-def _level_no(name: str) -> int:
+def _level_no(name: str) -> int | None:
+    """The number of loguru level ``name``, or ``None`` when there is no such level."""
     try:
         return int(logger.level(name.upper()).no)
     except ValueError:
-        logger.warning("DISTFN_LOG_LEVEL={!r} is not a loguru level; using INFO", name)
-        return int(logger.level("INFO").no)
+        return None
 
 
 def _remove(handler: int | None) -> None:
@@ -80,17 +81,22 @@ def _install(rank: int | None, world_size: int | None) -> None:
     _remove(_state.handler)
     _state.handler = None
     origin = "launcher" if rank is None else f"rank {rank}/{world_size}"
-    min_no = _level_no(os.environ.get("DISTFN_LOG_LEVEL", "INFO"))
+    level = os.environ.get("DISTFN_LOG_LEVEL", "INFO")
+    min_no = _level_no(level)
     show_all = rank is None or rank == 0 or os.environ.get("DISTFN_LOG_RANKS", "").strip().lower() == "all"
     warn_no = logger.level("WARNING").no
 
     def keep(record: Any) -> bool:
         no = record["level"].no
-        if record["extra"].get("distfn_probe") or no < min_no:
+        if record["extra"].get("distfn_probe") or no < (min_no if min_no is not None else info_no):
             return False
         return show_all or no >= warn_no
 
+    info_no = logger.level("INFO").no
     _state.handler = logger.add(sys.stderr, level=0, filter=keep, format=FORMAT.format(origin=origin))
+    if min_no is None and _state.bad_level != level:  # said once, after the sink exists so that it is seen
+        _state.bad_level = level
+        logger.warning("DISTFN_LOG_LEVEL={!r} is not a loguru level; using INFO", level)
 
 
 def setup(rank: int | None = None, world_size: int | None = None) -> Any:

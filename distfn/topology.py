@@ -27,7 +27,7 @@ Errors are `distfn.errors.LauncherError`, raised before any process group starts
 variables, their values, and how to fix them. What needs I/O (an mpi4py broadcast of the rendezvous, a free
 port) lives in `distfn.rendezvous`; GPU counting and choice in `distfn.devices`.
 
-Why one module of ~850 lines: the three detectors share the parsing helpers (every error names the variable and
+Why one module of ~930 lines: the three detectors share the parsing helpers (every error names the variable and
 its value) and the nesting rules above are decided between them; reading one launcher's rules means reading the
 others' claims. The Slurm formats (hostlists, task counts) are the only self-contained part.
 """

@@ -91,3 +91,21 @@ def test_quiet_outside_a_job(tmp_path: Path) -> None:
     assert "DEBUG" not in after and "distfn" not in after and "| INFO     | __main__:<module>" in after
     assert after.count("the user's own line") == 1  # once: distfn's sink is gone, the default handler is back
     assert enabled.count("DEBUG") >= 2 and "distfn.checkpoint" in enabled
+
+
+def test_an_invalid_level_is_said_once_and_info_applies(monkeypatch, capsys) -> None:
+    from distfn import distributed
+
+    monkeypatch.setenv("DISTFN_LOG_LEVEL", "LOUD")
+
+    @distributed(mode="single")
+    def job(cfg, ctx):
+        ctx.log.debug("hidden line")
+        ctx.log.info("shown line")
+
+    job()
+    job()
+    err = capsys.readouterr().err
+    assert err.count("DISTFN_LOG_LEVEL='LOUD' is not a loguru level; using INFO") == 1
+    assert "shown line" in err and "hidden line" not in err
+    assert all(LINE.match(line) for line in _log_lines(err)), err
