@@ -28,7 +28,8 @@ _SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer; see `dmesg` or the job's memory limit",
     "SIGSEGV": "a crash in native code (a CUDA/NCCL/extension bug or a corrupted tensor)",
     "SIGBUS": "often /dev/shm is too small for DataLoader workers (docker: --shm-size)",
-    "SIGABRT": "native code aborted (see the worker's stderr above)",
+    "SIGABRT": "native code aborted (see the worker's stderr above; NCCL's watchdog aborts a rank whose "
+               "collective timed out)",
     "SIGTERM": "terminated from outside (a scheduler time limit or preemption, or `kill`)",
     "SIGINT": "interrupted (Ctrl-C)",
     "SIGFPE": "an arithmetic fault in native code (integer division by zero)",
@@ -224,8 +225,72 @@ def innermost_user_frame(stack: str, recent_first: bool = True) -> str | None:
 
 
 # -- diagnosis ----------------------------------------------------------------------------------------------------
+# NCCL's own words for a collective that did not finish in time (a Python DistBackendError under
+# TORCH_NCCL_BLOCKING_WAIT, or text a rank reports about it).
+_NCCL_TIMEOUT = re.compile(r"watchdog caught collective operation timeout|ran for \d+ milliseconds before timing out"
+                           r"|nccl.*time[ds]?[ _-]?out", re.IGNORECASE)
+
+
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def hang_kind(first: Failure, *, timeout_s: float, elapsed_s: float | None = None) -> str | None:
+    """Whether ``first`` is a collective (or rendezvous) that timed out, and how it was seen: ``"timeout"`` (a
+    rank's exception says so: gloo, NCCL's blocking wait, the store), ``"watchdog"`` (the rank was aborted with
+    SIGABRT at least ``timeout_s`` into the job: NCCL's watchdog, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ends a
+    rank whose collective did not finish in time that way, before Python can report anything), or ``None``."""
+    if _NCCL_TIMEOUT.search(f"{first.message}\n{first.traceback}") or \
+            _TIMEOUT_WORDS.search(f"{first.exc_type} {first.message}"):
+        return "timeout"
+    if first.signal == "SIGABRT" and elapsed_s is not None and elapsed_s >= timeout_s:
+        return "watchdog"
+    return None
+
+
+def _position(first: Failure) -> str | None:
+    """Where in the user's code the first failing rank was (its traceback, or the stack of its crash)."""
+    crash = first.signal is not None
+    return innermost_user_frame(first.traceback, recent_first=crash) if first.traceback else None
+
+
+def away_ranks(first: Failure, dumps: dict[int, str]) -> dict[int, str]:
+    """``{rank: where}`` for the ranks whose stack shows they had not reached the collective that timed out.
+
+    A rank waiting in a collective is inside torch.distributed under gloo; under NCCL collectives are
+    asynchronous, so it waits at the next point that synchronises with the GPU (``.item()``, ``.cpu()``), which
+    is user code. So a rank counts as waiting when it is inside torch.distributed *or* at the same place in the
+    user's code as the rank that timed out; any other rank is away.
+    """
+    here = _position(first)
+    away: dict[int, str] = {}
+    for rank, stack in sorted(dumps.items()):
+        where = innermost_user_frame(stack)
+        if "torch/distributed/" in stack.replace("\\", "/") or (here is not None and where == here):
+            continue
+        away[rank] = where or "code outside torch"
+    return away
+
+
+def _hang_notes(first: Failure, kind: str, timeout_s: float, dumps: dict[int, str], returned: Sequence[int],
+                dead: list[int]) -> list[str]:
+    notes = []
+    if kind == "watchdog":
+        notes.append(f"Rank {first.rank} was aborted (SIGABRT) after the `timeout` of @distributed had passed: "
+                     "NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING) ends a rank whose collective did not "
+                     "finish in time; its own stderr above has NCCL's message.")
+    notes.append(f"A collective or the rendezvous timed out after {timeout_s:g} s (the `timeout` of "
+                 "@distributed, 30 min by default).")
+    away = away_ranks(first, dumps)
+    if away:
+        where = "; ".join(f"rank {r} was in {w}" for r, w in away.items())
+        notes.append(f"{_ranks(list(away)).capitalize()} had not reached a collective: {where}.")
+    elif dumps and not returned and not dead:
+        notes.append("Every other rank was waiting in a collective too: the ranks probably call different "
+                     "collectives, or the same ones in a different order (compare the stacks below).")
+    if dead:
+        notes.append(f"{_ranks(dead).capitalize()} had already failed (listed below).")
+    return notes
 
 
 def diagnose(
@@ -236,6 +301,7 @@ def diagnose(
     returned: Sequence[int] = (),
     failed: Sequence[int] = (),
     stacks: Callable[[], dict[int, str]] = dict,
+    elapsed_s: float | None = None,
 ) -> Failure:
     """The first failure with what the launching process can add from outside.
 
@@ -247,26 +313,17 @@ def diagnose(
         failed: other ranks that had reported a failure already.
         stacks: asks the ranks still running for their main thread's stack (``{rank: stack}``); called only
             for a collective timeout.
+        elapsed_s: seconds from the start of the job to ``first`` (to recognise NCCL's watchdog, see
+            `hang_kind`).
     """
     notes: list[str] = []
     text = ""
     if forwarded:
         notes.append(f"The launching process received {forwarded} and forwarded it to the workers.")
-    if _TIMEOUT_WORDS.search(f"{first.exc_type} {first.message}"):
+    kind = hang_kind(first, timeout_s=timeout_s, elapsed_s=elapsed_s)
+    if kind is not None:
         dumps = stacks()
-        notes.append(f"A collective or the rendezvous timed out after {timeout_s:g} s (the `timeout` of "
-                     "@distributed, 30 min by default).")
-        away = {r: s for r, s in dumps.items() if "torch/distributed/" not in s.replace("\\", "/")}
-        dead = [r for r in failed if r != first.rank]
-        if away:
-            where = "; ".join(f"rank {r} was in {innermost_user_frame(s) or 'code outside torch'}"
-                              for r, s in sorted(away.items()))
-            notes.append(f"{_ranks(sorted(away)).capitalize()} had not reached a collective: {where}.")
-        elif dumps and not returned and not dead:
-            notes.append("Every other rank was inside torch.distributed too: the ranks probably call different "
-                         "collectives, or the same ones in a different order (compare the stacks below).")
-        if dead:
-            notes.append(f"{_ranks(dead).capitalize()} had already failed (listed below).")
+        notes += _hang_notes(first, kind, timeout_s, dumps, returned, [r for r in failed if r != first.rank])
         if dumps:
             text = "\n\n".join(
                 [f"Python stacks of the other ranks when rank {first.rank} timed out (most recent call first):"]

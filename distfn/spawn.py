@@ -349,6 +349,7 @@ class WorkerGroup:
         self.stopped: list[Failure] = []  # errors reported by ranks while distfn stopped them
         self.forwarder = _Forwarder(self.workers)
         self.interrupted = False
+        self.started = time.time()  # when the first worker was started (see `start`)
         self._context = mp.get_context(method)
         self._store: Any = None
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -359,6 +360,7 @@ class WorkerGroup:
     # -- start ------------------------------------------------------------------------------------------------
     def start(self, fn: Callable[..., Any], cfg: Any) -> None:
         """Start every worker, then the forwarder and the store."""
+        self.started = time.time()
         for rank in range(self.nprocs):
             self.workers.append(self._start_worker(rank, fn, cfg))
         # After the forks, so that no worker inherits a handler that signals its siblings.
@@ -408,6 +410,7 @@ class WorkerGroup:
                 failed=[w.rank for w in self.workers if w.reported and not w.ok],
                 stacks=lambda: self.request_stacks(
                     [w for w in self.workers if w.rank != first.rank and not w.reported]),
+                elapsed_s=first.time - self.started,
             )
 
     def collect(self, timeout: float) -> None:

@@ -84,3 +84,38 @@ def test_a_failure_is_recorded_when_the_exception_cannot_be_printed(tmp_path: Pa
     assert 'raise _BadStr("lost")' in f.traceback
     written = json.loads((tmp_path / "error.json").read_text())
     assert written["message"]["message"] == "_BadStr: <str() of _BadStr raised RuntimeError: no text>"
+
+
+def _stack(line: int, *, extra: str = "") -> str:
+    return (f"Current thread 0x00007f02 (most recent call first):\n{extra}"
+            f'  File "/home/u/train.py", line {line} in train\n')
+
+
+def test_nccl_watchdog_abort_gets_the_hang_report() -> None:
+    """Issue 20 item 6: a rank aborted by NCCL's watchdog (SIGABRT, no Python error) after the timeout."""
+    aborted = failures.Failure.from_exit(0, 10, -6, crash=_stack(20))  # blocked at .item() on line 20
+    asked = []
+
+    def stacks() -> dict[int, str]:
+        asked.append(True)
+        in_torch = '  File "/t/torch/distributed/c10d.py", line 1 in x\n'
+        return {1: _stack(20), 2: _stack(12), 3: _stack(30, extra=in_torch)}
+
+    got = failures.diagnose(aborted, timeout_s=20, elapsed_s=25, stacks=stacks)
+    assert asked and "NCCL's watchdog" in got.diagnosis and "timed out after 20 s" in got.diagnosis
+    # rank 1 waits where rank 0 was, rank 3 inside torch.distributed: both had arrived; rank 2 had not
+    assert "Rank 2 had not reached a collective: rank 2 was in train (/home/u/train.py:12)." in got.diagnosis
+    assert "rank 1 was" not in got.diagnosis and "rank 3 was" not in got.diagnosis
+    assert "rank 1:" in got.stacks and "rank 2:" in got.stacks
+    # an abort before the timeout is not a hang: no stacks asked, no hang report
+    asked.clear()
+    early = failures.diagnose(aborted, timeout_s=20, elapsed_s=5, stacks=stacks)
+    assert not asked and early == aborted
+
+
+def test_nccl_timeout_texts_are_recognised() -> None:
+    text = ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE, "
+            "NumelIn=1, NumelOut=1, Timeout(ms)=20000) ran for 20034 milliseconds before timing out.")
+    f = failures.Failure(0, HOST, 1, "DistBackendError", text)
+    assert failures.hang_kind(f, timeout_s=20) == "timeout"
+    assert failures.hang_kind(failures.Failure(0, HOST, 1, "ValueError", "boom"), timeout_s=20) is None

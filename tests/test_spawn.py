@@ -84,3 +84,16 @@ def test_options_per_call_and_from_the_environment(method: str) -> None:
     when spawn must find the function by name in the script; DISTFN_PRECISION overrides both."""
     assert _caller_sees("options", method) == {"ranks": [["bf16", 0], ["bf16", 1]]}
     assert _caller_sees("options", method, DISTFN_PRECISION="16") == {"ranks": [["16", 0], ["16", 1]]}
+
+
+def test_a_rank_aborted_after_the_timeout_gets_the_hang_report() -> None:
+    """Issue 20 item 6, on CPU: NCCL's watchdog SIGABRTs a rank whose collective timed out (no Python error), and
+    NCCL ranks wait at their next sync point in user code, not inside torch.distributed. The report must be the
+    one a gloo timeout gets: the timeout, the rank that was elsewhere, every other rank's stack."""
+    error = _caller_sees("watchdog")["error"]
+    assert error.splitlines()[0].startswith("rank 0 (pid ") and "was killed by SIGABRT" in error
+    assert "NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING)" in error and "timed out after 3 s" in error
+    assert "Rank 1 had not reached a collective: rank 1 was in body (" in error
+    assert "rank 2 was in" not in error  # waiting where rank 0 was: it had arrived
+    stacks = error[error.index("Python stacks of the other ranks"):]
+    assert "rank 1:" in stacks and "rank 2:" in stacks and "in body" in stacks

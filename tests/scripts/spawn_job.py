@@ -7,12 +7,16 @@ Cases: ``namedtuple`` (rank 0 returns a namedtuple and an OrderedDict holding te
 ``bad_str`` (rank 1 raises an exception whose ``__str__`` raises), ``exit0`` (rank 1 calls ``sys.exit(0)``
 while rank 0 goes on to a collective), ``options`` (a module-level decorated function called through
 ``.options(precision="bf16")``: every rank reports the precision it ran with; ``DISTFN_PRECISION``
-in the environment overrides). A failed job prints ``{"error": ...}``.
+in the environment overrides), ``watchdog`` (a CPU stand-in for NCCL's watchdog: 3 ranks, timeout=3; rank 0
+waits past the timeout and aborts like the watchdog would, rank 2 waits at the same place, rank 1 is elsewhere).
+A failed job prints ``{"error": ...}``.
 """
 
 import collections
 import json
+import os
 import sys
+import time
 
 import torch
 
@@ -45,6 +49,11 @@ def body(cfg, ctx):
             sys.exit(0)
         ctx.barrier()
         return "rank 0 got through"
+    if cfg == "watchdog":
+        ctx.barrier()
+        if ctx.rank == 1:
+            time.sleep(60)  # the rank that never arrives
+        time.sleep(3.5 if ctx.rank == 0 else 60) or os.abort()  # "blocked at .item()"; the watchdog aborts rank 0
     raise ValueError(cfg)
 
 
@@ -74,6 +83,8 @@ if __name__ == "__main__":
         cfg = {"case": "view", "tensor": torch.arange(10_000_000, dtype=torch.float32)[3:5]}
     if cfg_case == "options":
         job = options_job.options(precision="bf16", start_method=method)
+    if cfg_case == "watchdog":
+        job = job.options(nprocs=3, timeout=3)
     try:
         out = describe(job(cfg))
     except WorkerError as exc:
