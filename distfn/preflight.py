@@ -2,7 +2,8 @@
 once with a `ConfigError` naming the fix, rather than in a worker (or not at all):
 
 * `choose_start_method`: fork when provably safe (no CUDA driver call, no threads started since
-  ``import distfn``), else spawn; an explicit ``start_method`` that cannot work is refused;
+  ``import distfn``), else forkserver (spawn where there is none); an explicit ``start_method`` that cannot
+  work is refused;
 * `check_main_guard`: a script that launches at its top level without ``if __name__ == "__main__":``;
 * `check_picklable` / `sendable`: what spawn and forkserver must pickle (the function, ``cfg``), with the path to
   the first part that cannot be pickled (`find_unpicklable`);
@@ -80,9 +81,17 @@ def _cuda_blocks_fork() -> str | None:
     return None
 
 
+def _fallback(why: str) -> tuple[str, str]:
+    """The start method when fork is unsafe: forkserver (workers fork from a clean server process that has
+    torch imported, see `distfn.shipping`) where it exists, else spawn (every worker imports torch again)."""
+    if "forkserver" in mp.get_all_start_methods() and sys.platform.startswith("linux"):
+        return "forkserver", why
+    return "spawn", why
+
+
 def choose_start_method(requested: str) -> tuple[str, str]:
     """Return ``(method, reason)``. ``"auto"`` forks when provably safe (fastest: torch is not re-imported),
-    and falls back to ``spawn`` otherwise."""
+    and falls back to ``forkserver`` otherwise (``spawn`` where there is no forkserver)."""
     available = mp.get_all_start_methods()
     if requested != "auto":
         if requested not in available:
@@ -99,10 +108,10 @@ def choose_start_method(requested: str) -> tuple[str, str]:
         return "spawn", f"fork is not safe on {sys.platform}"
     blocked = _cuda_blocks_fork()
     if blocked is not None:
-        return "spawn", blocked
+        return _fallback(blocked)
     new = thread_ids() - BASELINE_THREADS
     if new:
-        return "spawn", (
+        return _fallback(
             f"this process started {len(new)} thread(s) since `import distfn` (an OpenMP pool from an earlier "
             "torch op, or threads of your own), and forked workers can hang on them"
         )
@@ -178,16 +187,18 @@ def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
     return []
 
 
-def find_unpicklable(obj: Any, path: str, _depth: int = 0) -> tuple[str, Any, BaseException] | None:
-    """The deepest ``(path, object, error)`` inside ``obj`` that cannot be pickled, or ``None``."""
+def find_unpicklable(obj: Any, path: str, _depth: int = 0, *,
+                     dumps: Callable[..., bytes] = pickle.dumps) -> tuple[str, Any, BaseException] | None:
+    """The deepest ``(path, object, error)`` inside ``obj`` that ``dumps`` (default: `pickle.dumps`; also
+    ``cloudpickle.dumps``) cannot pickle, or ``None``."""
     try:
-        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         return None
     except Exception as exc:  # noqa: BLE001 - any pickling failure is what we look for
         error: BaseException = exc
     if _depth < 20:
         for child_path, child in _children(obj, path):
-            found = find_unpicklable(child, child_path, _depth + 1)
+            found = find_unpicklable(child, child_path, _depth + 1, dumps=dumps)
             if found is not None:
                 return found
     return path, obj, error

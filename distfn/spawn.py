@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from loguru import logger
 
-from . import preemption, preflight, worker
+from . import preemption, preflight, shipping, worker
 from .errors import ConfigError, Terminated, WorkerError
 from .failures import Failure, diagnose, innermost_user_frame, main_stack, order_failures
 from .options import Options
@@ -136,6 +136,7 @@ def _entry(
     listen_fd: int,
 ) -> None:
     """The first code a worker runs (module-level so spawn can find it)."""
+    shipping.arrive(fn)  # forkserver: the launching process's environment, as it is now
     _die_with_parent(parent_pid)
     try:
         os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches the launcher, which forwards it once
@@ -165,6 +166,7 @@ def _entry(
             # the environment is the one set above, whose store this process's launcher hosts: join it (with
             # env:// rank 0 would try to host a second store on the same port)
             opts = attrs.evolve(opts, init_method=None)
+        fn, cfg = shipping.unpack(fn), shipping.unpack(cfg)  # spawn/forkserver: see distfn.shipping
         result = worker.run(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store)
         if rank == 0:
             payload = _pickle_result(result)
@@ -551,13 +553,13 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
     if method == "fork":
         logger.trace("starting {} workers with fork: {}", nprocs, reason)
     else:
-        logger.info("starting {} workers with {}: {}", nprocs, method, reason)
         cfg = compact_views(cfg)  # travels by pickle: a view must not carry its whole storage
-        fn = preflight.sendable(fn)
-        preflight.check_picklable(fn, cfg, method)
+        fn, cfg, how = shipping.pack(preflight.sendable(fn), cfg, method, opts.start_method)
+        logger.info("starting {} workers with {}: {}; {}", nprocs, method, reason, how)
     group = WorkerGroup(method, nprocs, opts)
     try:
-        group.start(fn, cfg)
+        with shipping.main_for_workers(method):
+            group.start(fn, cfg)
         group.wait()
     finally:
         group.teardown()

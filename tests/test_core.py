@@ -95,7 +95,7 @@ def test_falls_back_to_spawn_when_fork_is_unsafe(tmp_path: Path) -> None:
     say so, and spawn instead, with the same results."""
     done = run_python([JOB, str(tmp_path)], env=clean_env(PRE_MATMUL="1", OMP_NUM_THREADS="2"))
     assert done.returncode == 0, done.stderr
-    assert "with spawn" in done.stderr and "threads" in done.stderr
+    assert "with forkserver" in done.stderr and "threads" in done.stderr
     recs = _check_job(tmp_path, 2, "spawn")
     assert len(recs) == 2
 

@@ -21,7 +21,7 @@ def test_fork_refused_after_a_cuda_driver_call(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(preflight, "BASELINE_THREADS", preflight.thread_ids())
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)  # what a child sees after is_available()
     method, reason = preflight.choose_start_method("auto")
-    assert method == "spawn" and "torch.cuda.is_available()" in reason and "device_count" in reason
+    assert method == "forkserver" and "torch.cuda.is_available()" in reason and "device_count" in reason
     with pytest.raises(distfn.ConfigError, match="start_method='fork' cannot work here"):
         preflight.choose_start_method("fork")
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)  # only NVML was asked: fork is fine

@@ -19,6 +19,7 @@ _SHM = "/dev/shm"
 # torchinductor_<user> is torch's compile cache, kept across runs on purpose (a fresh interpreter may make it)
 _TEMP_NAMES = re.compile(r"^(?!torchinductor_)(torch|distfn|tmp.*distfn)")
 _MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_DISTFN_SERVER = "distfn-forksrv"  # distfn's fork server: a copy of the launching process, named so (its comm)
 
 
 def _listdir(path: str) -> set[str]:
@@ -55,6 +56,14 @@ def _cmdline(pid: str) -> str:
         return "?"
 
 
+def _comm(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
 def processes(pid: int, *, session: bool | None = None) -> list[str]:
     """Live processes of the job started by ``pid``: its session when it leads one (``session=True`` for a
     session whose leader has exited already), else its children."""
@@ -70,7 +79,7 @@ def processes(pid: int, *, session: bool | None = None) -> list[str]:
             continue
         if int(fields[3] if session else fields[1]) == pid:
             cmd = _cmdline(entry)
-            if launcher_alive and any(h in cmd for h in _MP_HELPERS):
+            if launcher_alive and (any(h in cmd for h in _MP_HELPERS) or _comm(entry) == _DISTFN_SERVER):
                 continue  # Python's own helpers: they live as long as the launching process (see above)
             found.append(f"process {entry} ({cmd})")
     return found

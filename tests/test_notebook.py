@@ -1,0 +1,224 @@
+"""Jobs defined interactively (issue 11 item 3): a real Jupyter kernel driven by nbclient, IPython's ``%run``,
+``python -c`` and a script on standard input give the same results as the same code run as a script file.
+
+Once the launching process has run a torch op (an OpenMP pool is alive) forking is unsafe; distfn then starts the
+workers from its fork server, and ships what was defined interactively by value (cloudpickle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import clean_env, requires, run_python
+
+pytestmark = pytest.mark.slow
+
+# The job definitions: one notebook cell, and the top of the script.
+DEFS = '''
+import json, os, time
+import torch
+import torch.distributed as dist
+from distfn import distributed
+
+class Scale:
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, x):
+        return x * self.k
+
+def after_a_matmul():
+    torch.set_num_threads(2)
+    torch.randn(600, 600) @ torch.randn(600, 600)  # an OpenMP pool is alive from here on: fork is unsafe
+    return {}
+
+@distributed(mode="ddp", nprocs=2, seed=0)
+def train(cfg, ctx):
+    model = ctx.wrap(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(ctx.rank))
+    y = x.sum(dim=1, keepdim=True)
+    for _ in range(3):
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+    w = torch.cat([p.detach().flatten() for p in model.parameters()])
+    every = [torch.zeros_like(w) for _ in range(ctx.world_size)]
+    dist.all_gather(every, w)
+    return {"w": [round(v, 5) for v in w.tolist()], "same_on_all_ranks": all(torch.equal(every[0], t) for t in every)}
+
+@distributed(mode="ddp", nprocs=2)
+def total(cfg, ctx):
+    return ctx.all_reduce(ctx.rank + cfg["f"](1) + cfg["s"](1), op="sum")
+
+@distributed(mode="fsdp", nprocs=2, seed=0)
+def shard(cfg, ctx):
+    model = ctx.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(ctx.rank))
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(round(ctx.all_reduce(loss.item()), 5))
+    return losses
+
+@distributed(mode="ddp", nprocs=2)
+def boom(cfg, ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom from rank 1")
+    return 0
+
+@distributed(mode="ddp", nprocs=2)
+def sleeper(cfg, ctx):
+    with open(os.path.join(cfg, f"pid{ctx.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+'''
+
+# (name, code) of the calls whose results must agree everywhere. The matmul makes fork unsafe from there on.
+CALLS = [
+    ("train1", "train({})"),
+    ("train2", "train({})"),
+    ("train3", "train(after_a_matmul())"),
+    ("total", 'total({"f": lambda x: x * 10, "s": Scale(2)})'),
+    ("shard", "shard({})"),
+]
+
+
+def _line(name: str, call: str) -> str:
+    return f"print('RESULT', {name!r}, json.dumps({call}))"
+
+
+SCRIPT = DEFS + '\nif __name__ == "__main__":\n' + "".join(f"    {_line(n, c)}\n" for n, c in CALLS)
+
+
+def _results(text: str) -> dict[str, Any]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("RESULT "):
+            _, name, value = line.split(" ", 2)
+            out[name] = json.loads(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def script_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    path = tmp_path_factory.mktemp("script") / "job.py"
+    path.write_text(SCRIPT)
+    done = run_python([str(path)], timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = _results(done.stdout)
+    assert list(results) == [n for n, _ in CALLS]
+    assert results["train1"]["same_on_all_ranks"] and results["total"] == 25 and len(results["shard"]) == 3
+    assert "starting 2 workers with forkserver" in done.stderr  # the calls after the matmul
+    return results
+
+
+def test_python_dash_c_matches_the_script(script_results: dict[str, Any]) -> None:
+    done = run_python(["-c", SCRIPT], timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert _results(done.stdout) == script_results
+    assert "shipped by value" in done.stderr
+
+
+def test_script_on_stdin_matches_the_script(script_results: dict[str, Any]) -> None:
+    done = subprocess.run([sys.executable, "-"], input=SCRIPT, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert _results(done.stdout) == script_results
+    assert "shipped by value" in done.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@requires("nbclient", "test")
+@requires("ipykernel", "test")
+def test_jupyter_kernel_matches_the_script(script_results: dict[str, Any], tmp_path: Path) -> None:
+    import nbclient
+    import nbformat
+
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    cells = {
+        "defs": DEFS,
+        **{name: _line(name, call) for name, call in CALLS},
+        "boom": "boom({})",
+        "after_error": _line("after_error", "train({})"),
+        "sleeper": f"sleeper({str(pids)!r})",
+        "after_interrupt": _line("after_interrupt", 'total({"f": abs, "s": Scale(1)})'),
+        "run": f"%run {script}",
+    }
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in cells.values()])
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    out: dict[str, str] = {}
+    errors: dict[str, dict[str, Any]] = {}
+    interrupted_at: list[float] = []
+
+    def interrupt_when_running() -> None:
+        deadline = time.monotonic() + 120
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        interrupted_at.append(time.monotonic())
+        asyncio.run(client.km.interrupt_kernel())
+
+    with client.setup_kernel(env=clean_env()):
+        for index, (name, cell) in enumerate(zip(cells, nb.cells, strict=True)):
+            helper = threading.Thread(target=interrupt_when_running) if name == "sleeper" else None
+            if helper is not None:
+                helper.start()
+            client.execute_cell(cell, index)
+            if helper is not None:
+                helper.join()
+            out[name] = "".join(o.get("text", "") for o in cell.outputs if o["output_type"] == "stream")
+            for o in cell.outputs:
+                if o["output_type"] == "error":
+                    errors[name] = o
+        kernel_alive = asyncio.run(client.km.is_alive())
+
+    got = {}
+    for name in ("defs", *(n for n, _ in CALLS), "after_error", "after_interrupt"):
+        assert name not in errors, (name, errors.get(name))
+        got.update(_results(out[name]))
+    assert {n: got[n] for n, _ in CALLS} == script_results
+    assert got["after_error"] == script_results["train1"]
+    assert got["after_interrupt"] == 0 + 1 + 1 + 1 + 1 + 1
+    # Fork is used while it is safe; after the matmul the fork server starts the workers, shipped by value.
+    assert "with forkserver" not in out["train1"] + out["train2"]
+    assert "starting 2 workers with forkserver" in out["train3"] and "shipped by value" in out["train3"]
+    assert "threads" in out["train3"]  # the reason fork was unsafe
+    # The error: one WorkerError naming rank 1 with its traceback, in the cell's output; the kernel lives on.
+    err = errors["boom"]
+    text = err["evalue"] + "\n".join(err["traceback"])
+    assert err["ename"] == "WorkerError" and "rank 1" in text and "boom from rank 1" in text
+    assert 'raise ValueError("boom from rank 1")' in text
+    # The interrupt: KeyboardInterrupt in the cell, the workers gone within seconds, the kernel alive.
+    assert errors["sleeper"]["ename"] == "KeyboardInterrupt"
+    worker_pids = [int(p.read_text()) for p in pids.iterdir()]
+    assert len(worker_pids) == 2
+    assert not any(_alive(pid) for pid in worker_pids)
+    assert kernel_alive
+    # IPython's %run of the script file: the same results (the workers import the script by its path).
+    assert "run" not in errors, errors.get("run")
+    assert _results(out["run"]) == script_results
