@@ -50,6 +50,8 @@ class Context:
             unless `DISTFN_LOG_RANKS=all`).
         precision: `"32"`, `"bf16"` or `"16"` (`@distributed(precision=...)`): what `ctx.autocast`,
             `ctx.backward` and `ctx.step` use.
+        restart: which attempt of the job this is: 0, then 1, 2, ... after restarts (`@distributed(max_restarts=)`,
+            or torchrun's `--max-restarts`).
     """
 
     rank: int
@@ -65,6 +67,7 @@ class Context:
     seed: int | None = None
     log: Any = attrs.field(default=None, repr=False)
     precision: str = "32"
+    restart: int = 0
     _loop: amp.LoopState | None = attrs.field(default=None, init=False, repr=False)  # made on first use
 
     @property

@@ -131,6 +131,7 @@ def distributed(
     init_method: str | None = None,
     precision: str | int = "32",
     fsdp: Mapping[str, Any] | None = None,
+    max_restarts: int = 0,
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -151,7 +152,8 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
         timeout: seconds (or a ``timedelta``) for collectives and rendezvous; default 30 minutes.
         devices: GPUs to use, e.g. ``"0,5"`` or ``[0, 5]``, applied through ``CUDA_VISIBLE_DEVICES`` (program
             index 1 is then physical GPU 5). Rank r uses ``cuda:(local_rank % device_count)``.
-        start_method: ``"auto"`` (fork when this process has no CUDA context and no extra threads, else spawn),
+        start_method: ``"auto"`` (fork when this process has no CUDA context and no extra threads, else
+            forkserver: distfn's fork server, a copy of this process made at decoration, see docs/notebooks.md),
             ``"fork"``, ``"forkserver"`` or ``"spawn"``.
         launcher: ``"auto"`` detects torchrun / MPI / SLURM; ``"spawn"``, ``"torchrun"``, ``"slurm"``,
             ``"mpi"`` force one (a forced launcher whose variables are missing is an error naming them).
@@ -162,6 +164,11 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             ``ctx.backward(loss)`` and ``ctx.step(optimizer)``; the model's weights stay float32.
         fsdp: options of ``mode="fsdp"``: ``min_params``, ``module_classes``, ``mixed_precision``,
             ``cpu_offload``, ``reshard_after_forward``, ``save_timeout`` (see ``distfn.fsdp.FsdpOptions``).
+        max_restarts: how many times a self-spawned job that failed (an exception, a killed worker, a collective
+            timeout) is started again on fresh workers and a fresh rendezvous, after a back-off of 1, 2, 4 ...
+            (at most 30) seconds; default 0. ``ctx.restart`` says which attempt runs. A `ConfigError` or a stop
+            from outside (Ctrl-C, SIGTERM) is never retried; the final `WorkerError` lists every attempt's root
+            cause. Under torchrun use ``--max-restarts`` (``ctx.restart`` follows it).
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take
@@ -173,7 +180,8 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     Options at run time: ``fn.options(**changes)`` returns the function with some of these arguments changed
     (checked the same way), e.g. ``train.options(precision="16" if cfg.use_amp else "32")(cfg)``; and the
     environment overrides them at each call: ``DISTFN_NPROCS``, ``DISTFN_PRECISION``, ``DISTFN_BACKEND``,
-    ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), over both the decorator and ``fn.options``.
+    ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), ``DISTFN_MAX_RESTARTS``, over both the decorator and
+    ``fn.options``.
     """
     opts = make_options(options)
     if fn is not None:

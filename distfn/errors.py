@@ -46,16 +46,19 @@ class WorkerError(DistfnError):
 
     The message leads with the *first* failure (rank, host, pid, exception type and message and the
     worker's traceback) and lists any later ones after it. ``failures`` holds them all, first first.
+    With ``max_restarts=``, ``attempts`` holds the root cause of each earlier attempt that failed, in order
+    (the last attempt is ``failures``).
     """
 
-    def __init__(self, failures: list[Failure]) -> None:
+    def __init__(self, failures: list[Failure], attempts: list[Failure] | None = None) -> None:
         self.failures = list(failures)
+        self.attempts = list(attempts or [])
         super().__init__(self._render())
 
     def __reduce__(self) -> tuple[Any, ...]:
         # pickle and copy rebuild an exception from ``args`` (here the rendered text, not the failures): rebuild
         # it from the failures instead, and carry the attributes set on it (as torch's ProcessRaisedException)
-        return type(self), (self.failures,), self.__dict__
+        return type(self), (self.failures, self.attempts), self.__dict__
 
     @property
     def first(self) -> Failure:
@@ -70,4 +73,8 @@ class WorkerError(DistfnError):
         if len(self.failures) > 1:
             lines += ["", f"{len(self.failures) - 1} other rank(s) failed after it:"]
             lines += [f"  - {f.headline()}" for f in self.failures[1:]]
+        if self.attempts:
+            lines += ["", f"The job was started {len(self.attempts) + 1} times (max_restarts); the earlier attempts "
+                          "failed with:"]
+            lines += [f"  - attempt {i}: {f.headline()}" for i, f in enumerate(self.attempts)]
         return "\n".join(lines)

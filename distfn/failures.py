@@ -22,7 +22,7 @@ import attrs
 import torch
 from loguru import logger
 
-from .errors import Terminated
+from .errors import ConfigError, LauncherError, Terminated
 
 _SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer; see `dmesg` or the job's memory limit",
@@ -73,6 +73,8 @@ class Failure:
     diagnosis: str = ""
     #: The Python stacks of the other ranks when this failure was reported (for collective timeouts).
     stacks: str = ""
+    #: Whether starting the job again could help (``max_restarts=``): not for a ConfigError or LauncherError.
+    retryable: bool = True
 
     def headline(self) -> str:
         """One line: the rank, where it ran, and what happened."""
@@ -96,6 +98,7 @@ class Failure:
             exc_type=type(exc).__qualname__,
             message=exception_text(exc),
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            retryable=not isinstance(exc, (ConfigError, LauncherError)),
         )
 
     @classmethod

@@ -53,7 +53,12 @@ ENV_OVERRIDES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "DISTFN_BACKEND": ("backend", str.strip),
     "DISTFN_START_METHOD": ("start_method", str.strip),
     "DISTFN_TIMEOUT": ("timeout", float),
+    "DISTFN_MAX_RESTARTS": ("max_restarts", int),
 }
+
+#: Set by distfn's launcher in the environment of its workers: which attempt of the job they run (see
+#: `restart_attempt`).
+RESTART_ENV: Final = "DISTFN_RESTART"
 
 
 # -- argument conversion (each raises ConfigError naming the argument and how to fix it) ------------------------
@@ -186,6 +191,13 @@ def check_launcher(value: Any) -> str:
     return _check_choice("launcher", value, LAUNCHERS)
 
 
+def check_max_restarts(value: Any) -> int:
+    """A non-negative int: how many times a failed self-spawned job is started again."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"max_restarts must be a non-negative int (0: never restart), got {value!r}")
+    return value
+
+
 def check_init_method(init_method: str | None) -> str | None:
     """``None`` or a URL starting with ``env://``, ``tcp://`` or ``file://``."""
     if init_method is None:
@@ -237,6 +249,7 @@ class Options:
     init_method: str | None = attrs.field(default=None, converter=check_init_method)
     precision: str = attrs.field(default="32", converter=check_precision)
     fsdp: Any = attrs.field(default=None, converter=check_fsdp)  # distfn.fsdp.FsdpOptions | None
+    max_restarts: int = attrs.field(default=0, converter=check_max_restarts)
 
     def __attrs_post_init__(self) -> None:
         if self.one_process and self.nprocs not in (None, 1):
@@ -288,6 +301,16 @@ def with_env(opts: Options, env: Mapping[str, str]) -> Options:
         except (ConfigError, ValueError) as exc:
             raise ConfigError(f"{var}={text!r} (overriding {name}=) is not valid: {exc}") from None
     return attrs.evolve(opts, **changes) if changes else opts
+
+
+def restart_attempt(env: Mapping[str, str]) -> int:
+    """Which attempt of the job this process runs, 0 for the first: ``DISTFN_RESTART`` in a worker of distfn's
+    launcher (``max_restarts=``), else torchrun's ``TORCHELASTIC_RESTART_COUNT`` (``--max-restarts``)."""
+    for var in (RESTART_ENV, "TORCHELASTIC_RESTART_COUNT"):
+        text = env.get(var, "").strip()
+        if text.isdigit():
+            return int(text)
+    return 0
 
 
 def requested_nprocs(opts: Options, env: Mapping[str, str]) -> int | None:

@@ -46,7 +46,7 @@ from loguru import logger
 from . import preemption, preflight, shipping, worker
 from .errors import ConfigError, Terminated, WorkerError
 from .failures import Failure, diagnose, innermost_user_frame, main_stack, order_failures
-from .options import Options
+from .options import RESTART_ENV, Options
 from .topology import Topology
 from .tree import tree_map
 
@@ -63,6 +63,11 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 #: Seconds the launching process waits for the workers' stacks after asking for them.
 DUMP_WAIT = 2.0
+
+#: Seconds before the first restart of a failed job (``max_restarts``); doubled for each further one, at most
+#: ``RESTART_BACKOFF_MAX``.
+RESTART_BACKOFF = 1.0
+RESTART_BACKOFF_MAX = 30.0
 
 # --------------------------------------------------------------------------------------------------------------
 # Worker side
@@ -134,8 +139,9 @@ def _entry(
     stack_conn: Connection,
     parent_pid: int,
     listen_fd: int,
+    attempt: int = 0,
 ) -> None:
-    """The first code a worker runs (module-level so spawn can find it)."""
+    """The first code a worker runs (module-level so spawn can find it); ``attempt``: see `options.restart_attempt`."""
     shipping.arrive(fn)  # forkserver: the launching process's environment, as it is now
     _die_with_parent(parent_pid)
     try:
@@ -155,6 +161,7 @@ def _entry(
     # Visible to code that reads the torchrun-style variables (libraries, user code).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ[RESTART_ENV] = str(attempt)  # ctx.restart
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
     topology = Topology.self_spawned(rank, world_size, port)
     failure: Failure | None = None
@@ -342,8 +349,9 @@ class WorkerGroup:
     failures, the signal forwarder and the rendezvous store (``start`` -> ``wait`` -> ``teardown`` ->
     ``outcome``)."""
 
-    def __init__(self, method: str, nprocs: int, opts: Options) -> None:
+    def __init__(self, method: str, nprocs: int, opts: Options, attempt: int = 0) -> None:
         self.method = method
+        self.attempt = attempt  # 0 first, then one more for each restart (max_restarts)
         self.nprocs = nprocs
         self.opts = opts
         self.workers: list[_Worker] = []
@@ -380,7 +388,7 @@ class WorkerGroup:
             target=_entry,
             args=(rank, self.nprocs, self.port, fn, cfg, self.opts, writer, stack_writer,
                   os.getpid() if self.method != "forkserver" else 0,
-                  self._listener.fileno() if self.method == "fork" else -1),
+                  self._listener.fileno() if self.method == "fork" else -1, self.attempt),
             name=f"{worker.WORKER_NAME}{rank}",  # marks the child as a worker (`worker.in_worker`)
             daemon=False,  # daemonic processes may not have children: DataLoader workers need them
         )
@@ -528,8 +536,15 @@ class WorkerGroup:
         self._store = None
         self._listener.close()
 
-    def outcome(self) -> Any:
-        """Rank 0's value, or the exception that describes how the job ended."""
+    def retryable(self) -> bool:
+        """Whether starting the job again could help: it failed by itself (not stopped by a signal from outside
+        or Ctrl-C), and not with a ConfigError."""
+        return bool(self.failures) and not self.interrupted and self.forwarder.received is None \
+            and self.failures[0].retryable
+
+    def outcome(self, earlier: list[Failure] | None = None) -> Any:
+        """Rank 0's value, or the exception that describes how the job ended (``earlier``: the root causes of
+        the attempts before this one)."""
         if self.interrupted:
             where = [f"rank {f.rank} in {innermost_user_frame(f.traceback, recent_first=False)}"
                      for f in sorted(self.stopped, key=lambda f: f.rank) if f.exc_type == "KeyboardInterrupt"]
@@ -537,17 +552,21 @@ class WorkerGroup:
                 logger.warning("interrupted {}", "; ".join(where))
             raise KeyboardInterrupt
         if self.failures:
-            raise WorkerError(self.failures)
+            raise WorkerError(self.failures, earlier)
         if self.forwarder.expired() and not all(w.ok for w in self.workers):
             raise WorkerError([Failure(w.rank, socket.gethostname(), w.process.pid, "Terminated",
                                        f"still running {TERM_GRACE:g} s after SIGTERM was forwarded; killed")
-                               for w in self.workers if not w.ok])
+                               for w in self.workers if not w.ok], earlier)
         payload = self.workers[0].result
         return None if payload is None else pickle.loads(payload)
 
 
 def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
-    """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``)."""
+    """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``).
+
+    A job that fails by itself is started again on fresh workers and a fresh rendezvous, up to
+    ``opts.max_restarts`` times, after a back-off; never after a ConfigError or a stop from outside.
+    """
     preflight.check_port_free(opts.init_method)
     method, reason = preflight.choose_start_method(opts.start_method)
     if method == "fork":
@@ -556,11 +575,25 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
         cfg = compact_views(cfg)  # travels by pickle: a view must not carry its whole storage
         fn, cfg, how = shipping.pack(preflight.sendable(fn), cfg, method, opts.start_method)
         logger.info("starting {} workers with {}: {}; {}", nprocs, method, reason, how)
-    group = WorkerGroup(method, nprocs, opts)
-    try:
-        with shipping.main_for_workers(method):
-            group.start(fn, cfg)
-        group.wait()
-    finally:
-        group.teardown()
-    return group.outcome()
+    earlier: list[Failure] = []  # the root cause of each failed attempt before this one
+    for attempt in range(opts.max_restarts + 1):
+        group = WorkerGroup(method, nprocs, opts, attempt)
+        try:
+            with shipping.main_for_workers(method):
+                group.start(fn, cfg)
+            group.wait()
+        finally:
+            group.teardown()
+        if attempt == opts.max_restarts or not group.retryable():
+            return group.outcome(earlier)
+        earlier.append(group.failures[0])
+        _before_restart(group, opts.max_restarts)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _before_restart(group: WorkerGroup, max_restarts: int) -> None:
+    """Log the failed attempt (rank, traceback) and wait the back-off before fresh workers start."""
+    delay = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF * 2 ** group.attempt)
+    logger.warning("attempt {} of {} failed; starting the job again on fresh workers in {:g} s (max_restarts={}):"
+                   "\n{}", group.attempt, max_restarts + 1, delay, max_restarts, WorkerError(group.failures))
+    time.sleep(delay)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import devices, failures, logs, preemption, rendezvous, topology
 from .context import Context
 from .errors import LauncherError
+from .options import restart_attempt
 
 if TYPE_CHECKING:
     from .options import Options
@@ -165,6 +166,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             seed=opts.seed,
             log=log,
             precision=opts.precision,
+            restart=restart_attempt(os.environ),
         )
         return fn(cfg, ctx)
     except BaseException as exc:

@@ -25,7 +25,8 @@ def _worker_error() -> errors.WorkerError:
 def _instances() -> list[BaseException]:
     return [errors.DistfnError("base"), errors.LauncherError("no MASTER_ADDR"), errors.ConfigError("bad nprocs"),
             errors.CheckpointError("torn file"), errors.NestedLaunchError("nested"), errors.Terminated("SIGTERM"),
-            _worker_error(), errors.WorkerError([])]
+            _worker_error(), errors.WorkerError([]),
+            errors.WorkerError(_worker_error().failures, attempts=_worker_error().failures[:1])]
 
 
 @pytest.mark.parametrize("exc", _instances(), ids=lambda e: type(e).__name__)
@@ -37,6 +38,7 @@ def test_every_exception_survives_pickle_and_copy(exc: BaseException) -> None:
         assert clone.note == "extra"  # type: ignore[attr-defined]
         if isinstance(exc, errors.WorkerError):
             assert clone.failures == exc.failures  # type: ignore[attr-defined]
+            assert clone.attempts == exc.attempts  # type: ignore[attr-defined]
 
 
 def _raise_worker_error(_: int) -> None:

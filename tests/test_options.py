@@ -8,7 +8,7 @@ import datetime
 import pytest
 
 from distfn import ConfigError
-from distfn.options import Options, default_nprocs, make_options, requested_nprocs, with_env
+from distfn.options import Options, default_nprocs, make_options, requested_nprocs, restart_attempt, with_env
 
 
 @pytest.mark.parametrize(
@@ -108,3 +108,16 @@ def test_changes_on_top_of_options_are_checked() -> None:
         make_options({"procs": 2}, base)
     with pytest.raises(ConfigError, match="runs one process"):
         make_options({"mode": "single"}, Options(nprocs=2))
+
+
+def test_max_restarts_and_the_attempt_number() -> None:
+    assert Options().max_restarts == 0 and Options(max_restarts=3).max_restarts == 3
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ConfigError, match="max_restarts must be a non-negative int"):
+            Options(max_restarts=bad)
+    assert with_env(Options(), {"DISTFN_MAX_RESTARTS": "2"}).max_restarts == 2
+    with pytest.raises(ConfigError, match="DISTFN_MAX_RESTARTS='-1'"):
+        with_env(Options(), {"DISTFN_MAX_RESTARTS": "-1"})
+    assert restart_attempt({}) == 0
+    assert restart_attempt({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2  # torchrun --max-restarts
+    assert restart_attempt({"DISTFN_RESTART": "1", "TORCHELASTIC_RESTART_COUNT": "2"}) == 1

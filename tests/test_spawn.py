@@ -97,3 +97,19 @@ def test_a_rank_aborted_after_the_timeout_gets_the_hang_report() -> None:
     assert "rank 2 was in" not in error  # waiting where rank 0 was: it had arrived
     stacks = error[error.index("Python stacks of the other ranks"):]
     assert "rank 1:" in stacks and "rank 2:" in stacks and "in body" in stacks
+
+
+def test_a_failed_attempt_is_restarted_on_fresh_workers() -> None:
+    """Issue 13 item 1: rank 1 raises on attempt 0 only; with max_restarts=1 the job finishes on attempt 1."""
+    ranks = _caller_sees("restart")["ranks"]
+    assert [r[:2] for r in ranks] == [[1, 0], [1, 1]]  # ctx.restart == 1 on every rank
+
+
+def test_the_last_failure_lists_every_attempt_and_config_errors_are_not_retried() -> None:
+    error = _caller_sees("always", DISTFN_MAX_RESTARTS="2")["error"]
+    assert error.splitlines()[0].startswith("rank 1 ") and "ValueError: attempt 2 fails" in error.splitlines()[0]
+    assert "The job was started 3 times (max_restarts); the earlier attempts failed with:" in error
+    assert "  - attempt 0: rank 1 (pid " in error and "ValueError: attempt 0 fails" in error
+    assert "  - attempt 1: rank 1 (pid " in error and "ValueError: attempt 1 fails" in error
+    error = _caller_sees("config", DISTFN_MAX_RESTARTS="2")["error"]
+    assert "ConfigError: attempt 0 fails" in error and "The job was started" not in error

@@ -9,6 +9,8 @@ while rank 0 goes on to a collective), ``options`` (a module-level decorated fun
 ``.options(precision="bf16")``: every rank reports the precision it ran with; ``DISTFN_PRECISION``
 in the environment overrides), ``watchdog`` (a CPU stand-in for NCCL's watchdog: 3 ranks, timeout=3; rank 0
 waits past the timeout and aborts like the watchdog would, rank 2 waits at the same place, rank 1 is elsewhere).
+``restart`` (``max_restarts=1``: rank 1 raises on attempt 0 only), ``always`` (rank 1 raises on every attempt;
+the test sets ``DISTFN_MAX_RESTARTS``), ``config`` (rank 1 raises a ConfigError: never retried).
 A failed job prints ``{"error": ...}``.
 """
 
@@ -20,7 +22,7 @@ import time
 
 import torch
 
-from distfn import WorkerError, distributed
+from distfn import ConfigError, WorkerError, distributed
 
 Result = collections.namedtuple("Result", ["loss", "weights"])
 
@@ -54,6 +56,10 @@ def body(cfg, ctx):
         if ctx.rank == 1:
             time.sleep(60)  # the rank that never arrives
         time.sleep(3.5 if ctx.rank == 0 else 60) or os.abort()  # "blocked at .item()"; the watchdog aborts rank 0
+    if cfg in ("restart", "always", "config"):
+        if ctx.rank == 1 and (ctx.restart == 0 or cfg == "always"):
+            raise (ConfigError if cfg == "config" else ValueError)(f"attempt {ctx.restart} fails")
+        return ctx.gather_object([ctx.restart, ctx.rank, os.getpid()])
     raise ValueError(cfg)
 
 
@@ -63,7 +69,7 @@ def options_job(cfg, ctx):
 
 
 def describe(value):
-    if cfg_case == "options":
+    if cfg_case in ("options", "restart"):
         return {"ranks": value}
     if cfg_case == "namedtuple":
         return {"type": type(value).__name__, "inner": type(value.weights).__name__,
@@ -85,6 +91,8 @@ if __name__ == "__main__":
         job = options_job.options(precision="bf16", start_method=method)
     if cfg_case == "watchdog":
         job = job.options(nprocs=3, timeout=3)
+    if cfg_case == "restart":
+        job = job.options(max_restarts=1)
     try:
         out = describe(job(cfg))
     except WorkerError as exc:
