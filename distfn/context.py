@@ -18,12 +18,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from . import accumulation, collectives, data, preemption, progress, wrapping
+from . import accumulation, checkin, checkpoint, collectives, data, preemption, progress, wrapping
 from . import precision as amp
 from .accumulation import Accumulator
 from .data import DistributedLoader
 from .devices import collective_device
 from .errors import CheckpointError, ConfigError
+from .modules import unwrap_module
 from .options import ONE_PROCESS_MODES
 from .progress import Progress
 
@@ -190,8 +191,6 @@ class Context:
         Args:
             model: a module, possibly wrapped.
         """
-        from .modules import unwrap_module
-
         return unwrap_module(model)
 
     # -- training loop (distfn/precision.py as amp, distfn/accumulation.py) -----------------------------------------
@@ -377,12 +376,8 @@ class Context:
                 keeps everything.
             rng: also store every rank's random generator states (a collective, see above).
         """
-        from . import checkpoint
-
         checked_in = False
         if rng and self.mode == "fsdp":
-            from . import checkin
-
             checkin.check_in("ctx.save")  # before the RNG gather: a rank-0-only call must fail there, not hang in it
             checked_in = True
         if rng:
@@ -392,7 +387,7 @@ class Context:
             obj = {**obj, "rng": checkpoint.gather_rng_states()}  # checks in first: a rank-0-only call fails fast
 
         if self.mode == "fsdp":
-            from . import fsdp
+            from . import fsdp  # deferred: ~1.5 s (torch._dynamo), paid only by mode='fsdp'
 
             return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in)
         if self.is_main:
@@ -422,10 +417,8 @@ class Context:
             strict: every tensor of `into` must be in the file and nothing extra (as `load_state_dict`).
             rng: restore this rank's random generator states (the file must hold them).
         """
-        from . import checkpoint
-
         if self.mode == "fsdp":
-            from . import fsdp
+            from . import fsdp  # deferred: ~1.5 s (torch._dynamo), paid only by mode='fsdp'
 
             values = fsdp.load(path, into, device=self.device, strict=strict)
         else:
