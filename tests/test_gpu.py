@@ -1,5 +1,9 @@
-"""CUDA paths (skipped without GPUs; run them where a GPU exists): device pinning with NCCL, checkpoints of
-GPU tensors through the pinned staging buffer, and the fork probe after a CUDA driver call."""
+"""CUDA and NCCL paths on real GPUs (skipped without them): device pinning with NCCL, checkpoints of GPU
+tensors through the pinned staging buffer, the fork probe after a CUDA driver call, and the issue-20 cases.
+
+Run them, `distfn test --gpu` and the step benchmark on NCCL with one command on the first machine that has
+GPUs: `bash bench/gpu_check.sh` (under 8 minutes; results under $OUT). Each test states the GPUs it needs and
+skips with a reason on fewer. Append new GPU tests below."""
 
 from __future__ import annotations
 
