@@ -132,6 +132,7 @@ def distributed(
     precision: str | int = "32",
     fsdp: Mapping[str, Any] | None = None,
     max_restarts: int = 0,
+    requeue: bool = False,
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -169,6 +170,10 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             (at most 30) seconds; default 0. ``ctx.restart`` says which attempt runs. A `ConfigError` or a stop
             from outside (Ctrl-C, SIGTERM) is never retried; the final `WorkerError` lists every attempt's root
             cause. Under torchrun use ``--max-restarts`` (``ctx.restart`` follows it).
+        requeue: under Slurm, when the job stopped because of a stop signal (``ctx.should_stop`` became true:
+            ``#SBATCH --signal=USR2@T``, SIGTERM at a time limit or preemption) and the function then returned,
+            rank 0 puts the job back in the queue once (``scontrol requeue``); the requeued job resumes from its
+            newest checkpoint. Never after a normal end or a failure. Default False.
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take
@@ -180,8 +185,8 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     Options at run time: ``fn.options(**changes)`` returns the function with some of these arguments changed
     (checked the same way), e.g. ``train.options(precision="16" if cfg.use_amp else "32")(cfg)``; and the
     environment overrides them at each call: ``DISTFN_NPROCS``, ``DISTFN_PRECISION``, ``DISTFN_BACKEND``,
-    ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), ``DISTFN_MAX_RESTARTS``, over both the decorator and
-    ``fn.options``.
+    ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), ``DISTFN_MAX_RESTARTS``, ``DISTFN_REQUEUE`` (1/0), over
+    both the decorator and ``fn.options``.
     """
     opts = make_options(options)
     if fn is not None:

@@ -54,6 +54,7 @@ ENV_OVERRIDES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "DISTFN_START_METHOD": ("start_method", str.strip),
     "DISTFN_TIMEOUT": ("timeout", float),
     "DISTFN_MAX_RESTARTS": ("max_restarts", int),
+    "DISTFN_REQUEUE": ("requeue", lambda text: parse_flag(text)),
 }
 
 #: Set by distfn's launcher in the environment of its workers: which attempt of the job they run (see
@@ -191,6 +192,23 @@ def check_launcher(value: Any) -> str:
     return _check_choice("launcher", value, LAUNCHERS)
 
 
+def parse_flag(text: str) -> bool:
+    """An on/off environment value: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not 1/true/yes/on or 0/false/no/off")
+
+
+def check_requeue(value: Any) -> bool:
+    """A bool: requeue a Slurm job that stopped on a stop signal (see `distfn.preemption.requeue`)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"requeue must be True or False, got {value!r}")
+    return value
+
+
 def check_max_restarts(value: Any) -> int:
     """A non-negative int: how many times a failed self-spawned job is started again."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -250,6 +268,7 @@ class Options:
     precision: str = attrs.field(default="32", converter=check_precision)
     fsdp: Any = attrs.field(default=None, converter=check_fsdp)  # distfn.fsdp.FsdpOptions | None
     max_restarts: int = attrs.field(default=0, converter=check_max_restarts)
+    requeue: bool = attrs.field(default=False, converter=check_requeue)
 
     def __attrs_post_init__(self) -> None:
         if self.one_process and self.nprocs not in (None, 1):

@@ -13,6 +13,9 @@ raises `distfn.errors.Terminated` on the first SIGTERM instead, so ``finally`` b
 exits; a function that polls only gets the flag set, and the loop decides. Either way a rank that ignores the
 request is killed by whoever sent it after a grace.
 
+With ``@distributed(requeue=True)`` a Slurm job that stopped this way is put back in the queue once it returned
+(`requeue`, called by rank 0 from `distfn.worker.run`).
+
 `set_handlers` / `restore_handlers` are the one way distfn installs and gives back signal handlers (here, and in
 the launching process's forwarder).
 """
@@ -20,11 +23,13 @@ the launching process's forwarder).
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+from loguru import logger
 
 from . import collectives
 from .errors import Terminated
@@ -38,6 +43,7 @@ class _State:
     signal: str | None = None  # name of the first stop signal received
     polled: bool = False  # the function called should_stop(): SIGTERM no longer raises
     raised: bool = False  # Terminated was raised once; later SIGTERMs must not interrupt the finally blocks
+    stopped: bool = False  # should_stop() returned True: the ranks agreed to stop (what requeue= acts on)
 
 
 _state = _State()
@@ -112,6 +118,41 @@ def should_stop(device: Any = None) -> bool:
     """
     _state.polled = True
     local = _state.signal is not None
-    if not collectives.active():
-        return local
-    return bool(collectives.all_reduce(int(local), op="max", device=device))
+    agreed = local if not collectives.active() else bool(collectives.all_reduce(int(local), op="max", device=device))
+    _state.stopped = _state.stopped or agreed
+    return agreed
+
+
+def stopped() -> bool:
+    """True once `should_stop` returned True in this process: the job is stopping because of a stop signal."""
+    return _state.stopped
+
+
+def requeue(env: Mapping[str, str], run: Callable[..., Any] = subprocess.run) -> bool:
+    """Put this Slurm job back in the queue (``scontrol requeue``); returns whether Slurm accepted it.
+
+    Called once, by rank 0, after the function returned because of a stop signal (``requeue=True``). Slurm then
+    ends this run at once (the job shows "CANCELLED ... DUE TO JOB REQUEUE") and starts it again later with
+    ``SLURM_RESTART_COUNT`` one higher, so it must come after the checkpoint is written. The job must be
+    requeueable (``#SBATCH --requeue``, or the cluster's ``JobRequeue=1``). Outside Slurm, or when ``scontrol``
+    fails, a warning says so and nothing else happens.
+    """
+    job = env.get("SLURM_JOB_ID", "").strip()
+    array_job, task = env.get("SLURM_ARRAY_JOB_ID", "").strip(), env.get("SLURM_ARRAY_TASK_ID", "").strip()
+    if array_job and task:
+        job = f"{array_job}_{task}"  # one task of an array, not the whole array
+    if not job:
+        logger.warning("requeue=True but this is not a Slurm job (SLURM_JOB_ID is unset): not requeued")
+        return False
+    try:
+        done = run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("requeue=True but `scontrol requeue {}` could not run: {}", job, exc)
+        return False
+    if done.returncode != 0:
+        logger.warning("`scontrol requeue {}` failed ({}): {}; is the job requeueable (#SBATCH --requeue)?", job,
+                       done.returncode, (done.stderr or done.stdout or "").strip())
+        return False
+    logger.info("stopped by {}: job {} requeued (it resumes from its newest checkpoint)", _state.signal or "a "
+                "stop signal on another rank", job)
+    return True

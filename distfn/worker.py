@@ -120,6 +120,15 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
     return backend
 
 
+def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None:
+    """``requeue=True``: the function returned after a stop signal, so rank 0 requeues the Slurm job."""
+    if not (opts.requeue and preemption.stopped()):
+        return
+    ctx.barrier()  # every rank is done (its checkpoint written) before Slurm ends this run for the requeue
+    if topology.rank == 0:
+        preemption.requeue(os.environ)
+
+
 def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
         report: Callable[[BaseException], None] | None = None) -> Any:
     """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always left.
@@ -168,7 +177,9 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             precision=opts.precision,
             restart=restart_attempt(os.environ),
         )
-        return fn(cfg, ctx)
+        result = fn(cfg, ctx)
+        _requeue_if_stopped(opts, topology, ctx)
+        return result
     except BaseException as exc:
         failed = True
         if report is not None:
