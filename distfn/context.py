@@ -350,6 +350,7 @@ class Context:
         *,
         keep: int | None = None,
         rng: bool = False,
+        sharded: bool | None = None,
     ) -> Path:
         """Write ``obj`` to ``path`` as safetensors from rank 0; other ranks return at once.
 
@@ -375,6 +376,9 @@ class Context:
                 of that name in the directory (older ones are deleted once the new file is in place); `None`
                 keeps everything.
             rng: also store every rank's random generator states (a collective, see above).
+            sharded: write a sharded checkpoint directory, every rank its own shards (a collective: every rank
+                calls it; see docs/checkpoints.md, "Sharded checkpoints"). Default: in `mode="fsdp"` when `path`
+                does not end in `.safetensors`, else one file.
         """
         checked_in = False
         if rng and self.mode == "fsdp":
@@ -386,6 +390,10 @@ class Context:
                                   "{'model': model, 'optimizer': opt, 'step': step}")
             obj = {**obj, "rng": checkpoint.gather_rng_states()}  # checks in first: a rank-0-only call fails fast
 
+        if checkpoint.sharded.wants_sharded(path, self.mode, sharded):
+            if not checked_in:
+                checkin.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
+            return checkpoint.sharded.save(obj, path, metadata=metadata, keep=keep)
         if self.mode == "fsdp":
             from . import fsdp  # deferred: ~1.5 s (torch._dynamo), paid only by mode='fsdp'
 
@@ -417,7 +425,9 @@ class Context:
             strict: every tensor of `into` must be in the file and nothing extra (as `load_state_dict`).
             rng: restore this rank's random generator states (the file must hold them).
         """
-        if self.mode == "fsdp":
+        if os.path.isdir(path):  # a sharded checkpoint: each rank reads its own slices, any world size and mode
+            values = checkpoint.sharded.load_into(path, into, device=self.device, strict=strict)
+        elif self.mode == "fsdp":
             from . import fsdp  # deferred: ~1.5 s (torch._dynamo), paid only by mode='fsdp'
 
             values = fsdp.load(path, into, device=self.device, strict=strict)

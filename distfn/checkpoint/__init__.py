@@ -29,13 +29,15 @@ from ..errors import CheckpointError
 from ..modules import unwrap_module
 from ..rng import RNG, combine_rng_states, gather_rng_states, rng_state, rng_state_for_rank, set_rng_state
 from . import format as fmt
-from . import storage
+from . import sharded, storage
 from .files import latest, rotate, step_of
 from .restore import load_into
+from .sharded import consolidate
 
 __all__ = [
     "RNG",
     "combine_rng_states",
+    "consolidate",
     "gather_rng_states",
     "latest",
     "load",
@@ -115,6 +117,8 @@ def load(
         file (read on first use): another tool must not rewrite the file *in place* while they are in use
         (distfn's own saves replace it by rename, which is safe); ``.clone()`` them to detach from the file.
     """
+    if os.path.isdir(path):  # a sharded checkpoint directory: whole tensors
+        return sharded.load(path, device, prefix=prefix)
     with storage.open_reader(path, device) as reader:
         names = reader.names()
         aliases = fmt.saved_aliases(reader.header)

@@ -16,7 +16,7 @@ from loguru import logger
 
 from ..errors import CheckpointError
 from . import format as fmt
-from . import storage
+from . import sharded, storage
 
 __all__ = ["latest", "rotate", "step_of"]
 
@@ -77,12 +77,14 @@ def latest(directory: str | os.PathLike[str], prefix: str = "ckpt-") -> pathlib.
         s = step_of(p.name)
         if s is not None and s[0] == prefix and p.is_file():
             candidates.append((s[1], p))
+        elif (ds := sharded.step_of_dir(p.name)) is not None and ds[0] == prefix and p.is_dir():
+            candidates.append((ds[1], p))  # a sharded checkpoint directory (complete once its index is in)
         elif p.name.endswith(".safetensors") and not p.name.startswith("."):
             others.append(p.name)
     skipped = ", ".join(sorted(others)[:8]) + (" ..." if len(others) > 8 else "")
     for _, p in sorted(candidates, reverse=True):
         try:
-            fmt.check(storage.read_header(p))
+            sharded.read_index(p) if p.is_dir() else fmt.check(storage.read_header(p))
         except CheckpointError as exc:
             logger.warning("skipping incomplete checkpoint {}: {}", p, exc)
             continue

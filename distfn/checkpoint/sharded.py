@@ -33,7 +33,7 @@ import shutil
 import socket
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
@@ -261,9 +261,6 @@ def save(
         CheckpointError: a value that cannot be stored (before anything is written), a bad ``keep``, or a failed
             write (the previous checkpoint is then intact and the partial directory removed).
     """
-    from torch.distributed.checkpoint import save as dcp_save  # ~0.3 s, paid by sharded saves only
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
-
     target = storage.local_path(path).absolute()
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise CheckpointError(f"keep= must be a positive int or None, got {keep!r}")
@@ -273,6 +270,18 @@ def save(
         raise CheckpointError(f"a sharded checkpoint is a directory: '{target}' ends in .safetensors (drop the "
                               "suffix, or save one file with sharded=False)")
     meta, tensors = _encode(obj, metadata)
+    rank, world = _write(tensors, meta, target)
+    logger.debug("saved sharded checkpoint {} ({} tensors, {} ranks)", target, len(tensors), world)
+    if keep is not None and rank == 0:
+        rotate(target, keep)
+    return target
+
+
+def _write(tensors: dict[str, torch.Tensor], meta: dict[str, str], target: pathlib.Path) -> tuple[int, int]:
+    """Every rank writes its shards into one hidden directory; rank 0 adds the index and renames it into place."""
+    from torch.distributed.checkpoint import save as dcp_save  # ~0.3 s, paid by sharded saves only
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
     rank, world, on = _rank_world()
     name = [""]
     if rank == 0:
@@ -304,10 +313,7 @@ def save(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.debug("saved sharded checkpoint {} ({} tensors, {} ranks)", target, len(tensors), world)
-    if keep is not None and rank == 0:
-        rotate(target, keep)
-    return target
+    return rank, world
 
 
 def rotate(target: pathlib.Path, keep: int) -> None:
@@ -373,7 +379,7 @@ class _Chunks:
             handle = safe_open(str(directory / file), framework="pt")
             self._files[file] = handle
             info = json.loads((handle.metadata() or {}).get(_SHARDING_INFO, "{}"))
-            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+            for name in handle.keys():
                 offsets = info.get(name, {}).get("saved_offsets", [0] * len(handle.get_slice(name).get_shape()))
                 self.chunks.setdefault(name, []).append((file, list(offsets)))
 
@@ -392,18 +398,28 @@ class _Chunks:
         return out if device is None else out.to(device)
 
 
-def load(path: PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def load(path: PathLike, device: str | torch.device = "cpu", *, prefix: str | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a sharded checkpoint, whole, as ``{stored name: tensor}`` (no process group needed).
 
-    Tied names come back too, pointing at the same tensor, as with one file.
+    Tied names come back too, pointing at the same tensor, as with one file. With ``prefix`` (``"model"``), only
+    the tensors under that key path, with it removed (a model's state dict out of a training state).
     """
     d = storage.local_path(path)
     index = read_index(d)
     chunks = _Chunks(d, index)
-    out = {name: chunks.get(name, torch.device(device)) for name in chunks.shapes}
-    for alias, stored in json.loads(index["metadata"].get(fmt.KEY_ALIASES, "{}")).items():
-        out[alias] = out[stored]
-    return out
+    names = list(chunks.shapes)
+    aliases = json.loads(index["metadata"].get(fmt.KEY_ALIASES, "{}"))
+    start = "" if prefix is None else prefix.rstrip(".") + "."
+    if prefix is not None:
+        names = [n for n in names if n.startswith(start) or any(a.startswith(start) and s == n
+                                                                   for a, s in aliases.items())]
+        if not names:
+            raise CheckpointError(f"'{d}' has no tensors under '{prefix}'")
+    out = {name: chunks.get(name, torch.device(device)) for name in names}
+    for alias, stored in aliases.items():
+        if stored in out:
+            out[alias] = out[stored]
+    return {n[len(start):]: t for n, t in out.items() if n.startswith(start)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,7 +494,7 @@ class _Restore:
                                   f"{[len(g['params']) for g in groups]}, the live one "
                                   f"{[len(g['params']) for g in opt.param_groups]}. Nothing was changed.")
         model = _owner(opt, modules)
-        named = get_optimizer_state_dict(model, opt)  # creates the moments of a fresh optimizer
+        named: Any = get_optimizer_state_dict(model, opt)  # creates the moments of a fresh optimizer
         order = [fqn for g in named["param_groups"] for fqn in g["params"]]
         indexed = indexed_optimizer_state(named)
         state: dict[int, dict[str, Any]] = {}
@@ -496,7 +512,7 @@ class _Restore:
                     state[int(i)][k] = fmt.decode(v, self.chunks)
 
         def apply() -> None:
-            full = {"state": {order[i]: v for i, v in state.items()},
+            full: Any = {"state": {order[i]: v for i, v in state.items()},
                     "param_groups": [{**g, "params": [order[j] for j in g["params"]]} for g in groups]}
             set_optimizer_state_dict(model, opt, full)
 
@@ -558,8 +574,20 @@ def load_into(
     nodes = fmt.as_plain_dict(saved)
     if nodes is None:
         raise CheckpointError(f"'{d}' holds {fmt.kind(saved)}, not a mapping: load it into a module")
+    plain = _plan_mapping(job, into, nodes, strict, dev)
+    job.run()
+    out = {k: fmt.decode(v, job.chunks, dev) for k, v in nodes.items() if k not in into or k in plain}
+    if isinstance(into, dict):
+        for k in plain:
+            into[k] = out[k]
+    return out
+
+
+def _plan_mapping(job: _Restore, into: Mapping[str, Any], nodes: Mapping[Any, Any], strict: bool,
+                  dev: torch.device) -> set[str]:
+    """Queue every entry of ``into`` on ``job``; the keys of plain values (replaced by the saved ones)."""
     modules = list(_objects(into))
-    plain: dict[str, Any] = {}
+    plain: set[str] = set()
     for key, value in into.items():
         if key not in nodes:
             if value is not None and strict and _is_object(value):
@@ -574,13 +602,8 @@ def load_into(
             obj, node = value, nodes[key]
             job.after.append(lambda obj=obj, node=node: obj.load_state_dict(fmt.decode(node, job.chunks, dev)))
         elif value is not None:
-            plain[key] = None
-    job.run()
-    out = {k: fmt.decode(v, job.chunks, dev) for k, v in nodes.items() if k not in into or k in plain}
-    if isinstance(into, dict):
-        for k in plain:
-            into[k] = out[k]
-    return out
+            plain.add(key)
+    return plain
 
 
 # --------------------------------------------------------------------------------------------------
@@ -628,7 +651,7 @@ def consolidate(path: PathLike, out: PathLike) -> pathlib.Path:
         for n in names:
             t = chunks.get(n).contiguous()
             if t.numel():
-                storage.write_all(fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                storage.write_all(fd, memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy())))
             del t
         os.fsync(fd)
         os.close(fd)
