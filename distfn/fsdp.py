@@ -13,13 +13,14 @@ What lives here, and who calls it:
 * `begin` / `finish`: per-run bookkeeping (``worker.run``): the run's options and the save check-in.
 
 The store-based check-in that turns a rank-0-only `ctx.save` into an error instead of a hang is in
-`distfn.checkin`. Importing this module costs ~1.5 s (`torch.compiler.disable` pulls in `torch._dynamo`), so
-only `mode="fsdp"` runs import it.
+`distfn.checkin`. Importing this module is cheap (option parsing happens at decoration time); the first
+`wrap` imports `torch.distributed.fsdp`, which pulls in `torch._dynamo` (~1.5 s).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import warnings
@@ -343,7 +344,7 @@ def wrap(
         materialize(model, device, init=init, offload=options.cpu_offload)
     # Runs before FSDP's own pre-forward all-gather (prepend), so a rank that skipped a save is caught before it
     # blocks in a collective the others will never join.
-    model.register_forward_pre_hook(_on_forward, prepend=True)
+    model.register_forward_pre_hook(_forward_hook(), prepend=True)
     fsdp_state.remember(model)
     total = sum(p.numel() for p in model.parameters())
     local = sum(_local(p).numel() for p in model.parameters())
@@ -467,8 +468,14 @@ def finish() -> None:
     checkin.finish()
 
 
-@torch.compiler.disable  # store I/O: under torch.compile run it eagerly instead of tracing into it
 def _on_forward(module: nn.Module, args: Any) -> None:
     checkin.note_progress()
+
+
+@functools.cache
+def _forward_hook() -> Callable[[nn.Module, Any], None]:
+    # Store I/O: under torch.compile run it eagerly instead of tracing into it. Made on first use, not at import:
+    # torch.compiler.disable imports torch._dynamo (~1.5 s), which option parsing at decoration time never needs.
+    return torch.compiler.disable(_on_forward)
 
 

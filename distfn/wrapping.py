@@ -1,7 +1,7 @@
 """`ctx.wrap`: move a model to the rank's device and wrap it for the mode (DDP, DataParallel, FSDP2, or nothing).
 
 Also the model conversions that go with wrapping (SyncBatchNorm). The FSDP policy itself lives in
-`distfn.fsdp`, imported only in `mode="fsdp"` (it costs ~1.5 s: it pulls in `torch._dynamo`).
+`distfn.fsdp`, imported only in `mode="fsdp"` (its first `fully_shard` pulls in `torch._dynamo`, ~1.5 s).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def wrap(
     if ddp_kwargs and mode not in MULTI_RANK_MODES:
         raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={mode!r}")
     if mode == "fsdp":
-        from . import fsdp  # deferred: ~1.5 s (torch._dynamo)
+        from . import fsdp  # deferred: only mode='fsdp' needs it; its first wrap imports torch._dynamo (~1.5 s)
 
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, device, warn=is_main)
