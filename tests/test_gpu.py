@@ -240,3 +240,32 @@ def test_devices_follow_nvidia_smi_numbering(tmp_path: Path) -> None:
     done = run_python([str(script)], env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "RESULT ('PCI_BUS_ID', 'cuda:0')" in done.stdout
+
+
+_FSDP_OFFLOAD_CLIP = """
+import torch
+from torch import nn
+from distfn import distributed
+
+@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"cpu_offload": True, "min_params": 10})
+def f(cfg, ctx):
+    model = ctx.wrap(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        ctx.backward(model(torch.randn(8, 64, device=ctx.device)).pow(2).mean())
+        ctx.step(opt, max_grad_norm=0.5)  # the norm of CPU gradients is all-reduced: gloo beside NCCL
+    return ctx.backend, next(model.parameters()).to_local().device.type
+
+if __name__ == "__main__":
+    print("RESULT", f())
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_cpu_offload_clips_gradients_on_nccl(tmp_path: Path) -> None:
+    # issue 20: with NCCL alone, clipping offloaded (CPU) gradients failed: "No backend type associated with cpu".
+    script = tmp_path / "offload_clip.py"
+    script.write_text(_FSDP_OFFLOAD_CLIP)
+    done = run_python([str(script)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RESULT ('cuda:nccl,cpu:gloo', 'cpu')" in done.stdout
