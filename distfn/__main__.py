@@ -405,6 +405,9 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("--launcher", default="auto",
                      help="detect as @distributed(launcher=...) would: auto, spawn, torchrun, slurm, mpi")
     sub.add_parser("version", help="print the distfn version")
+    merge = sub.add_parser("consolidate", help="turn a sharded checkpoint directory into one .safetensors file")
+    merge.add_argument("directory", help="the sharded checkpoint (a directory with model.safetensors.index.json)")
+    merge.add_argument("out", help="the .safetensors file to write (streamed, one tensor in memory at a time)")
     return parser
 
 
@@ -428,6 +431,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _print_env(args, given)
     if args.command == "test":
         return _run_test(args)
+    if args.command == "consolidate":
+        from .checkpoint import consolidate
+        from .errors import CheckpointError
+
+        try:
+            print(consolidate(args.directory, args.out))
+        except CheckpointError as exc:
+            print(f"distfn consolidate: {exc}", file=sys.stderr)
+            return 1
+        return 0
     parser.print_help()
     return 2
 
