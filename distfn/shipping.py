@@ -32,6 +32,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from multiprocessing import connection as mp_connection
@@ -53,6 +54,7 @@ SERVER_NAME = "distfn-forksrv"
 # How the current fork server came to be: "forked" (a copy of this process, made while forking was safe),
 # "started" (a fresh interpreter that imported distfn), or None (none of ours).
 _server_kind: str | None = None
+_server_lock = threading.Lock()  # two threads launching at once start one server
 
 
 # -- shipping by value ------------------------------------------------------------------------------------------
@@ -305,8 +307,10 @@ def ensure_server() -> None:
     if not _OWN_SERVER:
         forkserver.set_forkserver_preload(["distfn"])  # not __main__: the user's script must not run in it
         forkserver.ensure_running()
-    elif not server_running():
-        start_server()
+        return
+    with _server_lock:
+        if not server_running():
+            start_server()
 
 
 def _will_launch(opts: Options) -> bool:
@@ -329,10 +333,13 @@ def start_early(opts: Options) -> None:
     background to import torch. Nothing happens when a server runs already, or when the call will not launch
     (under torchrun / srun / mpirun, one process, inside a worker).
     """
-    if not _OWN_SERVER or not _will_launch(opts) or server_running():
+    if not _OWN_SERVER or not _will_launch(opts):
         return
-    method, _ = preflight.choose_start_method("auto")
-    if method == "fork":
-        fork_server()
-    else:
-        start_server()
+    with _server_lock:
+        if server_running():
+            return
+        method, _ = preflight.choose_start_method("auto")
+        if method == "fork":
+            fork_server()
+        else:
+            start_server()

@@ -1,0 +1,187 @@
+"""distfn.shipping: the fork server made at decoration, and shipping by value (issue 11).
+
+What users rely on: after a torch op the workers still start (from the fork server) and see the launching
+process's environment as it is at the call; the server exists only where a call will start workers, and neither
+it nor the workers outlive the launching process; what a worker cannot find by name arrives by value.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from distfn import shipping
+
+from conftest import clean_env, run_python
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Live children of ``pid``: {pid: comm}."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found[int(entry)] = comm
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+PROBE = """
+import os, sys
+import torch
+import distfn
+from distfn import distributed, shipping
+
+def children():
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                if int(open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    out.append(open(f"/proc/{e}/comm").read().strip())
+            except OSError:
+                pass
+    return sorted(out)
+
+print("import", children(), shipping.server_running())
+@distributed(mode="ddp", nprocs=1)
+def one(cfg, ctx): pass
+print("one process", children(), shipping.server_running())
+@distributed(mode="ddp", nprocs=2)
+def two(cfg, ctx): pass
+print("two processes", children(), shipping.server_running())
+"""
+
+
+def test_the_fork_server_exists_only_where_a_call_will_start_workers() -> None:
+    done = run_python(["-c", PROBE], timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "import [] False"  # `import distfn` starts nothing
+    assert lines[1] == "one process [] False"  # runs in place: no server
+    assert lines[2] == f"two processes ['{shipping.SERVER_NAME}'] True"
+    # under torchrun the call runs in place: no server either
+    under_torchrun = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT="29999", TORCHELASTIC_RUN_ID="x")
+    done = run_python(["-c", PROBE], env=under_torchrun, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[2] == "two processes [] False"
+
+
+LATE_ENV = """
+import os, sys
+import torch
+from distfn import distributed
+
+@distributed(mode="ddp", nprocs=2)
+def job(cfg, ctx):
+    return ctx.all_reduce(int(os.environ["DISTFN_TEST_LATE"]) + ctx.rank, op="sum")
+
+if __name__ == "__main__":
+    torch.randn(600, 600) @ torch.randn(600, 600)  # an OpenMP pool: fork is unsafe from here on
+    os.environ["DISTFN_TEST_LATE"] = "20"  # set after the server was made
+    print("RESULT", job({}))
+"""
+
+
+def test_workers_of_the_fork_server_see_the_environment_of_the_call(tmp_path: Path) -> None:
+    script = tmp_path / "late.py"
+    script.write_text(LATE_ENV)
+    done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT 41" in done.stdout  # (20 + 0) + (20 + 1)
+    assert "starting 2 workers with forkserver" in done.stderr and "threads" in done.stderr
+
+
+SLEEPER = """
+import os, sys, time
+import torch
+from distfn import distributed
+
+@distributed(mode="ddp", nprocs=2)
+def sleeper(cfg, ctx):
+    with open(os.path.join(cfg, f"pid{ctx.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    torch.randn(600, 600) @ torch.randn(600, 600)
+    sleeper(sys.argv[1])
+"""
+
+
+def test_server_and_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=clean_env(OMP_NUM_THREADS="2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        workers = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+        assert len(workers) == 2, proc.stderr.read().decode() if proc.poll() is not None else "no workers"
+        servers = [pid for pid, comm in _children(proc.pid).items() if comm == shipping.SERVER_NAME]
+        assert len(servers) == 1
+        proc.send_signal(signal.SIGKILL)  # no chance to clean up
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in [*servers, *workers]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in [*servers, *workers])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _triple(x: int) -> int:
+    return 3 * x
+
+
+def test_interactive_definitions_travel_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    notebook = types.ModuleType("__main__")  # a notebook's __main__: no file
+    exec("def train(cfg, ctx):\n    return cfg['f'](2) + 1\n", notebook.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    assert shipping.interactive_main()
+    fn, cfg, how = shipping.pack(notebook.train, {"f": lambda x: x * 10}, "spawn")
+    assert "by value" in how
+    assert isinstance(fn, shipping.Parcel) and fn.payload is not None and fn.environ is None
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # the worker's: train is not there
+    assert shipping.unpack(fn)(shipping.unpack(cfg), None) == 21
+
+
+def test_a_script_sends_by_name_what_pickle_can_find(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = types.ModuleType("__main__")
+    script.__file__ = str(tmp_path / "train.py")
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    assert not shipping.interactive_main()
+    fn, cfg, how = shipping.pack(_triple, {"lr": 0.1}, "spawn")
+    assert fn == shipping.Parcel(value=_triple) and cfg == shipping.Parcel(value={"lr": 0.1})
+    assert "import the script" in how
+    # under start_method="auto", what pickle cannot send by name goes by value rather than failing
+    _, cfg, how = shipping.pack(_triple, {"f": lambda x: x + 1}, "spawn")
+    assert "by value" in how and shipping.unpack(cfg)["f"](1) == 2
