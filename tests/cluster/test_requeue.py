@@ -1,0 +1,66 @@
+"""``@distributed(requeue=True)`` under a real Slurm (issue 13 item 3): a stop signal (what
+``#SBATCH --signal=USR2@T`` sends before the time limit) stops every rank at the same step after its checkpoint,
+rank 0 requeues the job, and the requeued job resumes and ends with the weights of an uninterrupted run. Slurm
+ends the signalled run as soon as it is requeued, so what the ranks print after returning may be cut off.
+
+Slurm starts a requeued job again after a delay of its own (about two minutes here), so this test is slow.
+Skipped with the reason where Slurm is missing (``.ci/slurm-setup.sh up``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_cluster import job_name, launch_env, require_slurm, require_tool
+
+JOB = str(Path(__file__).resolve().parent / "requeue_job.py")
+TIMEOUT = 600
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def _records(text: str) -> list[dict]:
+    return [json.loads(line.split("RECORD ", 1)[1]) for line in text.splitlines() if "RECORD " in line]
+
+
+def test_a_signalled_job_is_requeued_and_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
+    require_slurm(2)
+    require_tool("sbatch")
+    name = job_name()
+    out = tmp_path / "out.txt"
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH -J {name} -N2 -n2 -O -o {out} --open-mode=append --requeue\n"
+                      f"srun --kill-on-bad-exit=1 {sys.executable} {JOB} {tmp_path}\n")
+    proc = subprocess.Popen(["sbatch", "--wait", str(script)], env=launch_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while len(list(tmp_path.glob("rank*.ready"))) < 2:
+            assert proc.poll() is None, f"the job ended before it was signalled:\n{proc.communicate()[0]}"
+            assert time.monotonic() < deadline, "the ranks never started stepping"
+            time.sleep(0.1)
+        subprocess.run(["scancel", "--signal=USR2", "--name", name], check=True, timeout=30)
+        proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30, check=False)
+    text = out.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    records = _records(text)
+    stopped = [r for r in records if "stopped_at" in r]
+    finished = [r for r in records if r.get("finished")]
+    # first run: rank 0 requeued the job once (Slurm ends the run at once, so a rank may not print its value)
+    assert text.count("requeued (it resumes from its newest checkpoint)") == 1, text[-4000:]
+    assert "DUE TO JOB REQUEUE" in text and {r["run"] for r in stopped} <= {0}
+    assert len({r["stopped_at"] for r in stopped}) <= 1  # the ranks stopped at the same step
+    # second run (SLURM_RESTART_COUNT=1): resumed after the last checkpoint, ended like an uninterrupted run
+    assert len(finished) == 2 and {r["run"] for r in finished} == {1}, text[-4000:]
+    assert len({r["start"] for r in finished}) == 1 and finished[0]["start"] >= 1
+    assert all(r["start"] == r2["stopped_at"] + 1 for r in finished for r2 in stopped)
+    assert finished[0]["weights"] == finished[1]["weights"] == finished[0]["reference"]
