@@ -126,8 +126,9 @@ class Context:
         """A `DataLoader` over this rank's share of `dataset` that reshuffles every epoch by itself.
 
         One step sees `batch_size * world_size` samples (logged once, on rank 0). Each `for batch in loader`
-        starts a new epoch of the `DistributedSampler` (no `set_epoch` to forget); `loader.set_epoch(e)` makes
-        the next one epoch `e` for exact resume. DataLoader workers are seeded per rank, per worker and per epoch.
+        starts a new epoch of the `DistributedSampler` (no `set_epoch` to forget), while a peek such as
+        `next(iter(loader))` does not use one up; `loader.set_epoch(e)` makes the next one epoch `e` for exact
+        resume. DataLoader workers are seeded per rank, per worker and per epoch.
 
         Args:
             dataset: a map-style dataset (an `IterableDataset` must shard itself and is refused).
@@ -135,7 +136,7 @@ class Context:
             shuffle: reshuffle every epoch (the same permutation on every rank).
             drop_last: applies to the sampler (no padding) and to the last incomplete batch.
             kwargs: passed to `torch.utils.data.DataLoader` (`num_workers`, `collate_fn`, ...); `pin_memory`
-                defaults to True on CUDA.
+                defaults to True on CUDA and is dropped on the CPU (where it only makes torch warn).
         """
         return data.dataloader(dataset, batch_size, self.sampler, rank=self.rank, seed=self.seed, device=self.device,
                                shuffle=shuffle, drop_last=drop_last, **kwargs)
