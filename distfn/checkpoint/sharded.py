@@ -142,6 +142,16 @@ def _state_of(value: Any) -> Any:
     return value
 
 
+def _memory_key(t: torch.Tensor) -> Any:
+    """Tensors with the same key are one tensor (tied weights: ``state_dict()`` gives distinct views of one
+    parameter). A ``DTensor`` is keyed by identity: its local shard may be empty on some ranks, and every rank
+    must name the same tensors."""
+    if hasattr(t, "placements") or t.is_meta or not t.numel():
+        return id(t)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t.dtype)
+
+
 def _encode(obj: Any, metadata: Mapping[str, Any] | None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(the index's distfn metadata, ``{stored name: tensor}``) for ``obj``; tensors may be ``DTensor`` s.
 
@@ -150,16 +160,17 @@ def _encode(obj: Any, metadata: Mapping[str, Any] | None) -> tuple[dict[str, str
     """
     states = tree.tree_map(_state_of, obj, is_leaf=_is_object)
     real: dict[int, torch.Tensor] = {}
-    memo: dict[int, torch.Tensor] = {}
+    memo: dict[Any, torch.Tensor] = {}
 
     def stand_in(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if id(t) not in memo:
+        key = _memory_key(t)
+        if key not in memo:
             ph = torch.zeros(1, dtype=t.dtype)
-            memo[id(t)] = ph
+            memo[key] = ph
             real[ph.data_ptr()] = t
-        return memo[id(t)]
+        return memo[key]
 
     plan = fmt.plan(tree.tree_map(stand_in, states), metadata)
     header = json.loads(plan.header[8:])
