@@ -54,6 +54,19 @@ def _check_backend_fits(opts: Options) -> None:
                           f"(torch {torch.__version__}); use backend='gloo' or leave it unset")
 
 
+def _log_ignored(opts: Options, topo: topology.Topology | None) -> None:
+    """Say which options cannot apply when the function runs in place (under ``topo``'s launcher, or as the
+    only process when ``topo`` is ``None``)."""
+    if topo is not None:
+        requested = requested_nprocs(opts, os.environ)
+        if requested is not None and requested != topo.world_size and topo.rank == 0:
+            logger.info("nprocs={} is ignored: {} started {} processes", requested, topo.launcher, topo.world_size)
+    if opts.max_restarts and (topo is None or topo.rank == 0):
+        why = (f"{topo.launcher} started the processes; use its own restarts (torchrun --max-restarts)" if topo
+               else "one process runs in place; restarts need workers that distfn starts (nprocs >= 2)")
+        logger.warning("max_restarts={} has no effect here: {}", opts.max_restarts, why)
+
+
 def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: Any) -> R:
     """Run one job: ``fn`` is the user's function, ``sendable`` what spawn may pickle to reach it."""
     name = getattr(fn, "__qualname__", "the function")
@@ -72,12 +85,11 @@ def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: 
         if opts.one_process and topo.world_size > 1:
             raise ConfigError(f"mode={opts.mode!r} runs one process, but {topo.launcher} started "
                               f"{topo.world_size}; use mode='ddp' or launch one process")
-        requested = requested_nprocs(opts, os.environ)
-        if requested is not None and requested != topo.world_size and topo.rank == 0:
-            logger.info("nprocs={} is ignored: {} started {} processes", requested, topo.launcher, topo.world_size)
+        _log_ignored(opts, topo)
         return worker.run(fn, cfg, opts, topo)
     nprocs = default_nprocs(opts, os.environ, devices.visible_gpus)
     if nprocs == 1:
+        _log_ignored(opts, None)
         return worker.run(fn, cfg, opts, topology.Topology.local())
     preflight.check_main_guard(name)
     return spawn.launch(sendable, cfg, opts, nprocs)

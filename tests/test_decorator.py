@@ -224,3 +224,15 @@ def test_options_per_call_returns_a_checked_variant(monkeypatch: pytest.MonkeyPa
         f.options(procs=2)
     monkeypatch.setenv("DISTFN_PRECISION", "16")
     assert f() == "16" and bf16() == "16"  # the environment has the last word
+
+
+def test_max_restarts_in_place_says_it_has_no_effect() -> None:
+    from loguru import logger
+
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="WARNING", format="{message}")
+    try:
+        assert distributed(mode="single", max_restarts=2)(_fn)(7) == 7
+    finally:
+        logger.remove(sink)
+    assert any("max_restarts=2 has no effect here: one process runs in place" in line for line in lines)
