@@ -61,6 +61,8 @@ def test_missing_truncated_and_garbage_files(tmp_path: pathlib.Path) -> None:
     with pytest.raises(CheckpointError):
         checkpoint.load(junk)
     with pytest.raises(CheckpointError, match="is a directory"):
+        checkpoint.read_metadata(tmp_path)
+    with pytest.raises(CheckpointError, match="not a complete sharded checkpoint"):  # directories are sharded ones
         checkpoint.load(tmp_path)
 
 
