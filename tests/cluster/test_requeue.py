@@ -28,15 +28,22 @@ def _records(text: str) -> list[dict]:
     return [json.loads(line.split("RECORD ", 1)[1]) for line in text.splitlines() if "RECORD " in line]
 
 
-def test_a_signalled_job_is_requeued_and_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
-    require_slurm(2)
+@pytest.mark.parametrize("layout", ["srun-tasks", "self-spawn-in-batch-script"])
+def test_a_signalled_job_is_requeued_and_resumes_to_the_uninterrupted_weights(tmp_path: Path, layout: str) -> None:
+    """srun tasks on two nodes (``--signal=USR2@T``), or ``exec python`` in the batch script self-spawning two
+    workers (``--signal=B:USR2@T``; ``scancel --batch`` here): the launching process forwards the signal."""
+    srun = layout == "srun-tasks"
+    require_slurm(2 if srun else 1)
     require_tool("sbatch")
     name = job_name()
     out = tmp_path / "out.txt"
     script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\n#SBATCH -J {name} -N2 -n2 -O -o {out} --open-mode=append --requeue\n"
-                      f"srun --kill-on-bad-exit=1 {sys.executable} {JOB} {tmp_path}\n")
-    proc = subprocess.Popen(["sbatch", "--wait", str(script)], env=launch_env(tmp_path), stdout=subprocess.PIPE,
+    nodes = "-N2 -n2" if srun else "-N1 -n1"
+    command = (f"srun --kill-on-bad-exit=1 {sys.executable} {JOB} {tmp_path}" if srun else
+               f"exec {sys.executable} {JOB} {tmp_path}")
+    script.write_text(f"#!/bin/bash\n#SBATCH -J {name} {nodes} -O -o {out} --open-mode=append --requeue\n{command}\n")
+    env = launch_env(tmp_path, **({} if srun else {"DISTFN_NPROCS": "2"}))
+    proc = subprocess.Popen(["sbatch", "--wait", str(script)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + TIMEOUT
     try:
@@ -44,7 +51,8 @@ def test_a_signalled_job_is_requeued_and_resumes_to_the_uninterrupted_weights(tm
             assert proc.poll() is None, f"the job ended before it was signalled:\n{proc.communicate()[0]}"
             assert time.monotonic() < deadline, "the ranks never started stepping"
             time.sleep(0.1)
-        subprocess.run(["scancel", "--signal=USR2", "--name", name], check=True, timeout=30)
+        subprocess.run(["scancel", "--signal=USR2", *([] if srun else ["--batch"]), "--name", name], check=True,
+                       timeout=30)
         proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
@@ -60,7 +68,7 @@ def test_a_signalled_job_is_requeued_and_resumes_to_the_uninterrupted_weights(tm
     assert "DUE TO JOB REQUEUE" in text and {r["run"] for r in stopped} <= {0}
     assert len({r["stopped_at"] for r in stopped}) <= 1  # the ranks stopped at the same step
     # second run (SLURM_RESTART_COUNT=1): resumed after the last checkpoint, ended like an uninterrupted run
-    assert len(finished) == 2 and {r["run"] for r in finished} == {1}, text[-4000:]
+    assert len(finished) == (2 if srun else 1) and {r["run"] for r in finished} == {1}, text[-4000:]
     assert len({r["start"] for r in finished}) == 1 and finished[0]["start"] >= 1
     assert all(r["start"] == r2["stopped_at"] + 1 for r in finished for r2 in stopped)
-    assert finished[0]["weights"] == finished[1]["weights"] == finished[0]["reference"]
+    assert all(r["weights"] == finished[0]["reference"] for r in finished)
