@@ -19,8 +19,9 @@ Shape (after ``torch/multiprocessing/spawn.py``, whose ``ProcessContext`` also o
 The checks before the start are in `distfn.preflight`, the failure records in `distfn.failures`. Under torchrun /
 srun / mpirun none of this runs (`distfn.failures.report_in_place` is all a failing rank does there).
 
-(About 550 lines, over the ~500 the package aims at: both ends of one protocol live here, the worker's entry that
-sends the report and arms the stack pipe, and the launcher that reads them, so that they change together.)
+(About 600 lines, over the ~500 the package aims at: both ends of one protocol live here, the worker's entry that
+sends the report and arms the stack pipe, and the launcher that reads them and restarts a failed job, so that they
+change together.)
 """
 
 from __future__ import annotations
