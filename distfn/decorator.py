@@ -22,7 +22,7 @@ from typing import Any, TypeVar, overload
 import torch
 from loguru import logger
 
-from . import devices, logs, preflight, rendezvous, shipping, spawn, topology, worker
+from . import devices, logs, preflight, ray_launcher, rendezvous, shipping, spawn, topology, worker
 from .context import Context
 from .errors import ConfigError, NestedLaunchError
 from .options import DEFAULT_TIMEOUT, MODES, Options, default_nprocs, make_options, requested_nprocs, with_env
@@ -77,6 +77,8 @@ def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: 
             "call the undecorated function instead (available as `decorated.__wrapped__`). If this comes from a "
             "script being re-imported by a worker, put the call under `if __name__ == \"__main__\":`."
         )
+    if opts.launcher == "ray":  # the ranks are Ray actors on the cluster's nodes, not processes of this machine
+        return ray_launcher.launch(fn, cfg, opts)
     devices.apply_visible_devices(opts.devices)
     _check_backend_fits(opts)
     topo = topology.detect(os.environ, sys.argv, opts.launcher)

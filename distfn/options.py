@@ -34,7 +34,7 @@ DEFAULT_TIMEOUT: Final = datetime.timedelta(minutes=30)
 START_METHODS: Final = ("auto", "fork", "forkserver", "spawn")
 
 #: Valid values of ``@distributed(launcher=...)``: ``auto`` detects, the others force one.
-LAUNCHERS: Final = ("auto", "spawn", "torchrun", "slurm", "mpi")
+LAUNCHERS: Final = ("auto", "spawn", "torchrun", "slurm", "mpi", "ray")
 
 #: Accepted values of ``@distributed(precision=...)``: full fp32, bf16 autocast, fp16 autocast + GradScaler.
 PRECISIONS: Final = ("32", "bf16", "16")
@@ -55,6 +55,7 @@ ENV_OVERRIDES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "DISTFN_TIMEOUT": ("timeout", float),
     "DISTFN_MAX_RESTARTS": ("max_restarts", int),
     "DISTFN_REQUEUE": ("requeue", lambda text: parse_flag(text)),
+    "DISTFN_LAUNCHER": ("launcher", str.strip),
 }
 
 #: Set by distfn's launcher in the environment of its workers: which attempt of the job they run (see

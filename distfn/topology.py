@@ -797,7 +797,7 @@ def _check_resolvable(host: str) -> None:
 
 
 def _detect_unchecked(env: Mapping[str, str], argv: Sequence[str], launcher: str) -> Topology | None:
-    if launcher == "spawn":
+    if launcher in ("spawn", "ray"):  # ray: distfn.ray_launcher makes each actor's Topology
         return None
     if launcher == "auto":
         for det in DETECTORS:
@@ -902,7 +902,10 @@ def describe(env: Mapping[str, str], argv: Sequence[str] = (), launcher: str = "
     for det in DETECTORS:
         claim = _safe_claim(det, env, argv)
         if claim is not None:
-            result["candidates"][det.name] = claim.reason
+            name = det.name
+            if claim.flavor == "env":  # torch's variable names, but a plain env:// launcher
+                name = "kubernetes" if env.get("KUBERNETES_SERVICE_HOST", "").strip() else "env"
+            result["candidates"][name] = claim.reason
     try:
         topo = detect(env, argv, launcher, resolve_host=None)
     except LauncherError as exc:
@@ -910,7 +913,7 @@ def describe(env: Mapping[str, str], argv: Sequence[str] = (), launcher: str = "
         result["reason"] = "launcher variables are missing or inconsistent"
         return result
     if topo is None:
-        result["launcher"] = "spawn"
+        result["launcher"] = "ray" if launcher == "ray" else "spawn"
         result["reason"] = _spawn_reason(env, launcher)
     else:
         result["launcher"] = topo.launcher
@@ -922,6 +925,9 @@ def describe(env: Mapping[str, str], argv: Sequence[str] = (), launcher: str = "
 def _spawn_reason(env: Mapping[str, str], launcher: str) -> str:
     if launcher == "spawn":
         return "launcher='spawn' was forced"
+    if launcher == "ray":
+        where = env.get("RAY_ADDRESS") or "the one started on this machine (RAY_ADDRESS unset), else a new one"
+        return f"launcher='ray': the ranks run as Ray actors on the Ray cluster at {where}"
     if env.get("SLURM_JOB_ID", "").strip():
         step = SlurmDetector._step(env)
         if step is None:

@@ -1,0 +1,379 @@
+"""``launcher="ray"``: run a job's ranks as Ray actors on a Ray cluster, the same decorated function unchanged.
+
+    launch(fn, cfg, opts)
+      ├─ connect: ``ray.init()`` (``RAY_ADDRESS``, else the cluster started on this machine, else a new local one)
+      ├─ how many ranks: `ray_nprocs` (``nprocs=`` / ``DISTFN_NPROCS``, else one per GPU of the cluster)
+      ├─ a placement group of one bundle per rank ({"CPU": 1, "GPU": 1} with GPUs), then one `RankActor` each
+      ├─ where each actor runs -> `assign_ranks` (node ranks, local ranks, each node's CUDA_VISIBLE_DEVICES)
+      ├─ rank 0's actor binds a free port on its node; every actor gets its `Topology` (launcher ``"ray"``)
+      ├─ each actor runs `distfn.worker.run` (the bootstrap every rank runs) and answers once:
+      │  ``("ok", value)`` / ``("error", Failure)``; an actor or node that died becomes a `Failure` saying so
+      └─ the first failure -> `WorkerError` (root cause first); Ctrl-C -> the actors are killed; always: the
+         actors are killed and the placement group removed, so nothing of the job is left on the cluster
+
+The function and ``cfg`` travel by Ray's own serialisation (cloudpickle: a function defined in the script you
+run goes by value; one from a module must be importable on every node, as distfn itself must be). Ray is imported
+only here and only when a job uses it (``import ray`` takes 1-4 s), from the optional extra ``distfn[ray]``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import torch.distributed as dist
+from loguru import logger
+
+from . import worker
+from .errors import ConfigError, LauncherError, WorkerError
+from .failures import Failure, diagnose, order_failures
+from .options import NPROCS_ENV, Options, requested_nprocs
+from .spawn import to_cpu
+from .topology import Topology
+
+__all__ = ["CPUS_PER_RANK", "ActorPlace", "Assignment", "RankActor", "assign_ranks", "launch", "ray_nprocs",
+           "topology_for"]
+
+#: CPUs that each rank's actor reserves on its node (as Ray Train's workers do by default).
+CPUS_PER_RANK: Final = 1
+
+#: Seconds between the log lines while Ray has not placed the ranks yet (an autoscaler may be adding nodes).
+PLACEMENT_LOG_EVERY: Final = 15.0
+
+INSTALL_HINT: Final = "pip install 'distfn[ray]'"
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a `ConfigError` naming the extra that installs it."""
+    try:
+        import ray  # deferred: 1-4 s to import, and an optional extra; only launcher="ray" pays for it
+    except ImportError:
+        raise ConfigError(f"launcher='ray' needs Ray, which is not installed here: {INSTALL_HINT} "
+                          "(on every node of the cluster too)") from None
+    return ray
+
+
+# -- pure rules (tested without Ray) -----------------------------------------------------------------------------
+def ray_nprocs(opts: Options, env: Mapping[str, str], cluster_gpus: float) -> int:
+    """How many ranks (actors) a Ray job starts: ``DISTFN_NPROCS`` / ``nprocs=``, else 1 in ``mode="single"``,
+    else one per GPU of the cluster; on a cluster without GPUs the count must be given (`ConfigError`)."""
+    if opts.mode == "dp":
+        raise ConfigError("mode='dp' runs one process over the GPUs of one machine; with launcher='ray' use "
+                          "mode='ddp' (one actor per GPU) or mode='single'")
+    if opts.devices is not None:
+        raise ConfigError(f"devices={opts.devices} picks GPUs of this machine; with launcher='ray' Ray gives each "
+                          "rank's actor its GPU: drop devices= (limit the GPUs with nprocs= instead)")
+    requested = requested_nprocs(opts, env)
+    if requested is not None:
+        if opts.one_process and requested != 1:
+            raise ConfigError(f"{NPROCS_ENV}={requested} but mode={opts.mode!r} runs one process")
+        return requested
+    if opts.one_process:
+        return 1
+    gpus = int(cluster_gpus)
+    if gpus < 1:
+        raise ConfigError(
+            f"launcher='ray': the Ray cluster has no GPUs, so distfn cannot tell how many ranks to start; give the "
+            f"count with nprocs= (or {NPROCS_ENV}=N): N actors with {CPUS_PER_RANK} CPU each, joined over gloo")
+    return gpus
+
+
+@attrs.frozen
+class ActorPlace:
+    """Where one rank's actor runs, as the actor itself reports it (`RankActor.where`)."""
+
+    bundle: int  # its bundle in the placement group
+    node_id: str  # Ray's node id (two raylets on one machine are two nodes)
+    node_ip: str
+    host: str
+    pid: int
+    gpu_ids: tuple[str, ...] = ()  # the GPUs Ray assigned to it
+
+
+@attrs.frozen
+class Assignment:
+    """What `assign_ranks` decides for one actor."""
+
+    place: ActorPlace
+    rank: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    #: ``CUDA_VISIBLE_DEVICES`` for the actor: every GPU of the node's ranks, ordered by local rank (so local rank
+    #: i uses ``cuda:i`` and NCCL sees its peers' GPUs, as under torchrun); ``None`` without GPUs.
+    visible_devices: str | None
+
+
+def _gpu_key(place: ActorPlace) -> tuple[Any, ...]:
+    ids = [int(g) if str(g).isdigit() else -1 for g in place.gpu_ids]
+    return (min(ids) if ids else -1, place.bundle)
+
+
+def assign_ranks(places: Sequence[ActorPlace]) -> list[Assignment]:
+    """Ranks for the actors, node by node: the node holding bundle 0 is node 0 (rank 0's node); nodes follow in
+    the order of their first bundle, and on each node the actors are ordered by GPU (then bundle). Returned in
+    rank order."""
+    nodes: dict[str, list[ActorPlace]] = {}
+    for place in sorted(places, key=lambda p: p.bundle):
+        nodes.setdefault(place.node_id, []).append(place)
+    out: list[Assignment] = []
+    for node_rank, members in enumerate(nodes.values()):
+        members = sorted(members, key=_gpu_key)
+        gpus = [g for m in members for g in m.gpu_ids]
+        visible = ",".join(dict.fromkeys(gpus)) if gpus else None
+        for local_rank, place in enumerate(members):
+            out.append(Assignment(place, len(out), local_rank, len(members), node_rank, len(nodes), visible))
+    return out
+
+
+def topology_for(assignment: Assignment, world_size: int, master_addr: str, master_port: int) -> Topology:
+    """The `Topology` of one actor's rank (launcher ``"ray"``)."""
+    a = assignment
+    return Topology(launcher="ray", rank=a.rank, local_rank=a.local_rank, world_size=world_size,
+                    local_world_size=a.local_world_size, node_rank=a.node_rank, num_nodes=a.num_nodes,
+                    master_addr=master_addr, master_port=master_port,
+                    reason=f"Ray actor {a.rank} of {world_size} on node {a.place.node_ip} "
+                           f"({a.place.node_id[:8]}), {a.num_nodes} node(s)")
+
+
+# -- the actor (runs in Ray's worker processes) -------------------------------------------------------------------
+class RankActor:
+    """One rank of a Ray job: made a Ray actor class by `launch` (``ray.remote``), so this module needs no Ray
+    to import."""
+
+    def __init__(self) -> None:
+        # a decorated call in this process (a script re-imported here without a main guard) is a nested launch
+        worker.mark_active(True)
+        self._listener: socket.socket | None = None
+        self._failure: Failure | None = None
+        self._rank = 0
+
+    def where(self, bundle: int) -> ActorPlace:
+        """Where this actor runs (node, address, pid, the GPUs Ray assigned)."""
+        import ray  # deferred: this runs inside a Ray worker, where ray is already imported
+
+        return ActorPlace(bundle=bundle, node_id=ray.get_runtime_context().get_node_id(),
+                          node_ip=ray.util.get_node_ip_address(), host=socket.gethostname(), pid=os.getpid(),
+                          gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
+
+    def bind_port(self) -> int:
+        """Rank 0: listen on a free port of this node for the rendezvous store (held until `run`: no race)."""
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("", 0))
+        self._listener.listen(128)
+        return int(self._listener.getsockname()[1])
+
+    def _report(self, exc: BaseException) -> None:
+        self._failure = Failure.from_exception(self._rank, exc)  # before the process group is torn down
+
+    def run(self, fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology,
+            visible_devices: str | None) -> tuple[str, Any]:
+        """Run this rank (`distfn.worker.run`) and answer ``("ok", value or None)`` or ``("error", Failure)``."""
+        self._rank = topology.rank
+        os.environ.update(RANK=str(topology.rank), LOCAL_RANK=str(topology.local_rank),
+                          WORLD_SIZE=str(topology.world_size), LOCAL_WORLD_SIZE=str(topology.local_world_size),
+                          MASTER_ADDR=str(topology.master_addr), MASTER_PORT=str(topology.master_port))
+        if visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices  # before anything starts CUDA in this process
+        try:
+            store = self._store(topology, opts)
+            result = worker.run(fn, cfg, opts, topology, store=store, report=self._report)
+            return "ok", (to_cpu(result) if topology.rank == 0 else None)
+        except SystemExit as exc:
+            if exc.code in (None, 0):
+                return "error", Failure.from_early_exit(topology.rank, exc)
+            return "error", self._failure or Failure.from_exception(topology.rank, exc)
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported to the driver
+            return "error", self._failure or Failure.from_exception(topology.rank, exc)
+
+    def _store(self, topology: Topology, opts: Options) -> Any:
+        if opts.init_method is not None:
+            return None  # the user's own rendezvous URL
+        assert topology.master_addr is not None and topology.master_port is not None
+        if topology.rank == 0 and self._listener is not None:
+            store = dist.TCPStore(topology.master_addr, topology.master_port, topology.world_size, True,
+                                  opts.timeout, wait_for_workers=False, master_listen_fd=self._listener.fileno())
+            self._listener.detach()  # the store owns the socket now
+            self._listener = None
+            return store
+        return dist.TCPStore(topology.master_addr, topology.master_port, topology.world_size, False, opts.timeout)
+
+
+# -- the driver ---------------------------------------------------------------------------------------------------
+def _connect(ray: Any) -> None:
+    if not ray.is_initialized():
+        # RAY_ADDRESS when set, else the cluster `ray start` began on this machine, else a new local one
+        ray.init(log_to_driver=True)
+    res = ray.cluster_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    logger.info("ray: {} node(s), {:g} CPU(s), {:g} GPU(s)", len(nodes), res.get("CPU", 0), res.get("GPU", 0))
+
+
+@attrs.define
+class RayJob:
+    """The actors and placement group of one Ray job, and what the driver learns about them."""
+
+    ray: Any
+    nprocs: int
+    gpus: int  # per rank: 1 or 0
+    opts: Options
+    pg: Any = None
+    actors: list[Any] = attrs.field(factory=list)  # in rank order once placed
+    assignments: list[Assignment] = attrs.field(factory=list)
+    failures: list[Failure] = attrs.field(factory=list)
+    returned: list[int] = attrs.field(factory=list)
+    result: Any = None
+    started: float = attrs.field(factory=time.time)
+
+    def place(self) -> None:
+        """Reserve one bundle per rank (waiting for the cluster to have room), start the actors, find them."""
+        from ray.util.placement_group import placement_group  # deferred: part of ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": CPUS_PER_RANK, **({"GPU": self.gpus} if self.gpus else {})}
+        self.pg = placement_group([dict(bundle)] * self.nprocs, strategy="PACK")
+        deadline = time.monotonic() + self.opts.timeout.total_seconds()
+        while True:
+            ready, _ = self.ray.wait([self.pg.ready()], timeout=PLACEMENT_LOG_EVERY)
+            if ready:
+                break
+            if time.monotonic() > deadline:
+                raise LauncherError(
+                    f"Ray could not place {self.nprocs} rank(s) of {bundle} within the timeout "
+                    f"({self.opts.timeout.total_seconds():g} s); the cluster has {self.ray.cluster_resources()} "
+                    f"(available now: {self.ray.available_resources()}). Ask for fewer ranks (nprocs=) or add nodes")
+            logger.info("ray: waiting for room for {} rank(s) of {} (available: {})", self.nprocs, bundle,
+                        self.ray.available_resources())
+        cls = self.ray.remote(RankActor)
+        actors = [cls.options(num_cpus=CPUS_PER_RANK, num_gpus=self.gpus, scheduling_strategy=
+                              PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote()
+                  for i in range(self.nprocs)]
+        self.actors = actors
+        try:
+            places = self.ray.get([a.where.remote(i) for i, a in enumerate(actors)],
+                                  timeout=self.opts.timeout.total_seconds())
+        except self.ray.exceptions.RayError as exc:
+            raise LauncherError(f"Ray could not start the ranks' actors: {_first_lines(exc)}. distfn (and torch) "
+                                "must be installed in the Python environment of every node") from None
+        self.assignments = assign_ranks(places)
+        self.actors = [actors[a.place.bundle] for a in self.assignments]
+
+    def start(self, fn: Callable[..., Any], cfg: Any) -> dict[Any, int]:
+        """Start every rank; returns ``{result ref: rank}``."""
+        first = self.assignments[0]
+        port = self.ray.get(self.actors[0].bind_port.remote(), timeout=self.opts.timeout.total_seconds())
+        layout = ", ".join(f"node {a.place.node_ip} ({a.place.node_id[:8]}): ranks "
+                           f"{a.rank}-{a.rank + a.local_world_size - 1}" for a in self.assignments if a.local_rank == 0)
+        logger.info("ray: {} rank(s) on {} node(s) ({}); rendezvous {}:{}", self.nprocs, first.num_nodes, layout,
+                    first.place.node_ip, port)
+        fn_ref, cfg_ref = self.ray.put(fn), self.ray.put(cfg)  # serialised once, not once per rank
+        return {actor.run.remote(fn_ref, cfg_ref, self.opts,
+                                 topology_for(a, self.nprocs, first.place.node_ip, port), a.visible_devices): a.rank
+                for actor, a in zip(self.actors, self.assignments, strict=True)}
+
+    def wait(self, refs: dict[Any, int]) -> None:
+        """Collect the ranks' answers until all returned or one failed (then give the others a moment)."""
+        pending = dict(refs)
+        settle_until: float | None = None
+        while pending and (settle_until is None or time.monotonic() < settle_until):
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=0.2 if settle_until else 1.0)
+            for ref in ready:
+                self._receive(ref, pending.pop(ref))
+            if self.failures and settle_until is None:
+                settle_until = time.monotonic() + 0.5  # the root cause from its consequences (see spawn.settle)
+
+    def _receive(self, ref: Any, rank: int) -> None:
+        try:
+            kind, data = self.ray.get(ref)
+        except self.ray.exceptions.RayActorError as exc:
+            self.failures.append(self._actor_died(rank, exc))
+            return
+        except self.ray.exceptions.RayError as exc:
+            place = self.assignments[rank].place
+            self.failures.append(Failure(rank, place.host, place.pid, type(exc).__name__, _first_lines(exc)))
+            return
+        if kind == "ok":
+            self.returned.append(rank)
+            if rank == 0:
+                self.result = data
+        else:
+            self.failures.append(data)
+
+    def _actor_died(self, rank: int, exc: BaseException) -> Failure:
+        place = self.assignments[rank].place
+        text = _first_lines(exc, 6)
+        node = next((n for n in self._nodes() if n.get("NodeID") == place.node_id), None)
+        node_dead = (node is not None and not node.get("Alive", True)) or "node has died" in text.lower() \
+            or "node died" in text.lower()
+        if node_dead:
+            why = (node or {}).get("DeathReasonMessage") or "no reason given"
+            return Failure(rank, place.node_ip, place.pid, "NodeDied",
+                           f"the Ray node {place.node_ip} ({place.node_id[:8]}) running this rank died ({why})",
+                           traceback=text)
+        return Failure(rank, place.node_ip, place.pid, "ActorDied",
+                       "this rank's Ray actor died without reporting (killed, out of memory, or a crash in native "
+                       "code; see its log above)", traceback=text)
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        try:
+            return list(self.ray.nodes())
+        except Exception:  # noqa: BLE001 - only to say whether the node died
+            return []
+
+    def teardown(self) -> None:
+        """Kill every actor and remove the placement group (after a result too: nothing stays on the cluster)."""
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group  # deferred: part of ray
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - the cluster is gone
+                pass
+
+    def outcome(self) -> Any:
+        """Rank 0's value, or the `WorkerError` of the first failure (root cause first)."""
+        if not self.failures:
+            return self.result
+        failures = order_failures(self.failures)
+        failures[0] = diagnose(failures[0], timeout_s=self.opts.timeout.total_seconds(),
+                               returned=self.returned, failed=[f.rank for f in failures[1:]])
+        raise WorkerError(failures)
+
+
+def _first_lines(exc: BaseException, n: int = 3) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return "\n".join(lines[:n]) or type(exc).__name__
+
+
+def launch(fn: Callable[..., Any], cfg: Any, opts: Options) -> Any:
+    """Run ``fn(cfg, ctx)`` as Ray actors on the Ray cluster and return rank 0's value (or raise `WorkerError`).
+
+    Ctrl-C kills the actors (and re-raises ``KeyboardInterrupt``); so does any other way out of the driver's call:
+    the actors and the placement group never outlive it.
+    """
+    ray = import_ray()
+    _connect(ray)
+    gpus_in_cluster = float(ray.cluster_resources().get("GPU", 0))
+    nprocs = ray_nprocs(opts, os.environ, gpus_in_cluster)
+    job = RayJob(ray, nprocs, 1 if gpus_in_cluster >= 1 else 0, opts)
+    try:
+        job.place()
+        refs = job.start(fn, cfg)
+        job.wait(refs)
+    except KeyboardInterrupt:
+        logger.warning("interrupted: killing the {} Ray actor(s) of the job", nprocs)
+        raise
+    finally:
+        job.teardown()
+    return job.outcome()
+
