@@ -84,12 +84,14 @@ def test_run_py_summary_and_discovery() -> None:
 def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_checkpoint.py --tiny end to end: every save/load/RSS variant ran once, targets evaluated."""
     result = _run_module_tiny(tmp_path, "checkpoint", "--dir", str(tmp_path))
-    save, load_touch, load_call, rss = result["tables"]
-    rows = {r["variant"]: r for r in save["rows"]}
-    assert set(rows) >= {"distfn.save", "torch.save", "save_file", "dd", "dd+fdatasync"}
+    save, versus_save_file, repeated, load_touch, load_call, rss = result["tables"]
+    rows = {r["variant"]: r for r in save["rows"]}  # first saves, each variant in its own fresh process
+    assert set(rows) == {"distfn.save", "save_file+fsync", "torch.save+fsync", "dd+fdatasync"}
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in rows.values())
     assert rows["dd+fdatasync"]["ratio"] == 1.0
     assert save["targets"][0]["variant"] == "distfn.save" and save["targets"][0]["met"] in (True, False)
+    assert versus_save_file["baseline"] == "save_file+fsync" and versus_save_file["targets"][0]["met"] in (True, False)
+    assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in repeated["rows"])
     assert {r["variant"] for r in load_touch["rows"]} == {"distfn.load", "load_file", "torch.load(weights_only)"}
     assert all(len(r["samples"]) == 3 for r in load_touch["rows"] + load_call["rows"])
     assert {r["variant"] for r in rss["rows"]} == {"distfn.save", "torch.save", "save_file"}
