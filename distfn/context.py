@@ -94,7 +94,10 @@ class Context:
         also tells distfn that this function stops by itself: SIGTERM then only sets the flag instead of raising
         `distfn.Terminated` in the middle of a step. See docs/failures.md (SLURM `--signal`).
         """
-        return preemption.should_stop(self._group_device)
+        stop = preemption.should_stop(self._group_device)
+        if stop:
+            checkpoint.background.wait()  # a pending asynchronous save completes before the function stops
+        return stop
 
     # -- data ---------------------------------------------------------------------------------------------
     def sampler(
@@ -352,6 +355,7 @@ class Context:
         keep: int | None = None,
         rng: bool = False,
         sharded: bool | None = None,
+        blocking: bool = True,
     ) -> Path:
         """Write ``obj`` to ``path`` as safetensors from rank 0; other ranks return at once.
 
@@ -380,7 +384,11 @@ class Context:
             sharded: write a sharded checkpoint directory, every rank its own shards (a collective: every rank
                 calls it; see docs/checkpoints.md, "Sharded checkpoints"). Default: in `mode="fsdp"` when `path`
                 does not end in `.safetensors`, else one file.
+            blocking: `False` returns once the state is copied to host memory; the write, `fsync` and rename run
+                in a background thread. The next save, the function's end (return or exception) and a true
+                `ctx.should_stop` wait for it, so nothing is lost (docs/checkpoints.md, "Asynchronous saves").
         """
+        checkpoint.background.wait()  # the previous (asynchronous) save first; its failure is raised here
         checked_in = False
         if rng and self.mode == "fsdp":
             checkin.check_in("ctx.save")  # before the RNG gather: a rank-0-only call must fail there, not hang in it
@@ -394,13 +402,15 @@ class Context:
         if checkpoint.sharded.wants_sharded(path, self.mode, sharded):
             if not checked_in:
                 checkin.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
-            return checkpoint.sharded.save(obj, path, metadata=metadata, keep=keep)
+            return checkpoint.sharded.save(obj, path, metadata=metadata, keep=keep, blocking=blocking)
         if self.mode == "fsdp":
             from . import fsdp  # deferred: only mode='fsdp' needs it (~0.1 s on a busy machine)
 
-            return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in)
+            return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in,
+                             write=None if blocking else checkpoint.background.save_file)
         if self.is_main:
-            return checkpoint.save(obj, path, metadata=metadata, keep=keep)
+            write = checkpoint.save if blocking else checkpoint.background.save_file
+            return write(obj, path, metadata=metadata, keep=keep)
         return Path(path)
 
     def load(

@@ -134,6 +134,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = None,
     checked_in: bool = False,
+    write: Any = None,
 ) -> Path:
     """``ctx.save`` in fsdp mode: gather full state dicts to CPU on rank 0, which writes one safetensors file.
 
@@ -147,7 +148,7 @@ def save(
             checkin.check_in("ctx.save")
         obj = _gather(obj, [m for m in found if isinstance(m, nn.Module) and is_sharded(m)])
     if rank == 0:
-        return checkpoint.save(obj, path, metadata=metadata, keep=keep)
+        return (write or checkpoint.save)(obj, path, metadata=metadata, keep=keep)  # write: e.g. a background save
     return Path(path)
 
 

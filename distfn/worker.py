@@ -11,6 +11,7 @@ spawn/forkserver re-import the user's script, before distfn's entry point runs).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import devices, failures, logs, preemption, rendezvous, topology
+from .checkpoint import background
 from .context import Context
 from .errors import LauncherError
 from .options import restart_attempt
@@ -178,10 +180,13 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             restart=restart_attempt(os.environ),
         )
         result = fn(cfg, ctx)
+        background.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
         _requeue_if_stopped(opts, topology, ctx)
         return result
     except BaseException as exc:
         failed = True
+        with contextlib.suppress(Exception):
+            background.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
         if report is not None:
             report(exc)
         elif topology.launcher not in ("spawn", "local"):

@@ -21,7 +21,7 @@ from torch import nn
 
 import distfn
 from distfn import CheckpointError
-from distfn.checkpoint import consolidate, sharded
+from distfn.checkpoint import background, consolidate, sharded
 
 from conftest import SCRIPTS, run_python
 
@@ -289,3 +289,67 @@ def test_tied_weights_are_stored_once_and_tied_again(tmp_path: Path) -> None:
     sharded.load_into(tmp_path / "tied", again)
     _equal(again.state_dict(), model.state_dict())
     assert again[1].weight is again[0].weight
+
+
+# -- asynchronous saves (ctx.save(..., blocking=False)) ----------------------------------------------------------
+@pytest.mark.slow
+def test_async_saves_hold_the_state_of_the_call_and_complete_before_the_group_goes(tmp_path: Path) -> None:
+    done = run_python([str(JOB), str(tmp_path), "async"], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    for mode in ("ddp", "fsdp"):
+        assert result[mode] == "returned"
+        d = tmp_path / mode
+        # one file: written in the background while training changed the live tensors; holds the state of the call
+        _equal(distfn.load(d / "async-3.safetensors"), distfn.load(d / "ref-3.safetensors"))
+        for step in (4, 5):  # sharded; step 5 was still pending when the function returned
+            one = consolidate(d / f"ckpt-{step}", tmp_path / f"{mode}-{step}.safetensors")
+            _equal(distfn.load(one), distfn.load(d / f"ref-{step}.safetensors"))
+            assert distfn.checkpoint.load_into(one, {})["step"] == step
+        assert not list(d.glob(".*"))  # no partial directory or temporary file left
+
+
+@pytest.mark.slow
+def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    done = run_python([str(JOB), str(tmp_path), "async-kill"], timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert "rank 0 " in result["error"] and "SIGKILL" in result["error"]
+    assert distfn.latest(tmp_path) == tmp_path / "ckpt-1"
+    model, opt = _model_and_opt()
+    assert sharded.load_into(tmp_path / "ckpt-1", {"model": model, "optimizer": opt}) == {"step": 2}
+    sharded.save({"model": model}, tmp_path / "ckpt-3")
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_a_background_save_copies_first_checks_early_and_reports_its_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _ = _model_and_opt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    background.save_file({"model": model, "step": 1}, tmp_path / "a.safetensors")
+    with torch.no_grad():
+        model.inp.weight.add_(1)  # after the call: not in the file
+    background.wait()
+    _equal(distfn.load(tmp_path / "a.safetensors", prefix="model"), before)
+    with pytest.raises(CheckpointError, match="cannot save the value at"):  # raised in the caller, not later
+        background.save_file({"f": lambda: 0}, tmp_path / "b.safetensors")
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(distfn.checkpoint.storage, "write", full_disk)
+    background.save_file({"model": model}, tmp_path / "c.safetensors")
+    with pytest.raises(CheckpointError, match=r"background save of .*c\.safetensors failed.*No space left"):
+        background.wait()
+    assert not background.pending() and not (tmp_path / "c.safetensors").exists()
+
+
+def test_a_sharded_background_save_in_one_process(tmp_path: Path) -> None:
+    model, opt = _model_and_opt()
+    train(model, opt, 1, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sharded.save({"model": model, "optimizer": opt, "step": 2}, tmp_path / "ckpt-2", blocking=False)
+    train(model, opt, 3, 3)
+    background.wait()
+    _equal(distfn.load(tmp_path / "ckpt-2", prefix="model"), before)

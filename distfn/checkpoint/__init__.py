@@ -28,8 +28,8 @@ from loguru import logger
 from ..errors import CheckpointError
 from ..modules import unwrap_module
 from ..rng import RNG, combine_rng_states, gather_rng_states, rng_state, rng_state_for_rank, set_rng_state
+from . import background, sharded, storage  # noqa: F401 - background: ctx.save(blocking=False)
 from . import format as fmt
-from . import sharded, storage
 from .files import latest, rotate, step_of
 from .restore import load_into
 from .sharded import consolidate

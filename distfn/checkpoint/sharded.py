@@ -253,6 +253,7 @@ def save(
     *,
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = None,
+    blocking: bool = True,
 ) -> pathlib.Path:
     """Write ``obj`` as a sharded checkpoint directory; **every rank** calls it (a collective) and writes its shards.
 
@@ -264,6 +265,8 @@ def save(
         path: the directory to create (missing parents are created; an older checkpoint there is replaced).
         metadata: JSON-like values stored in the index.
         keep: with a step-numbered name (``ckpt-1200``), keep only the ``keep`` newest such directories.
+        blocking: ``False`` returns once this rank's tensors are copied to host memory (torch's ``async_save``
+            staging); the writing, the index and the rename finish in the background (`distfn.checkpoint.background`).
 
     Returns:
         The directory, absolute (on every rank).
@@ -281,11 +284,59 @@ def save(
         raise CheckpointError(f"a sharded checkpoint is a directory: '{target}' ends in .safetensors (drop the "
                               "suffix, or save one file with sharded=False)")
     meta, tensors = _encode(obj, metadata)
+    if not blocking:
+        _write_later(tensors, meta, target, keep)
+        return target
     rank, world = _write(tensors, meta, target)
     logger.debug("saved sharded checkpoint {} ({} tensors, {} ranks)", target, len(tensors), world)
     if keep is not None and rank == 0:
         rotate(target, keep)
     return target
+
+
+def _tmp_dir(target: pathlib.Path, rank: int, on: bool) -> pathlib.Path:
+    """The hidden directory all ranks write into (named by rank 0, which also removes killed saves' leftovers)."""
+    name = [""]
+    if rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_partials(target.parent)
+        name[0] = f".{target.name[:120]}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{_PARTIAL}"
+    if on:
+        dist.broadcast_object_list(name, src=0)  # a string between live processes; nothing pickled is stored
+    return target.parent / name[0]
+
+
+def _write_later(tensors: dict[str, torch.Tensor], meta: dict[str, str], target: pathlib.Path,
+                 keep: int | None) -> None:
+    """`_write` with torch's ``async_save``: returns after staging; the rest runs in `background`."""
+    from torch.distributed.checkpoint import async_save  # ~0.3 s, paid by sharded saves only
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    from . import background
+
+    background.wait()  # the previous save first (its collectives must not interleave with this one's)
+    rank, world, on = _rank_world()
+    tmp = _tmp_dir(target, rank, on)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        future: Any = async_save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
+                                 process_group=background.cpu_group(), no_dist=not on)
+
+    def finish() -> None:
+        try:
+            future.result()  # on rank 0 this returns once every rank's shards are on disk (DCP's finish step)
+            if rank == 0:
+                _write_index(tmp, meta, world)
+                _publish(tmp, target)
+                if keep is not None:
+                    rotate(target, keep)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        logger.debug("saved sharded checkpoint {} in the background ({} ranks)", target, world)
+
+    background.submit(str(target), finish)
 
 
 def _write(tensors: dict[str, torch.Tensor], meta: dict[str, str], target: pathlib.Path) -> tuple[int, int]:
@@ -294,14 +345,7 @@ def _write(tensors: dict[str, torch.Tensor], meta: dict[str, str], target: pathl
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
     rank, world, on = _rank_world()
-    name = [""]
-    if rank == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_partials(target.parent)
-        name[0] = f".{target.name[:120]}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{_PARTIAL}"
-    if on:
-        dist.broadcast_object_list(name, src=0)  # a string between live processes; nothing pickled is stored
-    tmp = target.parent / name[0]
+    tmp = _tmp_dir(target, rank, on)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

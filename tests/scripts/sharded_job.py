@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import distfn
 from distfn import WorkerError, distributed
 
 STEPS, SAVE_AT, BATCH = 10, 5, 16
@@ -119,6 +120,53 @@ def kill_job(cfg: tuple[Path, int], ctx):
     return "not killed"
 
 
+def _async(out: Path, ctx) -> dict:
+    model, opt = fresh(ctx, 0)
+    train(model, opt, 1, 3, ctx.rank, ctx.world_size)
+    state = {"model": model, "optimizer": opt, "step": 3}
+    d = out / ctx.mode
+    ctx.save(state, d / "ref-3.safetensors")  # blocking, one file: the reference
+    ctx.save(state, d / "async-3.safetensors", blocking=False)
+    train(model, opt, 4, 4, ctx.rank, ctx.world_size)  # changes the live tensors while the write may still run
+    ctx.save({**state, "step": 4}, d / "ref-4.safetensors")  # waits for the previous save first
+    ctx.save({**state, "step": 4}, d / "ckpt-4", sharded=True, blocking=False)
+    train(model, opt, 5, 5, ctx.rank, ctx.world_size)
+    ctx.save({**state, "step": 5}, d / "ref-5.safetensors")
+    ctx.save({**state, "step": 5}, d / "ckpt-5", sharded=True, blocking=False)
+    return "returned"  # the pending write completes before the process group goes
+
+
+@distributed(mode="ddp", nprocs=2, seed=0)
+def ddp_async_job(out: Path, ctx):
+    return _async(out, ctx)
+
+
+@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"min_params": 100})
+def fsdp_async_job(out: Path, ctx):
+    return _async(out, ctx)
+
+
+@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"min_params": 100})
+def async_kill_job(out: Path, ctx):
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    model, opt = fresh(ctx, 0)
+    train(model, opt, 1, 2, ctx.rank, ctx.world_size)
+    ctx.save({"model": model, "optimizer": opt, "step": 2}, out / "ckpt-1", blocking=False)
+    distfn.checkpoint.background.wait()  # ckpt-1 is complete before the writer is booby-trapped
+    if ctx.rank == 0:
+        write = HuggingFaceStorageWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            write(self, plan, planner).wait()  # in the background thread, with this rank's shard on disk
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        HuggingFaceStorageWriter.write_data = write_then_die  # type: ignore[method-assign]
+    ctx.save({"model": model, "optimizer": opt, "step": 2}, out / "ckpt-2", blocking=False)
+    train(model, opt, 3, 40, ctx.rank, ctx.world_size)
+    return "not killed"
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     if sys.argv[2] == "reshard":
@@ -127,6 +175,14 @@ if __name__ == "__main__":
             result["save"][w] = save_job.options(nprocs=w)(out)
         result["fsdp2"] = fsdp_load_job(out)
         result["ddp2"] = ddp_load_job(out)
+    elif sys.argv[2] == "async":
+        result = {"ddp": ddp_async_job(out), "fsdp": fsdp_async_job(out)}
+        result["files"] = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    elif sys.argv[2] == "async-kill":
+        try:
+            result = {"returned": async_kill_job(out)}
+        except WorkerError as exc:
+            result = {"error": str(exc)[:2000]}
     else:
         try:
             result = {"returned": kill_job((out, int(sys.argv[3])))}
