@@ -171,14 +171,46 @@ def arrive(fn: Any) -> None:
         os.environ.update(fn.environ)
 
 
+# In a worker: whether something arrived by value, so that rank 0's return value may go back the same way.
+_received_by_value = False
+
+
 def unpack(obj: Any) -> Any:
     """In the worker: the object `pack` sent (anything else is returned as it is)."""
+    global _received_by_value
     if not isinstance(obj, Parcel):
         return obj
     if obj.payload is None:
         return obj.value
+    _received_by_value = True
     linecache.cache.update(obj.sources or {})
     return cloudpickle.loads(obj.payload)
+
+
+def dumps_result(result: Any) -> bytes:
+    """In the worker: rank 0's return value for the launching process. By name (ordinary pickle); and where that
+    fails in a worker that received the job by value, by value: an instance of a class defined in a notebook
+    cell then comes back as an instance of the notebook's own class (cloudpickle recognises the classes it
+    sent)."""
+    try:
+        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        if not _received_by_value:
+            raise
+        return cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _ResultUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        # A worker that imported the user's script names its classes ``__mp_main__.X``; in this process that is
+        # whatever ``__main__`` is now (multiprocessing's alias is fixed at its import: under IPython's %run it
+        # would name the notebook, not the script being run).
+        return super().find_class("__main__" if module == "__mp_main__" else module, name)
+
+
+def loads_result(payload: bytes) -> Any:
+    """In the launching process: rank 0's return value from `dumps_result`'s bytes."""
+    return _ResultUnpickler(io.BytesIO(payload)).load()
 
 
 # -- the fork server ---------------------------------------------------------------------------------------------

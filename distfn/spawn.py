@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -202,7 +201,7 @@ def _entry(
 def _pickle_result(result: Any) -> bytes:
     result = to_cpu(result)
     try:
-        return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        return shipping.dumps_result(result)  # by value where the function came by value (a notebook's class)
     except Exception:  # noqa: BLE001
         found = preflight.find_unpicklable(result, "return value") or ("return value", result, RuntimeError("?"))
         raise ConfigError(preflight.unpicklable_message(
@@ -559,7 +558,7 @@ class WorkerGroup:
                                        f"still running {TERM_GRACE:g} s after SIGTERM was forwarded; killed")
                                for w in self.workers if not w.ok], earlier)
         payload = self.workers[0].result
-        return None if payload is None else pickle.loads(payload)
+        return None if payload is None else shipping.loads_result(payload)
 
 
 def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:

@@ -74,6 +74,14 @@ def shard(cfg, ctx):
         losses.append(round(ctx.all_reduce(loss.item()), 5))
     return losses
 
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+@distributed(mode="ddp", nprocs=2)
+def make_point(cfg, ctx):
+    return Point(ctx.all_reduce(ctx.rank + 1, op="sum"))
+
 @distributed(mode="ddp", nprocs=2)
 def boom(cfg, ctx):
     if ctx.rank == 1:
@@ -94,6 +102,7 @@ CALLS = [
     ("train3", "train(after_a_matmul())"),
     ("total", 'total({"f": lambda x: x * 10, "s": Scale(2)})'),
     ("shard", "shard({})"),
+    ("point", "(lambda p: [type(p) is Point, p.x])(make_point({}))"),  # an instance of a class of the notebook
 ]
 
 
@@ -122,6 +131,7 @@ def script_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results = _results(done.stdout)
     assert list(results) == [n for n, _ in CALLS]
     assert results["train1"]["same_on_all_ranks"] and results["total"] == 25 and len(results["shard"]) == 3
+    assert results["point"] == [True, 3]
     assert "starting 2 workers with forkserver" in done.stderr  # the calls after the matmul
     return results
 
