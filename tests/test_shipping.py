@@ -185,3 +185,27 @@ def test_a_script_sends_by_name_what_pickle_can_find(monkeypatch: pytest.MonkeyP
     # under start_method="auto", what pickle cannot send by name goes by value rather than failing
     _, cfg, how = shipping.pack(_triple, {"f": lambda x: x + 1}, "spawn")
     assert "by value" in how and shipping.unpack(cfg)["f"](1) == 2
+
+
+OP_FIRST = """
+import torch
+from distfn import distributed, shipping
+
+torch.randn(600, 600) @ torch.randn(600, 600)  # before the decoration: no safe moment to copy this process
+
+@distributed(mode="ddp", nprocs=2)
+def job(cfg, ctx):
+    return ctx.all_reduce(cfg["f"](ctx.rank), op="sum")
+
+if __name__ == "__main__":
+    print("RESULT", job({"f": lambda r: r + 5}), shipping.server_running())
+"""
+
+
+def test_a_torch_op_before_the_decoration_gets_a_fresh_fork_server(tmp_path: Path) -> None:
+    script = tmp_path / "op_first.py"
+    script.write_text(OP_FIRST)
+    done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT 11 True" in done.stdout  # (0 + 5) + (1 + 5), the lambda by value
+    assert "with forkserver" in done.stderr and "a fresh interpreter" in done.stderr
