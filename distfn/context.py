@@ -450,3 +450,39 @@ class Context:
                 raise CheckpointError(f"{path} holds no RNG states; write it with ctx.save(..., rng=True)")
             checkpoint.set_rng_state(checkpoint.rng_state_for_rank(saved, self.rank, self.world_size))
         return values
+
+    def resume(
+        self,
+        state: nn.Module | Mapping[str, Any],
+        directory: str | os.PathLike[str],
+        *,
+        prefix: str = "ckpt-",
+        strict: bool = True,
+    ) -> int:
+        """Continue from the newest complete checkpoint in ``directory``: restore ``state`` and return its step.
+
+        Call it on every rank with the state you save, e.g. ``start = ctx.resume(state, "ckpt")`` before the
+        loop and ``ctx.save({**state, "step": step}, f"ckpt/ckpt-{step}.safetensors", keep=3)`` inside it: a
+        restarted or requeued job continues where the last save left off, and the numbering goes on.
+
+        Args:
+            state: what `ctx.load` restores in place (plain values such as ``"step"`` are replaced by the saved
+                ones). Random generator states saved with ``rng=True`` are restored too, each rank its own.
+            directory: where the ``<prefix><step>.safetensors`` files (or sharded ``<prefix><step>``
+                directories) are; missing or empty means a fresh start.
+            prefix: the name before the step number.
+            strict: as in `ctx.load`.
+
+        Returns:
+            The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
+            alone). Rank 0 picks the file and every rank loads that same one.
+        """
+        last = checkpoint.latest(directory, prefix=prefix) if self.is_main else None
+        last = collectives.broadcast_object(None if last is None else str(last))
+        if last is None:
+            return 0
+        values = self.load(last, into=state, strict=strict)
+        saved = values.pop("rng", None)
+        if saved is not None:
+            checkpoint.set_rng_state(checkpoint.rng_state_for_rank(saved, self.rank, self.world_size))
+        return checkpoint.step_of_path(last) or 0

@@ -16,6 +16,8 @@ from ckpt_helpers import repo_env
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from distfn import checkpoint
+
 from conftest import SCRIPTS, run_python
 
 
@@ -170,3 +172,26 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint(tmp_path: pathlib.P
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert sorted(p.name for p in (tmp_path / "crashed").iterdir()) == ["ckpt-6.safetensors", "ckpt-7.safetensors"]
+
+
+@pytest.mark.slow
+def test_ctx_resume_after_kill_9_is_bit_identical(tmp_path: pathlib.Path) -> None:
+    """Issue 13 item 2: a 2-rank job whose rank 1 is killed (-9) mid-training is re-run as it was;
+    `ctx.resume` picks up the newest complete checkpoint (with every rank's RNG) and the final weights equal an
+    uninterrupted run's bit for bit; keep= rotation goes on numbering from there."""
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    straight.mkdir()
+    crashed.mkdir()
+    done = run_python([str(SCRIPTS / "resume_job.py"), str(straight), "restart", "-1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = run_python([str(SCRIPTS / "resume_job.py"), str(crashed), "restart", "7"])
+    assert first.returncode != 0 and not (crashed / "restart.json").exists()  # the job really died
+    assert checkpoint.latest(crashed / "ckpt") is not None
+    again = run_python([str(SCRIPTS / "resume_job.py"), str(crashed), "restart", "7"])  # the same command
+    assert again.returncode == 0, again.stderr[-3000:]
+    a = json.loads((straight / "restart.json").read_text())
+    b = json.loads((crashed / "restart.json").read_text())
+    assert a["start"] == 0 and b["start"] in (4, 6)  # resumed from the newest complete checkpoint
+    assert b["params"] == a["params"]  # exact, not approximate
+    assert b["next_draw"] == a["next_draw"]
+    assert b["files"] == a["files"] == ["ckpt-10.safetensors", "ckpt-8.safetensors"]

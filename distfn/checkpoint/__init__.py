@@ -30,7 +30,7 @@ from ..modules import unwrap_module
 from ..rng import RNG, combine_rng_states, gather_rng_states, rng_state, rng_state_for_rank, set_rng_state
 from . import background, sharded, storage  # noqa: F401 - background: ctx.save(blocking=False)
 from . import format as fmt
-from .files import latest, rotate, step_of
+from .files import latest, rotate, step_of, step_of_path
 from .restore import load_into
 from .sharded import consolidate
 
@@ -47,6 +47,7 @@ __all__ = [
     "rng_state_for_rank",
     "save",
     "set_rng_state",
+    "step_of_path",
     "unwrap_module",
 ]
 

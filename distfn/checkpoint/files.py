@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from . import format as fmt
 from . import sharded, storage
 
-__all__ = ["latest", "rotate", "step_of"]
+__all__ = ["latest", "rotate", "step_of", "step_of_path"]
 
 _STEP_RE: Final = re.compile(r"^(?P<prefix>.*?)(?P<step>\d+)\.safetensors$")
 
@@ -29,6 +29,13 @@ def step_of(name: str) -> tuple[str, int] | None:
     if m is None or name.startswith("."):
         return None
     return m.group("prefix"), int(m.group("step"))
+
+
+def step_of_path(path: str | os.PathLike[str]) -> int | None:
+    """The step number in a checkpoint's name (``ckpt-1200.safetensors`` or a sharded ``ckpt-1200`` directory)."""
+    name = pathlib.Path(os.fspath(path)).name
+    parsed = step_of(name) or sharded.step_of_dir(name)
+    return None if parsed is None else parsed[1]
 
 
 def rotate(target: pathlib.Path, keep: int) -> None:
