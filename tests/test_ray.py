@@ -1,0 +1,222 @@
+"""``launcher="ray"`` (distfn.ray_launcher): the rank layout rules without Ray, then real jobs on a local Ray cluster.
+
+The cluster tests start their own two-node Ray cluster on this machine (``ray start --head`` and a second raylet
+joining it, one CPU each, a small object store) and always stop it (``ray stop --force``). They run the unchanged
+script tests/scripts/ray_job.py with ``DISTFN_LAUNCHER=ray``. Without Ray they skip with a reason naming
+``distfn[ray]``; with ``DISTFN_REQUIRE_CLUSTER=1`` (CI) they fail instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from distfn import distributed
+from distfn.errors import ConfigError
+from distfn.options import Options, with_env
+from distfn.ray_launcher import ActorPlace, assign_ranks, import_ray, ray_nprocs, topology_for
+
+from conftest import SCRIPTS, clean_env, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = SCRIPTS / "ray_job.py"
+JOB_TIMEOUT = 240  # seconds; a job takes 30-60 s on this loaded 2-core machine (most of it starting the actors)
+
+
+# -- rules, no Ray needed ------------------------------------------------------------------------------------------
+def test_launcher_ray_is_an_option_and_distfn_launcher_selects_it() -> None:
+    assert Options(launcher="ray").launcher == "ray"
+    assert with_env(Options(), {"DISTFN_LAUNCHER": "ray"}).launcher == "ray"
+    with pytest.raises(ConfigError, match="DISTFN_LAUNCHER"):
+        with_env(Options(), {"DISTFN_LAUNCHER": "rey"})
+
+
+def test_nprocs_defaults_to_the_clusters_gpus_and_is_required_without_them() -> None:
+    assert ray_nprocs(Options(), {}, cluster_gpus=8.0) == 8
+    assert ray_nprocs(Options(nprocs=3), {}, cluster_gpus=8.0) == 3
+    assert ray_nprocs(Options(), {"DISTFN_NPROCS": "2"}, cluster_gpus=0.0) == 2
+    assert ray_nprocs(Options(mode="single"), {}, cluster_gpus=0.0) == 1
+    with pytest.raises(ConfigError, match=r"no GPUs.*nprocs=.*DISTFN_NPROCS"):
+        ray_nprocs(Options(), {}, cluster_gpus=0.0)
+    with pytest.raises(ConfigError, match="mode='dp'"):
+        ray_nprocs(Options(mode="dp"), {}, cluster_gpus=4.0)
+    with pytest.raises(ConfigError, match="drop devices="):
+        ray_nprocs(Options(devices="0,1"), {}, cluster_gpus=4.0)
+
+
+def test_ranks_are_laid_out_node_by_node_with_each_nodes_gpus_visible() -> None:
+    # Ray placed bundles 0..3 on two nodes, interleaved, with GPUs handed out in no particular order.
+    places = [ActorPlace(0, "nodeA", "10.0.0.1", "a", 11, ("3",)), ActorPlace(1, "nodeB", "10.0.0.2", "b", 21, ("1",)),
+              ActorPlace(2, "nodeA", "10.0.0.1", "a", 12, ("0",)), ActorPlace(3, "nodeB", "10.0.0.2", "b", 22, ("0",))]
+    plan = assign_ranks(places)
+    assert [(a.rank, a.node_rank, a.local_rank, a.place.pid) for a in plan] == [
+        (0, 0, 0, 12), (1, 0, 1, 11), (2, 1, 0, 22), (3, 1, 1, 21)]
+    assert {a.visible_devices for a in plan[:2]} == {"0,3"} and {a.visible_devices for a in plan[2:]} == {"0,1"}
+    assert all((a.local_world_size, a.num_nodes) == (2, 2) for a in plan)
+    topo = topology_for(plan[3], 4, "10.0.0.1", 29555)
+    assert (topo.launcher, topo.rank, topo.local_rank, topo.node_rank, topo.world_size, topo.master_addr,
+            topo.master_port) == ("ray", 3, 1, 1, 4, "10.0.0.1", 29555)
+
+
+def test_cpu_actors_get_no_visible_devices_and_node_zero_holds_bundle_zero() -> None:
+    places = [ActorPlace(1, "n1", "ip1", "h", 2), ActorPlace(0, "n2", "ip2", "h", 1),
+              ActorPlace(2, "n1", "ip1", "h", 3)]
+    plan = assign_ranks(places)
+    assert [(a.place.bundle, a.node_rank, a.local_rank, a.local_world_size) for a in plan] == [
+        (0, 0, 0, 1), (1, 1, 0, 2), (2, 1, 1, 2)]
+    assert all(a.visible_devices is None for a in plan)
+
+
+def test_missing_ray_is_a_config_error_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(ConfigError, match=r"distfn\[ray\]"):
+        import_ray()
+
+    @distributed(launcher="ray", nprocs=2)
+    def train(cfg, ctx):
+        return 1
+
+    with pytest.raises(ConfigError, match=r"distfn\[ray\]"):
+        train()
+
+
+# -- a real local Ray cluster ----------------------------------------------------------------------------------------
+def unavailable(reason: str) -> None:
+    """Skip with ``reason``, or fail when CI demands the cluster (DISTFN_REQUIRE_CLUSTER=1)."""
+    if os.environ.get("DISTFN_REQUIRE_CLUSTER") == "1":
+        pytest.fail(f"{reason} (DISTFN_REQUIRE_CLUSTER=1: CI must run the cluster tests)")
+    pytest.skip(reason)
+
+
+def ray_cli() -> str:
+    if importlib.util.find_spec("ray") is None:
+        unavailable("needs Ray, from the 'ray' extra: pip install -e '.[ray]' (distfn[ray])")
+    found = Path(sys.executable).with_name("ray")
+    path = str(found) if found.exists() else shutil.which("ray")
+    if path is None:
+        unavailable("Ray is importable but its `ray` command is not on PATH; reinstall distfn[ray]")
+    return path  # type: ignore[return-value]
+
+
+def cluster_env(**extra: str) -> dict[str, str]:
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0", **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def ray_cmd(ray: str, *args: str, env: dict[str, str], timeout: float = 120) -> None:
+    res = subprocess.run([ray, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=60)
+        pytest.fail(f"ray {' '.join(args)} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """A two-node Ray cluster on this machine (two raylets, 1 CPU each); yields its address."""
+    ray = ray_cli()
+    env = cluster_env()
+    port = free_port()
+    small = ["--num-cpus=1", "--num-gpus=0", "--object-store-memory=80000000", "--disable-usage-stats"]
+    try:
+        ray_cmd(ray, "start", "--head", f"--port={port}", "--include-dashboard=false", *small, env=env)
+        ray_cmd(ray, "start", f"--address=127.0.0.1:{port}", *small, env=env)
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def job_env(address: str, out: Path, **extra: str) -> dict[str, str]:
+    return cluster_env(RAY_ADDRESS=address, DISTFN_LAUNCHER="ray", DISTFN_NPROCS="2", DISTFN_TEST_OUT=str(out),
+                       **extra)
+
+
+def run_job(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run([sys.executable, str(JOB)], env=env, capture_output=True, text=True,
+                              timeout=JOB_TIMEOUT, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the Ray job did not finish in {JOB_TIMEOUT} s; output:\n{str(exc.stderr)[-4000:]}")
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_two_ranks_on_two_ray_nodes_train_identically_and_save_once(ray_cluster: str, tmp_path: Path) -> None:
+    res = run_job(job_env(ray_cluster, tmp_path))
+    assert res.returncode == 0, res.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["rank"], r["world_size"], r["launcher"], r["env_rank"]) for r in ranks] == [
+        (0, 2, "ray", "0"), (1, 2, "ray", "1")]
+    # one rank per Ray node: node ranks follow the nodes, each node has one local rank
+    assert len({r["ray_node"] for r in ranks}) == 2
+    assert [(r["node_rank"], r["num_nodes"], r["local_rank"], r["local_world_size"]) for r in ranks] == [
+        (0, 2, 0, 1), (1, 2, 0, 1)]
+    assert ranks[0]["pid"] != ranks[1]["pid"] and os.getpid() not in {r["pid"] for r in ranks}
+    assert ranks[0]["initial"] == ranks[1]["initial"], "seeded models differ"
+    assert ranks[0]["final"] == ranks[1]["final"], "ranks ended with different weights"
+    assert ranks[0]["final"] != ranks[0]["initial"]
+    writes = (tmp_path / "writes.log").read_text().splitlines()
+    assert len(writes) == 1 and writes[0].split()[0] == "0", writes
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert [round(v, 6) for t in (state["weight"], state["bias"]) for v in t.flatten().tolist()] == [
+        round(v, 6) for v in ranks[0]["final"]]
+    # the caller got rank 0's value
+    assert json.loads((tmp_path / "result.json").read_text())["rank"] == 0
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_failing_rank_raises_worker_error_with_rank_host_and_traceback(ray_cluster: str, tmp_path: Path) -> None:
+    res = run_job(job_env(ray_cluster, tmp_path, DISTFN_TEST_FAIL_RANK="1"))
+    assert res.returncode == 1, res.stderr[-6000:]
+    err = res.stderr
+    assert "distfn.errors.WorkerError: rank 1 (pid" in err, err[-6000:]
+    assert "failed with ValueError: rank 1 fails on purpose" in err
+    assert 'in explode\n    raise ValueError(f"rank {rank} fails on purpose")' in err  # the rank's own traceback
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_ctrl_c_in_the_driver_kills_the_actors(ray_cluster: str, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(JOB)], env=job_env(ray_cluster, tmp_path, DISTFN_TEST_HANG="1"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        started = [tmp_path / f"started{r}" for r in range(2)]
+        while not all(p.exists() and p.read_text() for p in started):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)[0][-4000:]
+            time.sleep(0.5)
+        pids = [int(p.read_text()) for p in started]
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "interrupted: killing the 2 Ray actor(s)" in output, output[-4000:]
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), f"actor processes {pids} still running after Ctrl-C"
