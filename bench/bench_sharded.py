@@ -83,8 +83,8 @@ def _job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
         order = list(VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)])
         for name in order:
             samples[name].append(fns[name]())
-    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters()) * 1  # full model: weights + 2 moments
-    return {"samples": samples, "state_bytes": int(state_bytes) * 1}
+    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())  # the full model: weights + 2 Adam moments
+    return {"samples": samples, "state_bytes": int(state_bytes)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ __all__ = ["cpu_group", "pending", "save_file", "snapshot", "submit", "wait"]
 
 _lock = threading.Lock()
 _pending: tuple[threading.Thread, str, list[BaseException]] | None = None
-_group: Any = None
+_group: tuple[Any, Any] | None = None  # (the default group it was made for, the gloo group)
 
 
 def pending() -> bool:
@@ -107,9 +107,12 @@ def cpu_group() -> Any:
     """A gloo process group for the collectives of background sharded saves (created once, on first use, by
     every rank): the training thread's collectives keep the default group to themselves."""
     global _group
-    if _group is None and dist.is_available() and dist.is_initialized():
-        _group = dist.new_group(backend="gloo")
-    return _group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if _group is None or _group[0] is not world:  # none yet, or made for a process group since destroyed
+        _group = (world, dist.new_group(backend="gloo"))
+    return _group[1]
 
 
 def save_file(obj: Any, path: Any, *, metadata: Any = None, keep: int | None = None) -> Any:

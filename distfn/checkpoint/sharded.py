@@ -19,6 +19,8 @@ place once the index is in it), the clean-up of killed saves, ``keep=``, restori
 values in place, and `consolidate` (one streaming file). No pickle is written or read.
 
 torch's checkpoint modules cost ~0.3 s to import: they are imported inside the functions that use them.
+The module is longer than ~500 lines because the writer, the reader and `consolidate` share the layout's private
+helpers (names, index, chunk assembly); splitting them would export those helpers across modules.
 """
 
 from __future__ import annotations
