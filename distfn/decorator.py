@@ -171,7 +171,8 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             forkserver: distfn's fork server, a copy of this process made at decoration, see docs/notebooks.md),
             ``"fork"``, ``"forkserver"`` or ``"spawn"``.
         launcher: ``"auto"`` detects torchrun / MPI / SLURM; ``"spawn"``, ``"torchrun"``, ``"slurm"``,
-            ``"mpi"`` force one (a forced launcher whose variables are missing is an error naming them).
+            ``"mpi"`` force one (a forced launcher whose variables are missing is an error naming them);
+            ``"ray"`` runs each rank as a Ray actor on the Ray cluster (``RAY_ADDRESS``), see docs/launching.md.
         init_method: ``None`` (distfn's own rendezvous), ``"env://"``, ``"tcp://host:port"`` or
             ``"file:///shared/path"``.
         precision: ``"32"`` (float32, the default), ``"bf16"`` (bfloat16 autocast; works on CPUs too) or
@@ -199,7 +200,8 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     Options at run time: ``fn.options(**changes)`` returns the function with some of these arguments changed
     (checked the same way), e.g. ``train.options(precision="16" if cfg.use_amp else "32")(cfg)``; and the
     environment overrides them at each call: ``DISTFN_NPROCS``, ``DISTFN_PRECISION``, ``DISTFN_BACKEND``,
-    ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), ``DISTFN_MAX_RESTARTS``, ``DISTFN_REQUEUE`` (1/0), over
+    ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), ``DISTFN_MAX_RESTARTS``, ``DISTFN_REQUEUE`` (1/0),
+    ``DISTFN_LAUNCHER``, over
     both the decorator and ``fn.options``.
     """
     opts = make_options(options)
