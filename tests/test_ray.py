@@ -8,6 +8,7 @@ script tests/scripts/ray_job.py with ``DISTFN_LAUNCHER=ray``. Without Ray they s
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -220,3 +221,20 @@ def test_ctrl_c_in_the_driver_kills_the_actors(ray_cluster: str, tmp_path: Path)
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids), f"actor processes {pids} still running after Ctrl-C"
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_the_ray_example_trains_on_the_cluster(ray_cluster: str, tmp_path: Path) -> None:
+    env = cluster_env(RAY_ADDRESS=ray_cluster, DISTFN_NPROCS="2", EPOCHS="3")
+    try:
+        example = [str(ROOT / "examples" / "ray_train.py"), str(tmp_path / "m.safetensors")]
+        proc = subprocess.run([sys.executable, *example], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"examples/ray_train.py did not finish in {JOB_TIMEOUT} s:\n{str(exc.stderr)[-4000:]}")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert (result["world_size"], result["num_nodes"], result["launcher"]) == (2, 2, "ray")
+    assert result["last_loss"] < result["first_loss"]
+    assert (tmp_path / "m.safetensors").exists()
