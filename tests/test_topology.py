@@ -524,6 +524,9 @@ def test_pytorchjob_pods_run_in_place_one_rank_each(env: Mapping[str, str], rank
         launcher="kubernetes", rank=rank, local_rank=0, world_size=2, local_world_size=1, node_rank=rank,
         num_nodes=2, master_addr="mnist-master-0", master_port=23456)
     assert t is not None and "Kubernetes" in t.reason and "env://" in t.reason
+    d = describe(env)
+    assert d["launcher"] == "kubernetes" and list(d["candidates"]) == ["kubernetes"]
+    assert d["variables"]["KUBERNETES_SERVICE_HOST"] == "10.96.0.1"
 
 
 def test_plain_env_launcher_outside_kubernetes_and_with_local_variables() -> None:
@@ -587,7 +590,7 @@ def test_torchrun_inconsistent_values() -> None:
 
 
 def test_launchers_tuple() -> None:
-    assert LAUNCHERS == ("auto", "spawn", "torchrun", "slurm", "mpi")
+    assert LAUNCHERS == ("auto", "spawn", "torchrun", "slurm", "mpi", "ray")
 
 
 def test_unknown_launcher() -> None:
