@@ -19,6 +19,8 @@ so an OpenMP pool is alive, or it called into the CUDA driver):
   file to re-import, so it is shipped *by value* with cloudpickle, as Ray and submitit do (`pack`, `unpack`).
   Workers of the fork server also get the launching process's environment as it is at launch (`Parcel.environ`):
   the server is a copy from decoration time, and e.g. ``CUDA_VISIBLE_DEVICES`` may have been set since.
+  Rank 0's return value comes back the same way (`dumps_result`, `loads_result`): an instance of a class defined
+  in a cell comes back as an instance of that class.
 """
 
 from __future__ import annotations
