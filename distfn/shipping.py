@@ -34,6 +34,7 @@ import pickle
 import signal
 import socket
 import sys
+import sysconfig
 import threading
 import types
 from collections.abc import Iterator
@@ -295,6 +296,20 @@ def _register(kind: str, pid: int, address: str, alive_w: int) -> None:
     _server_kind = kind
 
 
+def _forget_user_modules() -> None:
+    """In the forked server: drop the modules of the user's own code (not the standard library's, not installed
+    packages', not distfn's), so that each worker imports them afresh, as under spawn, rather than keeping the
+    version of decoration time (a module edited and reloaded in a notebook since)."""
+    paths = sysconfig.get_paths()
+    installed = tuple({os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name == "distfn" or name.startswith("distfn."):
+            continue
+        if not os.path.realpath(path).startswith(installed):
+            del sys.modules[name]
+
+
 def fork_server() -> None:
     """Fork the fork server from this process now (the caller checked that forking is safe)."""
     listener, address, alive_r, alive_w = _listen()
@@ -308,6 +323,7 @@ def fork_server() -> None:
             # The server's children re-import the user's script, as under spawn (multiprocessing skips that when
             # __main__ already has the script's file, which this copy of a half-run script has).
             sys.modules["__main__"] = types.ModuleType("__main__")
+            _forget_user_modules()
             _serve(listener.fileno(), alive_r)
         except BaseException:  # noqa: BLE001 - whatever happens, the server must not return into user code
             pass
