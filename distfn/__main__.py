@@ -35,7 +35,7 @@ __all__ = ["collect", "main", "render", "report", "smoke_checks"]
 _EXTRA_VARIABLES = (
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
     "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "GLOO_SOCKET_IFNAME",
-    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_DISTRIBUTED_DEBUG", "RAY_ADDRESS",
 )
 
 
@@ -121,7 +121,7 @@ def _versions() -> dict[str, Any]:
         "distfn": _version("distfn"), "python": platform.python_version(), "platform": platform.platform(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "driver": _driver_version(), "cudnn": cudnn,
         "nccl": nccl, "backends": backends if dist.is_available() else {},
-        **{name: _version(name) for name in ("safetensors", "attrs", "loguru", "numpy", "tqdm", "cloudpickle")},
+        **{name: _version(name) for name in ("safetensors", "attrs", "loguru", "numpy", "tqdm", "cloudpickle", "ray")},
     }
 
 
@@ -185,6 +185,7 @@ def collect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = N
     from .topology import describe
 
     env = dict(os.environ if env is None else env)
+    launcher = env.get("DISTFN_LAUNCHER", "").strip() or launcher  # the call path's override (options.with_env)
     detected = describe(env, tuple(argv or ()), launcher)
     start_method = _start_method()
     cuda = _cuda(env)
@@ -229,6 +230,9 @@ def _render_launcher(det: Mapping[str, Any], plan: Mapping[str, Any]) -> list[st
         if plan.get("start_method"):
             out.append(_line("start method", f"{plan['start_method']}: {plan['start_method_reason']}"))
         out.append(_line("rendezvous", "127.0.0.1, a free port chosen at launch"))
+    elif det["launcher"] == "ray":
+        out.append(_line("ray", "one actor per rank (nprocs= / DISTFN_NPROCS, else one per GPU of the cluster)"))
+        out.append(_line("rendezvous", "rank 0's node, a free port chosen at launch"))
     return out
 
 
@@ -253,7 +257,7 @@ def render(info: Mapping[str, Any]) -> str:
     out.append(_line("backend", f"{plan['backend']} (default for these devices)"))
     out += ["", "versions"]
     for key in ("python", "platform", "torch", "cuda", "driver", "nccl", "cudnn", "safetensors", "attrs", "loguru",
-                "numpy", "tqdm", "cloudpickle"):
+                "numpy", "tqdm", "cloudpickle", "ray"):
         out.append(_line(key, ver[key] if ver[key] is not None else "-"))
     backends = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in ver["backends"].items())
     out.append(_line("torch.distributed", backends or "not available"))
@@ -403,7 +407,7 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("--json", action="store_true", help="print JSON instead of text")
     env.add_argument("--rank0", action="store_true", help="under a launcher, only rank 0 prints")
     env.add_argument("--launcher", default="auto",
-                     help="detect as @distributed(launcher=...) would: auto, spawn, torchrun, slurm, mpi")
+                     help="detect as @distributed(launcher=...) would: auto, spawn, torchrun, slurm, mpi, ray")
     sub.add_parser("version", help="print the distfn version")
     merge = sub.add_parser("consolidate", help="turn a sharded checkpoint directory into one .safetensors file")
     merge.add_argument("directory", help="the sharded checkpoint (a directory with model.safetensors.index.json)")

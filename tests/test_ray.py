@@ -91,6 +91,17 @@ def test_missing_ray_is_a_config_error_naming_the_extra(monkeypatch: pytest.Monk
         train()
 
 
+def test_distfn_env_reports_the_ray_launcher_and_its_address() -> None:
+    from distfn import __main__ as cli
+
+    info = cli.collect({"DISTFN_LAUNCHER": "ray", "RAY_ADDRESS": "10.0.0.1:6379"})
+    assert info["launcher"]["launcher"] == "ray" and info["launcher"]["error"] is None
+    assert "10.0.0.1:6379" in info["launcher"]["reason"]
+    assert info["variables"]["RAY_ADDRESS"] == "10.0.0.1:6379"
+    text = cli.render(info)
+    assert "one actor per rank" in text and "ray " in text
+
+
 # -- a real local Ray cluster ----------------------------------------------------------------------------------------
 def unavailable(reason: str) -> None:
     """Skip with ``reason``, or fail when CI demands the cluster (DISTFN_REQUIRE_CLUSTER=1)."""
