@@ -259,8 +259,8 @@ def server_description() -> str:
     return "the standard library's fork server forks them"
 
 
-def _serve(listener_fd: int, alive_r: int) -> None:
-    """The fork server's life: die with the launching process, then run the standard library's loop."""
+def _become_server() -> None:
+    """Die with the launching process, and be named `SERVER_NAME`."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -268,11 +268,16 @@ def _serve(listener_fd: int, alive_r: int) -> None:
             libc.prctl(15, SERVER_NAME.encode())  # PR_SET_NAME
         except (OSError, AttributeError):
             pass
+
+
+def _serve(listener_fd: int, alive_r: int) -> None:
+    """The fork server's life: the standard library's loop, until the launching process is gone."""
     forkserver.main(listener_fd, alive_r, [])  # preload nothing: torch is imported already
 
 
 def serve(listener_fd: int, alive_r: int, parent_pid: int) -> None:
     """Entry point of a fork server started as a fresh interpreter (see `start_server`)."""
+    _become_server()
     if os.getppid() != parent_pid:
         os._exit(0)
     _serve(listener_fd, alive_r)
@@ -317,6 +322,7 @@ def fork_server() -> None:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the server's side
         try:
+            _become_server()
             os.close(alive_w)
             if os.getppid() != parent:
                 os._exit(0)
