@@ -1,6 +1,7 @@
 """``@distributed``: validate everything at decoration time, then at call time choose how to run.
 
     train(cfg) ─┬─ inside a running worker?        → NestedLaunchError
+                ├─ one task per node, more wanted? → spawn them on every node, global ranks (distfn.pernode)
                 ├─ an external launcher detected?  → run in place, one rank per process (torchrun/srun/mpirun)
                 ├─ one process (mode single/dp, or nprocs == 1) → run in place
                 └─ otherwise                       → spawn nprocs workers, return rank 0's value
@@ -22,7 +23,7 @@ from typing import Any, TypeVar, overload
 import torch
 from loguru import logger
 
-from . import devices, logs, preflight, ray_launcher, rendezvous, shipping, spawn, topology, worker
+from . import devices, logs, pernode, preflight, ray_launcher, rendezvous, shipping, spawn, topology, worker
 from .context import Context
 from .errors import ConfigError, NestedLaunchError
 from .options import DEFAULT_TIMEOUT, MODES, Options, default_nprocs, make_options, requested_nprocs, with_env
@@ -87,6 +88,10 @@ def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: 
         if opts.one_process and topo.world_size > 1:
             raise ConfigError(f"mode={opts.mode!r} runs one process, but {topo.launcher} started "
                               f"{topo.world_size}; use mode='ddp' or launch one process")
+        layout = pernode.plan(topo, opts, os.environ, devices.visible_gpus)
+        if layout is not None:  # one task per node: start the node's ranks here (distfn.pernode)
+            preflight.check_main_guard(name)
+            return spawn.launch(sendable, cfg, pernode.prepare(layout, opts), layout.local_world_size, layout)
         _log_ignored(opts, topo)
         return worker.run(fn, cfg, opts, topo)
     nprocs = default_nprocs(opts, os.environ, devices.visible_gpus)
@@ -160,7 +165,9 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             device).
         nprocs: processes to self-spawn under ``python script.py``. Default: the number of visible GPUs
             (``len(devices)`` when given), or 1 without CUDA. ``DISTFN_NPROCS`` in the environment overrides it.
-            Ignored (with a log line) under torchrun / srun / mpirun, whose world size wins.
+            Ignored (with a log line) under torchrun / srun / mpirun, whose world size wins. Where such a launcher
+            started one task per node, ``DISTFN_NPROCS`` (or, without ``nprocs``, the visible GPUs) is the number
+            of workers distfn starts on every node (see docs/launching.md, "One task per node").
         backend: process-group backend; default ``"nccl"`` on CUDA devices, else ``"gloo"``.
         seed: when given, every rank seeds ``random``, NumPy, torch and CUDA with it before ``fn`` runs, so
             models initialise identically on all ranks.

@@ -47,6 +47,7 @@ from . import preemption, preflight, shipping, worker
 from .errors import ConfigError, Terminated, WorkerError
 from .failures import Failure, diagnose, innermost_user_frame, main_stack, order_failures
 from .options import RESTART_ENV, Options
+from .pernode import NodeLayout
 from .topology import Topology
 from .tree import tree_map
 
@@ -140,8 +141,10 @@ def _entry(
     parent_pid: int,
     listen_fd: int,
     attempt: int = 0,
+    layout: NodeLayout | None = None,
 ) -> None:
-    """The first code a worker runs (module-level so spawn can find it); ``attempt``: see `options.restart_attempt`."""
+    """The first code a worker runs (module-level so spawn can find it); ``attempt``: see `options.restart_attempt`;
+    ``layout``: this node's part of a per-node launch (`distfn.pernode`), where ``rank`` is the local rank."""
     shipping.arrive(fn)  # forkserver: the launching process's environment, as it is now
     _die_with_parent(parent_pid)
     try:
@@ -159,43 +162,60 @@ def _entry(
             pass
     worker.mark_active(True)
     # Visible to code that reads the torchrun-style variables (libraries, user code).
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    topology = Topology.self_spawned(rank, world_size, port) if layout is None else layout.topology(rank)
+    os.environ.update(RANK=str(topology.rank), LOCAL_RANK=str(topology.local_rank),
+                      WORLD_SIZE=str(topology.world_size), LOCAL_WORLD_SIZE=str(topology.local_world_size),
+                      MASTER_ADDR=str(topology.master_addr), MASTER_PORT=str(topology.master_port))
     os.environ[RESTART_ENV] = str(attempt)  # ctx.restart
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
-    topology = Topology.self_spawned(rank, world_size, port)
-    failure: Failure | None = None
-    early: Failure | None = None
-    payload: bytes | None = None
+    if layout is None:  # a per-node launch meets across nodes, not on loopback
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+    sent = False
+
+    def send(message: tuple[str, Any]) -> None:
+        """The one report to the launching process (result, failure or early exit), sent at most once."""
+        nonlocal sent
+        if sent:
+            return
+        sent = True
+        # The function is over: a SIGTERM now (the launching process stopping the job) just ends the process,
+        # rather than raising Terminated into the report being sent or into interpreter shutdown.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            conn.send(message)
+            conn.close()
+        except (OSError, ValueError):
+            pass  # the launcher is gone; PDEATHSIG ends us
+
+    failed = False
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, opts.timeout)
-        if opts.init_method == "env://":
+        # per-node launch: no local store; the ranks meet on the launcher's master (tcp://, rank 0 hosts it)
+        store = None if layout is not None else dist.TCPStore("127.0.0.1", port, world_size, False, opts.timeout)
+        if layout is None and opts.init_method == "env://":
             # the environment is the one set above, whose store this process's launcher hosts: join it (with
             # env:// rank 0 would try to host a second store on the same port)
             opts = attrs.evolve(opts, init_method=None)
         fn, cfg = shipping.unpack(fn), shipping.unpack(cfg)  # spawn/forkserver: see distfn.shipping
-        result = worker.run(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store)
-        if rank == 0:
-            payload = _pickle_result(result)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            failure = Failure.from_exception(rank, exc)
-        else:
-            early = Failure.from_early_exit(rank, exc)
+        # report=: worker.run sends a failure before it tears the process group down (NCCL's teardown can wait
+        # for the very collective that failed, and the report would never leave)
+        result = worker.run(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store,
+                            report=lambda exc: send(_failure_message(topology.rank, exc)))
+        payload = _pickle_result(result) if topology.rank == 0 else None  # per-node: other nodes return None
+        send(("ok", payload))
     except BaseException as exc:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
-        failure = Failure.from_exception(rank, exc)
-    # The function is over: a SIGTERM now (the launching process stopping the job) just ends the process,
-    # rather than raising Terminated into the report being sent or into interpreter shutdown.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        conn.send(("error", failure) if failure is not None else ("exit", early) if early is not None
-                  else ("ok", payload))
-        conn.close()
-    except (OSError, ValueError):
-        pass  # the launcher is gone; PDEATHSIG ends us
-    if failure is not None:
+        kind, record = _failure_message(topology.rank, exc)
+        failed = kind == "error"
+        send((kind, record))
+    if failed:
         sys.stderr.flush()
         os._exit(1)
+
+
+def _failure_message(rank: int, exc: BaseException) -> tuple[str, Failure]:
+    """What a worker whose function raised ``exc`` tells the launching process: ``sys.exit(0)`` (or no code) is
+    an early exit, anything else a failure."""
+    if isinstance(exc, SystemExit) and exc.code in (None, 0):
+        return "exit", Failure.from_early_exit(rank, exc)
+    return "error", Failure.from_exception(rank, exc)
 
 
 def _pickle_result(result: Any) -> bytes:
@@ -349,8 +369,10 @@ class WorkerGroup:
     failures, the signal forwarder and the rendezvous store (``start`` -> ``wait`` -> ``teardown`` ->
     ``outcome``)."""
 
-    def __init__(self, method: str, nprocs: int, opts: Options, attempt: int = 0) -> None:
+    def __init__(self, method: str, nprocs: int, opts: Options, attempt: int = 0,
+                 layout: NodeLayout | None = None) -> None:
         self.method = method
+        self.layout = layout  # a per-node launch (distfn.pernode): global ranks, the launcher's rendezvous
         self.attempt = attempt  # 0 first, then one more for each restart (max_restarts)
         self.nprocs = nprocs
         self.opts = opts
@@ -388,7 +410,7 @@ class WorkerGroup:
             target=_entry,
             args=(rank, self.nprocs, self.port, fn, cfg, self.opts, writer, stack_writer,
                   os.getpid() if self.method != "forkserver" else 0,
-                  self._listener.fileno() if self.method == "fork" else -1, self.attempt),
+                  self._listener.fileno() if self.method == "fork" else -1, self.attempt, self.layout),
             name=f"{worker.WORKER_NAME}{rank}",  # marks the child as a worker (`worker.in_worker`)
             daemon=False,  # daemonic processes may not have children: DataLoader workers need them
         )
@@ -561,8 +583,11 @@ class WorkerGroup:
         return None if payload is None else shipping.loads_result(payload)
 
 
-def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
+def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, layout: NodeLayout | None = None) -> Any:
     """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``).
+
+    ``layout``: this node's part of a per-node launch (`distfn.pernode`); the value is then ``None`` on every node
+    but node 0.
 
     A job that fails by itself is started again on fresh workers and a fresh rendezvous, up to
     ``opts.max_restarts`` times, after a back-off; never after a ConfigError or a stop from outside.
@@ -577,7 +602,7 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int) -> Any:
         logger.info("starting {} workers with {}: {}; {}", nprocs, method, reason, how)
     earlier: list[Failure] = []  # the root cause of each failed attempt before this one
     for attempt in range(opts.max_restarts + 1):
-        group = WorkerGroup(method, nprocs, opts, attempt)
+        group = WorkerGroup(method, nprocs, opts, attempt, layout)
         try:
             with shipping.main_for_workers(method):
                 group.start(fn, cfg)
