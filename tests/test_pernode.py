@@ -7,8 +7,14 @@ tests/cluster/test_pernode.py.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import types
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Final
 
 import pytest
@@ -17,6 +23,8 @@ from distfn.errors import LauncherError
 from distfn.options import Options
 from distfn.pernode import NodeLayout, describe, plan, prepare
 from distfn.topology import Topology, detect
+
+from conftest import clean_env, free_port
 
 # srun -N2 --ntasks-per-node=1 (two virtual nodes of the CI Slurm), task 0 and task 1, recorded
 SRUN_N2_PERNODE1_TASK0_RECORDED: Final = {
@@ -67,6 +75,9 @@ TORCHRUN_ONE_PER_NODE: Final = {
     'TORCHELASTIC_RUN_ID': 'x', 'RANK': '1', 'LOCAL_RANK': '0', 'WORLD_SIZE': '2', 'LOCAL_WORLD_SIZE': '1',
     'GROUP_RANK': '1', 'GROUP_WORLD_SIZE': '2', 'MASTER_ADDR': 'node1', 'MASTER_PORT': '29500',
 }
+
+REPO: Final = Path(__file__).resolve().parents[1]
+CLUSTER_SCRIPT: Final = REPO / "tests" / "cluster" / "script.py"
 
 RESOLVABLE: Final = {"node1", "node2", "mnist-master-0"}
 
@@ -205,3 +216,34 @@ def test_prepare_drops_max_restarts_and_describe_names_the_rule() -> None:
     line = describe(layout)
     assert "2 workers on each of 2 nodes, world size 4" in line
     assert "global rank = node_rank * 2 + local_rank" in line and f"node1:{layout.master_port}" in line
+
+
+# -- end to end: two "pods" on loopback, one launching process each ---------------------------------------------
+
+@pytest.mark.slow
+def test_two_env_pods_with_distfn_nprocs_2_train_four_ranks(tmp_path: Path) -> None:
+    # Two processes with the plain env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no LOCAL_*)
+    # stand in for one pod per node; each starts 2 workers: 4 ranks, identical weights, one checkpoint write.
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(CLUSTER_SCRIPT)],
+        env=clean_env(RANK=str(node), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      DISTFN_NPROCS="2", DISTFN_TEST_OUT=str(tmp_path), OMP_NUM_THREADS="1",
+                      PYTHONPATH=str(REPO)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in range(2)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    ranks = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")), key=lambda r: r["rank"])
+    assert [(r["rank"], r["node_rank"], r["local_rank"], r["world_size"], r["launcher"]) for r in ranks] == [
+        (0, 0, 0, 4, "env"), (1, 0, 1, 4, "env"), (2, 1, 0, 4, "env"), (3, 1, 1, 4, "env")]
+    assert all(r["final"] == ranks[0]["final"] for r in ranks) and ranks[0]["final"] != ranks[0]["initial"]
+    writes = (tmp_path / "writes.log").read_text().splitlines()
+    assert len(writes) == 1 and writes[0].split()[0] == "0", writes
+    assert "".join(outputs).count("one task per node (env)") == 1
