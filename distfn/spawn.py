@@ -418,6 +418,8 @@ class WorkerGroup:
         writer.close()
         stack_writer.close()
         os.set_blocking(stack_reader.fileno(), False)
+        if self.layout is not None:  # per-node launch: reports name the global rank
+            rank = self.layout.topology(rank).rank
         return _Worker(rank, process, reader, stack_reader)
 
     # -- poll -------------------------------------------------------------------------------------------------

@@ -220,16 +220,13 @@ def test_prepare_drops_max_restarts_and_describe_names_the_rule() -> None:
 
 # -- end to end: two "pods" on loopback, one launching process each ---------------------------------------------
 
-@pytest.mark.slow
-def test_two_env_pods_with_distfn_nprocs_2_train_four_ranks(tmp_path: Path) -> None:
-    # Two processes with the plain env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no LOCAL_*)
-    # stand in for one pod per node; each starts 2 workers: 4 ranks, identical weights, one checkpoint write.
+def two_pods(script: Path, out: Path) -> tuple[list[int], list[str]]:
+    """Run ``script`` as two env:// "pods" (one launching process each) with DISTFN_NPROCS=2; exit codes, outputs."""
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, str(CLUSTER_SCRIPT)],
+        [sys.executable, str(script)],
         env=clean_env(RANK=str(node), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      DISTFN_NPROCS="2", DISTFN_TEST_OUT=str(tmp_path), OMP_NUM_THREADS="1",
-                      PYTHONPATH=str(REPO)),
+                      DISTFN_NPROCS="2", DISTFN_TEST_OUT=str(out), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in range(2)]
     outputs = []
     try:
@@ -239,7 +236,42 @@ def test_two_env_pods_with_distfn_nprocs_2_train_four_ranks(tmp_path: Path) -> N
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    return [p.returncode for p in procs], outputs
+
+
+KILLED_JOB: Final = """
+import os, signal
+from distfn import distributed
+
+@distributed(mode="ddp", timeout=20)
+def f(cfg, ctx):
+    ctx.barrier()
+    if ctx.rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    ctx.barrier()
+    return ctx.rank
+
+if __name__ == "__main__":
+    print("job " + "returned", f())
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_reported_by_its_global_rank_and_every_node_ends(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_JOB)
+    codes, outputs = two_pods(script, tmp_path)
+    assert codes == [1, 1], "\n".join(o[-3000:] for o in outputs)
+    assert "WorkerError: rank 3 (pid" in outputs[1] and "was killed by SIGKILL" in outputs[1], outputs[1][-3000:]
+    assert "WorkerError" in outputs[0] and "job returned" not in "".join(outputs)
+
+
+@pytest.mark.slow
+def test_two_env_pods_with_distfn_nprocs_2_train_four_ranks(tmp_path: Path) -> None:
+    # Two processes with the plain env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no LOCAL_*)
+    # stand in for one pod per node; each starts 2 workers: 4 ranks, identical weights, one checkpoint write.
+    codes, outputs = two_pods(CLUSTER_SCRIPT, tmp_path)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     ranks = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["node_rank"], r["local_rank"], r["world_size"], r["launcher"]) for r in ranks] == [
         (0, 0, 0, 4, "env"), (1, 0, 1, 4, "env"), (2, 1, 0, 4, "env"), (3, 1, 1, 4, "env")]
