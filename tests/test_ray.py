@@ -249,3 +249,25 @@ def test_the_ray_example_trains_on_the_cluster(ray_cluster: str, tmp_path: Path)
     assert (result["world_size"], result["num_nodes"], result["launcher"]) == (2, 2, "ray")
     assert result["last_loss"] < result["first_loss"]
     assert (tmp_path / "m.safetensors").exists()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_an_actor_killed_from_outside_is_reported_as_a_dead_actor(ray_cluster: str, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(JOB)], env=job_env(ray_cluster, tmp_path, DISTFN_TEST_HANG="1"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        started = tmp_path / "started1"
+        while not (started.exists() and started.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)[0][-4000:]
+            time.sleep(0.5)
+        os.kill(int(started.read_text()), signal.SIGKILL)  # rank 1's actor dies without a word (as the OOM killer)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, output[-4000:]
+    assert "WorkerError: rank 1 (pid" in output and "failed with ActorDied: this rank's Ray actor died" in output, \
+        output[-4000:]
