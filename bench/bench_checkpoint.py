@@ -47,13 +47,14 @@ if str(REPO) not in sys.path:  # runnable as a plain script from a checkout
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-import _common as c
 import safetensors
 import torch
 from loguru import logger
 from safetensors.torch import load_file, save_file
 
 from distfn import checkpoint
+
+import _common as c
 
 MIB = 1 << 20
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 JOB = str(SCRIPTS / "rel_job.py")
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import alive, processes, shm_segments, shm_snapshot  # noqa: E402 - tests/scripts, on sys.path above
+from rel_leftovers import alive, processes, shm_segments, shm_snapshot
 
 # In-process cases: what the report must say (every needle), or for "ok"/"env_ok" what the value must hold.
 EXPECT: dict[str, list[str]] = {
@@ -48,6 +48,13 @@ EXPECT: dict[str, list[str]] = {
     "hang": ["timed out after 10 s", "Rank 1 had not reached a collective", "Python stacks of the other ranks"],
 }
 SIGNAL_CASES = ("sigint", "sigterm", "stubborn", "preempt-usr2", "preempt-term", "parent-kill")
+# kill -9 of a process in the middle of a step-named save (ckpt-7), then a save of ckpt-8 by another process:
+# the dead writer's temporary file must be gone and ckpt-8 complete.
+SAVE_CASES = ("save-kill",)
+_SAVER = """
+import sys, torch, distfn.checkpoint as c
+c.save({"w": torch.randn(int(sys.argv[2]))}, sys.argv[1])
+"""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -142,11 +149,33 @@ def run_signal_case(case: str) -> dict[str, Any]:
     return {"passed": checks[case]() and not left, "seconds": round(seconds, 3), "leftovers": left}
 
 
+def run_save_kill_case(numel: int = 64 * 2**20) -> dict[str, Any]:
+    """kill -9 a writer of ``ckpt-7.safetensors`` once its temporary file exists; save ``ckpt-8`` in a new process;
+    "seconds" is the second save's time; leftovers are the files other than ckpt-8 in the directory."""
+    with tempfile.TemporaryDirectory(prefix="stress-save-") as tmp:
+        proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(Path(tmp, "ckpt-7.safetensors")), str(numel)],
+                                env=_env())
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(n.endswith(".distfn-tmp") for n in os.listdir(tmp)):
+                break
+            time.sleep(0.01)
+        killed_mid_save = proc.poll() is None
+        proc.kill()
+        proc.wait()
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", _SAVER, str(Path(tmp, "ckpt-8.safetensors")), "1024"], env=_env(),
+                       check=True)
+        seconds = time.perf_counter() - start
+        left = sorted(n for n in os.listdir(tmp) if n != "ckpt-8.safetensors")
+        return {"passed": killed_mid_save and not left, "seconds": round(seconds, 3), "leftovers": left}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs per case (hang: at most --hang-runs)")
     parser.add_argument("--hang-runs", type=int, default=1, help="runs of the 10 s collective-timeout case")
-    parser.add_argument("--cases", default=",".join([*EXPECT, *SIGNAL_CASES]))
+    parser.add_argument("--cases", default=",".join([*EXPECT, *SIGNAL_CASES, *SAVE_CASES]))
     parser.add_argument("--json", default="stress_faults.json", help="where to write the rows")
     parser.add_argument("--start-method", default="auto", help="auto (fork here), spawn or forkserver")
     args = parser.parse_args()
@@ -158,8 +187,10 @@ def main() -> None:
             rows = run_in_process(case, runs)
         elif case in SIGNAL_CASES:
             rows = [run_signal_case(case) for _ in range(args.runs)]
+        elif case in SAVE_CASES:
+            rows = [run_save_kill_case() for _ in range(args.runs)]
         else:
-            raise SystemExit(f"unknown case {case!r}; known: {', '.join([*EXPECT, *SIGNAL_CASES])}")
+            raise SystemExit(f"unknown case {case!r}; known: {', '.join([*EXPECT, *SIGNAL_CASES, *SAVE_CASES])}")
         secs = [r["seconds"] for r in rows if r["seconds"] == r["seconds"]]
         table.append({
             "case": case, "runs": len(rows), "passed": sum(r["passed"] for r in rows),
@@ -175,7 +206,7 @@ def main() -> None:
               f"{len(r['leftovers']) or '-'}{'' if not r['leftovers'] else ': ' + ', '.join(r['leftovers'][:3])}")
     note = ("in-process cases: seconds from the call to the WorkerError/return; signal cases: from the (first) "
             "signal to the KeyboardInterrupt/WorkerError/return in the launching process (parent-kill: to the "
-            "last worker's death)")
+            "last worker's death); save-kill: the next save's time, leftovers = files besides that checkpoint")
     print(f"\n{note}")
     Path(args.json).write_text(json.dumps({"rows": table, "note": note, "python": sys.version.split()[0],
                                            "start_method": args.start_method}, indent=2))
