@@ -49,7 +49,7 @@ import cloudpickle
 
 from . import devices, preflight, topology, worker
 from .errors import ConfigError
-from .options import Options, default_nprocs
+from .options import Options, default_nprocs, with_env
 
 #: The fork server's process name (``/proc/PID/comm``, what ``ps`` and ``top`` show), at most 15 characters.
 SERVER_NAME = "distfn-forksrv"
@@ -371,8 +371,14 @@ def ensure_server() -> None:
 
 def _will_launch(opts: Options) -> bool:
     """Whether calling a function decorated with ``opts`` here would start workers (not run in place)."""
+    try:
+        opts = with_env(opts, os.environ)  # DISTFN_LAUNCHER=ray, DISTFN_START_METHOD=spawn, ... as the call sees them
+    except ConfigError:
+        return False  # the call explains what is wrong
     if sys.platform != "linux" or opts.start_method not in ("auto", "forkserver") or worker.in_worker():
         return False
+    if opts.launcher == "ray":
+        return False  # Ray starts the ranks as actors on its own nodes
     try:
         if topology.detect(os.environ, sys.argv, opts.launcher) is not None:
             return False

@@ -97,6 +97,10 @@ def test_the_fork_server_exists_only_where_a_call_will_start_workers() -> None:
     done = run_python(["-c", PROBE], env=under_torchrun, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[2] == "two processes [] False"
+    # DISTFN_LAUNCHER=ray: Ray starts the ranks as actors, so no fork server here either
+    done = run_python(["-c", PROBE], env=clean_env(DISTFN_LAUNCHER="ray"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[2] == "two processes [] False"
 
 
 LATE_ENV = """
