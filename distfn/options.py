@@ -1,7 +1,8 @@
 """The validated arguments of ``@distributed``, and the rules that follow from them alone.
 
-This module sits at the bottom of the import graph: it imports nothing from distfn except `errors`, so the
-decorator, the launcher, the rank bootstrap and the `Context` can all take an `Options` without import cycles.
+This module sits at the bottom of the import graph: it imports nothing from distfn except `errors` and
+`fsdp_options` (plain values, no FSDP runtime), so the decorator, the launcher, the rank bootstrap and the
+`Context` can all take an `Options` without import cycles.
 Every argument is checked here once (a `ConfigError` naming the argument and the fix), and the rules that
 depend only on the arguments live here too: which modes run one process (`Options.one_process`), which start a
 process group (`Options.multi_rank`) and how many processes to start (`requested_nprocs`, `default_nprocs`).
@@ -17,6 +18,7 @@ import attrs
 import torch.distributed as dist
 
 from .errors import ConfigError
+from .fsdp_options import parse_options as parse_fsdp_options
 
 #: Valid values of ``@distributed(mode=...)``.
 MODES: Final = ("ddp", "fsdp", "dp", "single")
@@ -239,14 +241,10 @@ def check_precision(value: Any) -> str:
 
 
 def check_fsdp(value: Any) -> Any:
-    """``fsdp={...}`` -> ``distfn.fsdp.FsdpOptions`` (unknown keys are an error naming the valid ones)."""
+    """``fsdp={...}`` -> ``distfn.fsdp_options.FsdpOptions`` (unknown keys are an error naming the valid ones)."""
     if value is None:
         return None
-    # distfn.fsdp imports torch._dynamo (~1.5 s, measured by bench/bench_launch.py): only scripts that use FSDP
-    # options may pay for it
-    from .fsdp import parse_options
-
-    return parse_options(value)
+    return parse_fsdp_options(value)
 
 
 @attrs.frozen
@@ -267,7 +265,7 @@ class Options:
     launcher: str = attrs.field(default="auto", converter=check_launcher)
     init_method: str | None = attrs.field(default=None, converter=check_init_method)
     precision: str = attrs.field(default="32", converter=check_precision)
-    fsdp: Any = attrs.field(default=None, converter=check_fsdp)  # distfn.fsdp.FsdpOptions | None
+    fsdp: Any = attrs.field(default=None, converter=check_fsdp)  # distfn.fsdp_options.FsdpOptions | None
     max_restarts: int = attrs.field(default=0, converter=check_max_restarts)
     requeue: bool = attrs.field(default=False, converter=check_requeue)
 
