@@ -2,7 +2,7 @@
 
 Pure tests: recorded launcher environments through `distfn.topology.detect`, then `distfn.pernode.plan`; the GPU
 count is injected. The real run (srun -N2 --ntasks-per-node=1 with DISTFN_NPROCS=2 -> 4 ranks) is
-tests/cluster/test_pernode.py.
+tests/cluster/test_cluster_pernode.py.
 """
 
 from __future__ import annotations
