@@ -407,9 +407,9 @@ class Context:
             from . import fsdp  # deferred: only mode='fsdp' needs it (~0.1 s on a busy machine)
 
             return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in,
-                             write=None if blocking else checkpoint.background.save_file)
+                             write=None if blocking else checkpoint.save_in_background)
         if self.is_main:
-            write = checkpoint.save if blocking else checkpoint.background.save_file
+            write = checkpoint.save if blocking else checkpoint.save_in_background
             return write(obj, path, metadata=metadata, keep=keep)
         return Path(path)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import checkin, checkpoint
 from .errors import CheckpointError
+from .modules import indexed_optimizer_state, named_optimizer_state
 from .tree import tree_leaves, tree_map
 
 __all__ = ["indexed_optimizer_state", "is_sharded", "load", "named_optimizer_state", "remember", "save"]
@@ -59,34 +60,6 @@ def _full_options() -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def indexed_optimizer_state(named: Mapping[str, Any]) -> dict[str, Any]:
-    """A full optimizer state dict keyed by parameter names -> ``Optimizer.state_dict()``'s layout (ints).
-
-    The ints number the parameters across ``param_groups`` in order, as ``torch.optim.Optimizer.state_dict``
-    does, so the file matches one written in DDP mode and loads into a bare optimizer.
-    """
-    if not named:
-        return {}
-    index: dict[str, int] = {}
-    groups = []
-    for group in named["param_groups"]:
-        ids = [index.setdefault(fqn, len(index)) for fqn in group["params"]]
-        groups.append({**group, "params": ids})
-    state = {index[fqn]: value for fqn, value in named["state"].items()}
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def named_optimizer_state(
-    indexed: Mapping[Any, Any], optimizer: torch.optim.Optimizer, model: nn.Module
-) -> dict[str, Any]:
-    """The inverse of `indexed_optimizer_state` for ``optimizer``: ints -> the parameter names ``model`` uses."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    state = {order[int(i)]: v for i, v in indexed["state"].items()}
-    groups = [{**g, "params": [order[int(i)] for i in g["params"]]} for g in indexed["param_groups"]]
-    return {"state": state, "param_groups": groups}
 
 
 def _owner(optimizer: torch.optim.Optimizer, candidates: Sequence[nn.Module]) -> nn.Module:

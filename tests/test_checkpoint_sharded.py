@@ -327,19 +327,19 @@ def test_a_background_save_copies_first_checks_early_and_reports_its_failure(
 ) -> None:
     model, _ = _model_and_opt()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    background.save_file({"model": model, "step": 1}, tmp_path / "a.safetensors")
+    distfn.checkpoint.save_in_background({"model": model, "step": 1}, tmp_path / "a.safetensors")
     with torch.no_grad():
         model.inp.weight.add_(1)  # after the call: not in the file
     background.wait()
     _equal(distfn.load(tmp_path / "a.safetensors", prefix="model"), before)
     with pytest.raises(CheckpointError, match="cannot save the value at"):  # raised in the caller, not later
-        background.save_file({"f": lambda: 0}, tmp_path / "b.safetensors")
+        distfn.checkpoint.save_in_background({"f": lambda: 0}, tmp_path / "b.safetensors")
 
     def full_disk(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(distfn.checkpoint.storage, "write", full_disk)
-    background.save_file({"model": model}, tmp_path / "c.safetensors")
+    distfn.checkpoint.save_in_background({"model": model}, tmp_path / "c.safetensors")
     with pytest.raises(CheckpointError, match=r"background save of .*c\.safetensors failed.*No space left"):
         background.wait()
     assert not background.pending() and not (tmp_path / "c.safetensors").exists()

@@ -28,7 +28,7 @@ from loguru import logger
 from ..errors import CheckpointError
 from ..modules import unwrap_module
 from ..rng import RNG, combine_rng_states, gather_rng_states, rng_state, rng_state_for_rank, set_rng_state
-from . import background, sharded, storage  # noqa: F401 - background: ctx.save(blocking=False)
+from . import background, sharded, storage
 from . import format as fmt
 from .files import latest, rotate, step_of, step_of_path
 from .restore import load_into
@@ -46,6 +46,7 @@ __all__ = [
     "rng_state",
     "rng_state_for_rank",
     "save",
+    "save_in_background",
     "set_rng_state",
     "step_of_path",
     "unwrap_module",
@@ -97,6 +98,24 @@ def save(
         rotate(target, keep)
     return target
 
+
+
+def save_in_background(obj: Any, path: PathLike, *, metadata: Mapping[str, Any] | None = None,
+                       keep: int | None = None) -> pathlib.Path:
+    """`save` with ``blocking=False``: returns once ``obj`` is copied to host memory and checked; the write,
+    fsync and renames run in a background thread (`distfn.checkpoint.background`). The next save, the end of
+    the function and a stop wait for it.
+
+    Args:
+        obj: what `save` takes.
+        path: the file to write.
+        metadata: string metadata for the file's header.
+        keep: rotation as in `save`.
+
+    Returns:
+        The absolute path that will hold the checkpoint.
+    """
+    return background.save_file(obj, path, save=save, metadata=metadata, keep=keep)
 
 def load(
     path: PathLike, device: str | torch.device = "cpu", *, prefix: str | None = None

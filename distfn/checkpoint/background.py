@@ -21,6 +21,7 @@ from .. import tree
 from ..errors import CheckpointError
 from ..modules import unwrap_module
 from . import format as fmt
+from . import storage
 
 __all__ = ["cpu_group", "pending", "save_file", "snapshot", "submit", "wait"]
 
@@ -115,11 +116,11 @@ def cpu_group() -> Any:
     return _group[1]
 
 
-def save_file(obj: Any, path: Any, *, metadata: Any = None, keep: int | None = None) -> Any:
-    """`distfn.checkpoint.save` in the background: copies ``obj`` to host memory (`snapshot`), checks that it
-    can be stored (errors are raised here, before returning), and writes it in a thread. Returns the path."""
-    from . import save, storage  # the package's own entry point (imported here: it imports this module)
-
+def save_file(obj: Any, path: Any, *, save: Callable[..., Any], metadata: Any = None,
+              keep: int | None = None) -> Any:
+    """``save`` (`distfn.checkpoint.save`, passed in by the package, which imports this module) in the
+    background: copies ``obj`` to host memory (`snapshot`), checks that it can be stored (errors are raised here,
+    before returning), and writes it in a thread. Returns the path."""
     snap = snapshot(obj)
     fmt.plan(snap, metadata)  # every error about the content is raised now, in the caller
     target = storage.local_path(path).absolute()

@@ -44,9 +44,9 @@ from torch import nn
 
 from .. import tree
 from ..errors import CheckpointError
-from ..modules import unwrap_module
+from ..modules import indexed_optimizer_state, unwrap_module
+from . import background, storage
 from . import format as fmt
-from . import storage
 
 __all__ = [
     "INDEX",
@@ -314,8 +314,6 @@ def _write_later(tensors: dict[str, torch.Tensor], meta: dict[str, str], target:
     from torch.distributed.checkpoint import async_save  # ~0.3 s, paid by sharded saves only
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
-    from . import background
-
     background.wait()  # the previous save first (its collectives must not interleave with this one's)
     rank, world, on = _rank_world()
     tmp = _tmp_dir(target, rank, on)
@@ -538,8 +536,6 @@ class _Restore:
 
     def optimizer(self, where: str, opt: torch.optim.Optimizer, node: Any, modules: list[nn.Module]) -> None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        from ..fsdp_state import indexed_optimizer_state
 
         saved = fmt.as_plain_dict(node)
         saved_state = fmt.as_plain_dict(saved.get("state")) if saved else None
