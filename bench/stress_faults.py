@@ -51,6 +51,10 @@ SIGNAL_CASES = ("sigint", "sigterm", "stubborn", "preempt-usr2", "preempt-term",
 # kill -9 of a process in the middle of a step-named save (ckpt-7), then a save of ckpt-8 by another process:
 # the dead writer's temporary file must be gone and ckpt-8 complete.
 SAVE_CASES = ("save-kill",)
+# max_restarts=1: rank 1 is SIGKILLed at step 10 of attempt 0; the restarted job resumes from its checkpoint and
+# must end with the weights of an uninterrupted run. "seconds": the death -> first step of the restarted job.
+RESTART_CASES = ("restart",)
+RESTART_JOB = str(SCRIPTS / "restart_job.py")
 _SAVER = """
 import sys, torch, distfn.checkpoint as c
 c.save({"w": torch.randn(int(sys.argv[2]))}, sys.argv[1])
@@ -171,11 +175,35 @@ def run_save_kill_case(numel: int = 64 * 2**20) -> dict[str, Any]:
         return {"passed": killed_mid_save and not left, "seconds": round(seconds, 3), "leftovers": left}
 
 
+def _restart_run(tmp: str, name: str, kill_at: int | None) -> tuple[str, dict[tuple[str, int], float]]:
+    marks = Path(tmp, f"{name}.marks")
+    argv = [sys.executable, RESTART_JOB, str(Path(tmp, name)), str(marks)] + ([] if kill_at is None else [str(kill_at)])
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    result = next((ln.split()[1] for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), "")
+    times = {}
+    for line in marks.read_text().splitlines():
+        event, attempt, t = line.split()
+        times[(event, int(attempt))] = float(t)
+    return result, times
+
+
+def run_restart_case() -> dict[str, Any]:
+    """An uninterrupted run and a run killed once; "ratio" = (death -> restarted first step) / (call -> first
+    step of a fresh launch)."""
+    with tempfile.TemporaryDirectory(prefix="stress-restart-") as tmp:
+        reference, fresh = _restart_run(tmp, "reference", None)
+        result, killed = _restart_run(tmp, "killed", 10)
+        launch = fresh[("first-step", 0)] - fresh[("call", 0)]
+        restart = killed.get(("first-step", 1), float("nan")) - killed.get(("death", 0), float("nan"))
+        return {"passed": bool(reference) and result == reference, "seconds": round(restart, 3),
+                "ratio": round(restart / launch, 3), "leftovers": []}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs per case (hang: at most --hang-runs)")
     parser.add_argument("--hang-runs", type=int, default=1, help="runs of the 10 s collective-timeout case")
-    parser.add_argument("--cases", default=",".join([*EXPECT, *SIGNAL_CASES, *SAVE_CASES]))
+    parser.add_argument("--cases", default=",".join([*EXPECT, *SIGNAL_CASES, *SAVE_CASES, *RESTART_CASES]))
     parser.add_argument("--json", default="stress_faults.json", help="where to write the rows")
     parser.add_argument("--start-method", default="auto", help="auto (fork here), spawn or forkserver")
     args = parser.parse_args()
@@ -189,8 +217,11 @@ def main() -> None:
             rows = [run_signal_case(case) for _ in range(args.runs)]
         elif case in SAVE_CASES:
             rows = [run_save_kill_case() for _ in range(args.runs)]
+        elif case in RESTART_CASES:
+            rows = [run_restart_case() for _ in range(args.runs)]
         else:
-            raise SystemExit(f"unknown case {case!r}; known: {', '.join([*EXPECT, *SIGNAL_CASES, *SAVE_CASES])}")
+            known = [*EXPECT, *SIGNAL_CASES, *SAVE_CASES, *RESTART_CASES]
+            raise SystemExit(f"unknown case {case!r}; known: {', '.join(known)}")
         secs = [r["seconds"] for r in rows if r["seconds"] == r["seconds"]]
         table.append({
             "case": case, "runs": len(rows), "passed": sum(r["passed"] for r in rows),
@@ -198,6 +229,9 @@ def main() -> None:
             "max_s": round(max(secs), 3) if secs else None,
             "leftovers": sorted({x for r in rows for x in r["leftovers"]}),
         })
+        ratios = [r["ratio"] for r in rows if "ratio" in r]
+        if ratios:
+            table[-1]["median_ratio_to_fresh_launch"] = round(statistics.median(ratios), 3)
         row = table[-1]
         print(f"  {case}: {row['passed']}/{row['runs']}", file=sys.stderr, flush=True)
     print(f"\n{'case':<20}{'runs':>5}{'passed':>8}{'median s':>10}{'max s':>8}  leftovers")
@@ -206,7 +240,12 @@ def main() -> None:
               f"{len(r['leftovers']) or '-'}{'' if not r['leftovers'] else ': ' + ', '.join(r['leftovers'][:3])}")
     note = ("in-process cases: seconds from the call to the WorkerError/return; signal cases: from the (first) "
             "signal to the KeyboardInterrupt/WorkerError/return in the launching process (parent-kill: to the "
-            "last worker's death); save-kill: the next save's time, leftovers = files besides that checkpoint")
+            "last worker's death); save-kill: the next save's time, leftovers = files besides that checkpoint; "
+            "restart: death -> the restarted job's first step (passed = final weights equal an uninterrupted run's), "
+            "with its ratio to a fresh launch's call -> first step")
+    for r in table:
+        if "median_ratio_to_fresh_launch" in r:
+            print(f"{r['case']}: median ratio to a fresh launch {r['median_ratio_to_fresh_launch']}x (target <= 1.5x)")
     print(f"\n{note}")
     Path(args.json).write_text(json.dumps({"rows": table, "note": note, "python": sys.version.split()[0],
                                            "start_method": args.start_method}, indent=2))
