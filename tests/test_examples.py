@@ -60,7 +60,6 @@ def test_quickstart(tmp_path: Path) -> None:
     assert weights and not any(k.startswith("module.") for k in weights)
 
 
-@requires("sklearn", "examples")  # examples/real_dataset.py loads scikit-learn's digits
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux `script` for a terminal")
 def test_quickstart_in_a_terminal_shows_rank_0s_progress_bar(tmp_path: Path) -> None:
     """What a user sees at a terminal (a pseudo-terminal here): one tqdm bar per epoch, from rank 0 only."""
@@ -74,6 +73,7 @@ def test_quickstart_in_a_terminal_shows_rank_0s_progress_bar(tmp_path: Path) -> 
     assert "Failed to initialize NumPy" not in screen and "UserWarning" not in screen
 
 
+@requires("sklearn", "examples")  # examples/real_dataset.py loads scikit-learn's digits
 def test_real_dataset_reaches_its_accuracy(tmp_path: Path) -> None:
     out, result = run_example("real_dataset.py", "--epochs", "12", "--out", str(tmp_path / "d.safetensors"),
                               cwd=tmp_path)
