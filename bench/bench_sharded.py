@@ -1,27 +1,48 @@
 """Sharded checkpoints of fsdp state (issue 14): distfn's sharded save vs the one-file gather to rank 0 vs torch
-DCP's default ``FileSystemWriter``, and how long an asynchronous save blocks training.
+DCP's default ``FileSystemWriter`` on 2 and 4 ranks, the host memory each needs, how long an asynchronous save
+blocks training, and what saving every N steps costs a training loop.
 
-One 2-rank ``mode="fsdp"`` job (gloo, CPU) holds a model of ``--layers`` square ``Linear(--width)`` layers with Adam
-state (weights + two moments). Every round runs each variant once, in a rotated order, between barriers; a sample
-is rank 0's wall time from a barrier before the save to a barrier after it (all ranks done, files complete):
+Every world size in ``--ranks`` is its own ``mode="fsdp"`` launch (gloo, CPU) holding a model of ``--layers``
+square ``Linear(--width)`` layers with Adam state (weights + two moments; the default is 1.1 GiB). After an
+untimed warm-up of every variant on a tiny model (imports, process groups), every round runs each variant once,
+in a rotated order, between barriers; a sample is rank 0's wall time from a barrier before the save to a barrier
+after it (all ranks done, files complete):
 
 * ``distfn sharded`` - ``ctx.save(state, dir)`` (every rank writes its own safetensors shards, then the index);
 * ``distfn one file (gather)`` - ``ctx.save(state, "x.safetensors")``: full state gathered to rank 0, which writes;
 * ``DCP FileSystemWriter`` - ``torch.distributed.checkpoint.save`` of the same sharded state dicts, default writer
   (its ``.metadata`` is a pickle);
 * ``distfn async (blocked)`` - the time ``ctx.save(..., blocking=False)`` keeps training blocked (the write then
-  completes in the background before the next variant starts; not part of the sample).
+  completes in the background before the next variant starts; not part of the sample, but its end - the time
+  until written - is reported next to the blocking save).
 
-Target: distfn sharded <= 1.0x DCP. Run: ``python bench/bench_sharded.py [--tiny] [--json out.json]``.
+Peak extra host memory: before each sample every rank returns free heap to the system (``malloc_trim``), resets
+its peak RSS (``5`` into ``/proc/self/clear_refs``) and reads ``VmRSS``; after the save (for async: after
+``distfn.checkpoint.background.wait()``, i.e. including the background write) it reads ``VmHWM``. The extra is
+``VmHWM - VmRSS``, the max over ranks; memory an async save keeps after its first run (reused host buffers) is
+counted in every async sample. Compared with each rank's shard (state / world size).
+
+Training while saving (``--train-ranks``): forward, backward and Adam step of a random batch, ``--steps`` steps,
+three ways in a rotated order per round: no saves; ``ctx.save(state, f"ckpt-{step}", blocking=False, keep=2)``
+every ``--every`` steps; the same blocking. A sample is rank 0's loop time per step, from a barrier to a barrier
+after the final ``background.wait()``. Saves come after steps every, 2*every, ... < steps, so each async write
+has a full interval to overlap. The model is ``--train-width``/``--train-layers`` (default 75 MiB of state): the
+save model's training step takes ~5 s on 2 CPU cores (gloo all-gathers of 400 MB per step).
+
+Targets: distfn sharded <= 1.0x DCP; extra memory of distfn sharded and async <= shard + 64 MiB; async blocked
+<= 0.10x a blocking save; async saves every N steps <= 1.05x the loop without saves.
+Run: ``python bench/bench_sharded.py [--tiny] [--json out.json] [--ranks 2,4] [--train-ranks 2]``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,87 +50,286 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 
 VARIANTS = ("distfn sharded", "distfn one file (gather)", "DCP FileSystemWriter", "distfn async (blocked)")
+TRAIN = ("no saves", "async save every N", "blocking save every N")
+MIB = 2**20
 
 
-def _job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
+# --------------------------------------------------------------------------------------------------
+# Peak host memory of this process (Linux)
+
+
+def _status(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _trim() -> None:
+    """Give free heap memory back to the system, so that a baseline RSS holds live memory only."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak() -> int | None:
+    """Reset the peak RSS (``VmHWM``) to the current RSS; the baseline RSS, or ``None`` where Linux won't."""
+    _trim()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        rss = _status("VmRSS")
+        if _status("VmHWM") > rss + 4 * MIB:  # the write was accepted but did not reset the peak
+            return None
+        return rss
+    except OSError:
+        return None
+
+
+def _extra(base: int | None) -> int | None:
+    """Peak RSS since `_reset_peak` above its baseline."""
+    return None if base is None else max(0, _status("VmHWM") - base)
+
+
+# --------------------------------------------------------------------------------------------------
+# The job (shipped to every rank)
+
+
+def _model(ctx: Any, width: int, layers: int) -> tuple[Any, Any]:
     import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = ctx.wrap(nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.randn(4, width)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _save_variants(ctx: Any, model: Any, opt: Any, root: Path) -> dict[str, Any]:
+    """One function per variant: ``() -> (seconds, extra bytes or None, seconds until written or None)``."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import distfn
 
-    torch.manual_seed(0)
-    model = ctx.wrap(nn.Sequential(*(nn.Linear(cfg["width"], cfg["width"]) for _ in range(cfg["layers"]))))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(4, cfg["width"])).sum().backward()
-    opt.step()
     state = {"model": model, "optimizer": opt, "step": 1}
-    root = Path(cfg["dir"])
 
-    def timed(fn: Any) -> float:
+    def timed(fn: Any) -> tuple[float, int | None, None]:
+        base = _reset_peak()
         dist.barrier()
         start = time.perf_counter()
         fn()
         dist.barrier()
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        return took, _extra(base), None
 
-    def sharded() -> float:
-        return timed(lambda: ctx.save(state, root / "sharded"))
+    def dcp_save() -> None:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd}, storage_writer=dcp.FileSystemWriter(str(root / "dcp")))
 
-    def gather() -> float:
-        return timed(lambda: ctx.save(state, root / "one.safetensors"))
+    held: list[int] = []  # what the first async save left in memory (reused host buffers): counted every time
 
-    def dcp_default() -> float:
-        def save() -> None:
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optimizer": osd}, storage_writer=dcp.FileSystemWriter(str(root / "dcp")))
-        return timed(save)
-
-    def blocked() -> float:
+    def blocked() -> tuple[float, int | None, float]:
+        base = _reset_peak()
         dist.barrier()
         start = time.perf_counter()
         ctx.save(state, root / "async", blocking=False)
         took = time.perf_counter() - start
         distfn.checkpoint.background.wait()
+        extra = _extra(base)
+        if base is not None and extra is not None:
+            if not held:
+                _trim()
+                held.append(max(0, _status("VmRSS") - base))
+            else:
+                extra += held[0]
         dist.barrier()
+        return took, extra, time.perf_counter() - start
+
+    return {"distfn sharded": lambda: timed(lambda: ctx.save(state, root / "sharded")),
+            "distfn one file (gather)": lambda: timed(lambda: ctx.save(state, root / "one.safetensors")),
+            "DCP FileSystemWriter": lambda: timed(dcp_save), "distfn async (blocked)": blocked}
+
+
+def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
+    """Seconds per training step, per way of saving (rank 0's samples)."""
+    import torch
+    import torch.distributed as dist
+
+    import distfn
+
+    model, opt = _model(ctx, cfg["train_width"], cfg["train_layers"])
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
+    batch = torch.randn(cfg["batch"], cfg["train_width"])
+    steps, every = cfg["steps"], cfg["every"]
+
+    def loop(name: str) -> float:
+        where = root / "train" / name.split()[0]
+        dist.barrier()
+        start = time.perf_counter()
+        for step in range(1, steps + 1):
+            model(batch).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state["step"] = step
+            if name != "no saves" and step % every == 0 and step < steps:
+                ctx.save(state, where / f"ckpt-{step}", blocking=name.startswith("blocking"), keep=2)
+        distfn.checkpoint.background.wait()
+        dist.barrier()
+        took = (time.perf_counter() - start) / steps
+        if ctx.rank == 0:
+            shutil.rmtree(where, ignore_errors=True)
         return took
 
-    fns = {"distfn sharded": sharded, "distfn one file (gather)": gather, "DCP FileSystemWriter": dcp_default,
-           "distfn async (blocked)": blocked}
-    samples: dict[str, list[float]] = {n: [] for n in VARIANTS}
+    samples: dict[str, list[float]] = {n: [] for n in TRAIN}
     for r in range(cfg["rounds"]):
-        order = list(VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)])
-        for name in order:
-            samples[name].append(fns[name]())
-    state_bytes = sum(p.numel() * 4 * 3 for p in model.parameters())  # the full model: weights + 2 Adam moments
-    return {"samples": samples, "state_bytes": int(state_bytes)}
+        for name in TRAIN[r % len(TRAIN):] + TRAIN[:r % len(TRAIN)]:
+            samples[name].append(loop(name))
+    return samples
+
+
+def _job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    import gc
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401 - imported before anything is measured
+
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint")  # DCP, on every round
+    root = Path(cfg["dir"]) / f"w{ctx.world_size}"
+    out: dict[str, Any] = {"world": ctx.world_size}
+    if cfg["save"]:
+        # warm-up: every variant once on a tiny model (imports, the background save's process group, planners)
+        tiny = _save_variants(ctx, *_model(ctx, 64, 2), root / "warmup")
+        for name in VARIANTS:
+            tiny[name]()
+        model, opt = _model(ctx, cfg["width"], cfg["layers"])
+        fns = _save_variants(ctx, model, opt, root)
+        times: dict[str, list[float]] = {n: [] for n in VARIANTS}
+        extra: dict[str, list[int | None]] = {n: [] for n in VARIANTS}
+        written: list[float] = []
+        for r in range(cfg["rounds"]):
+            for name in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
+                took, peak, until = fns[name]()
+                times[name].append(took)
+                extra[name].append(peak)
+                if until is not None:
+                    written.append(until)
+        every_rank: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(every_rank, extra)
+        memory: dict[str, list[int] | None] = {}
+        for name in VARIANTS:
+            per_round = list(zip(*(rank_extra[name] for rank_extra in every_rank), strict=True))
+            ok = all(v is not None for sample in per_round for v in sample)
+            memory[name] = [max(sample) for sample in per_round] if ok else None
+        out.update(times=times, written=written, memory=memory,
+                   state_bytes=int(sum(p.numel() * 4 * 3 for p in model.parameters())))  # weights + 2 moments
+        del fns, model, opt, tiny
+        gc.collect()
+        if ctx.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    if cfg["train"]:
+        out["train"] = _train(ctx, cfg, root)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables
+
+
+def _ranks(text: str) -> list[int]:
+    return sorted({int(w) for w in text.split(",") if w.strip()})
+
+
+def _tables(out: dict[str, Any], args: Any, notes: list[str]) -> dict[str, dict[str, Any]]:
+    """This world size's tables by kind: ``save``, ``async``, ``memory``, ``train`` (those it measured)."""
+    w, tabs = out["world"], {}
+    if "times" in out:
+        mib = out["state_bytes"] / MIB
+        shard = mib / w
+        tabs["save"] = c.table(
+            f"save of {mib:.0f} MiB of fsdp state (model + Adam), {w} ranks", "s", out["times"],
+            baseline="DCP FileSystemWriter", targets=[{"variant": "distfn sharded", "max_ratio": 1.0}],
+            notes={"distfn async (blocked)": "time training is blocked; the write finishes in the background"})
+        blocking = {"distfn sharded (blocking)": out["times"]["distfn sharded"],
+                    "distfn async (blocked)": out["times"]["distfn async (blocked)"],
+                    "distfn async (until written)": out["written"]}
+        tabs["async"] = c.table(
+            f"async save of {mib:.0f} MiB, {w} ranks: time training is blocked vs a blocking save", "s", blocking,
+            baseline="distfn sharded (blocking)", targets=[{"variant": "distfn async (blocked)", "max_ratio": 0.10}],
+            notes={"distfn async (until written)": "from the call until the background write's wait() returned"})
+        memory = out["memory"]
+        if all(v is not None for v in memory.values()):
+            rows = {"shard (state / world size)": [shard]}
+            rows.update({("distfn async (incl. background write)" if n.startswith("distfn async") else n):
+                         [v / MIB for v in memory[n]] for n in VARIANTS})
+            tabs["memory"] = c.table(
+                f"peak extra host memory per rank during a save of {mib:.0f} MiB, {w} ranks (max over ranks)", "MiB",
+                rows, baseline="shard (state / world size)",
+                targets=[{"variant": "distfn sharded", "max_value": shard + 64},
+                         {"variant": "distfn async (incl. background write)", "max_value": shard + 64}],
+                notes={"distfn one file (gather)": "rank 0 holds the whole state",
+                       "distfn async (incl. background write)": "until background.wait() returned"})
+        else:
+            notes.append(f"{w} ranks: peak memory not measured (/proc/self/clear_refs cannot reset VmHWM here)")
+    if "train" in out:
+        tabs["train"] = c.table(
+            f"training step, {w} ranks, saving {args.train_state_mib:.0f} MiB every {args.every} steps "
+            f"({args.steps} steps per sample)", "s", out["train"], baseline="no saves",
+            targets=[{"variant": "async save every N", "max_ratio": 1.05}],
+            notes={"async save every N": "ctx.save(..., blocking=False, keep=2)",
+                   "blocking save every N": "ctx.save(..., keep=2)"})
+    return tabs
 
 
 def main(argv: list[str] | None = None) -> int:
     p = c.parser(__doc__.splitlines()[0], rounds=3)
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--ranks", default="2,4", help="world sizes of the save benchmark, one launch each (default 2,4)")
+    p.add_argument("--width", type=int, default=4096, help="save model: Linear width (default 4096)")
+    p.add_argument("--layers", type=int, default=6, help="save model: layers (default 6: 1.1 GiB with Adam)")
+    p.add_argument("--train-ranks", default="2", help="world sizes of the training loop ('' for none; default 2)")
+    p.add_argument("--train-width", type=int, default=1024, help="training model: Linear width (default 1024)")
+    p.add_argument("--train-layers", type=int, default=6, help="training model: layers (default 6)")
+    p.add_argument("--batch", type=int, default=32, help="training batch rows (default 32)")
+    p.add_argument("--steps", type=int, default=60, help="training steps per sample (default 60)")
+    p.add_argument("--every", type=int, default=20, help="save every N training steps (default 20)")
     args = p.parse_args(argv)
     if args.tiny:
         args.width, args.layers, args.rounds = 256, 2, 1
+        args.train_width, args.train_layers, args.batch, args.steps, args.every = 256, 2, 8, 4, 2
+    ranks, train_ranks = _ranks(args.ranks), _ranks(args.train_ranks)
+    args.train_state_mib = (args.train_width + 1) * args.train_width * args.train_layers * 12 / MIB
     from distfn import distributed
 
+    by_kind: dict[str, list[dict[str, Any]]] = {"save": [], "async": [], "memory": [], "train": []}
+    notes = [f"save model: width {args.width}, {args.layers} layers, {args.rounds} rounds, ranks {args.ranks}; "
+             f"training model: width {args.train_width}, {args.train_layers} layers, batch {args.batch}, "
+             f"ranks {args.train_ranks or 'none'}; gloo, CPU",
+             "memory: max over ranks of VmHWM - VmRSS around each save, after malloc_trim and a VmHWM reset; an "
+             "async save's figure includes what its first run kept in memory (reused host buffers)"]
     tmp = Path(tempfile.mkdtemp(prefix="bench-sharded-"))
     try:
-        job = distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"min_params": 1000})(_job)
-        out = job({"width": args.width, "layers": args.layers, "rounds": args.rounds, "dir": str(tmp)})
+        for w in sorted(set(ranks) | set(train_ranks)):
+            c.log(f"== {w} ranks: {'saves' if w in ranks else ''} {'training' if w in train_ranks else ''}")
+            job = distributed(mode="fsdp", nprocs=w, seed=0, fsdp={"min_params": 1000})(_job)
+            out = job({"width": args.width, "layers": args.layers, "rounds": args.rounds, "dir": str(tmp),
+                       "save": w in ranks, "train": w in train_ranks, "train_width": args.train_width,
+                       "train_layers": args.train_layers, "batch": args.batch, "steps": args.steps,
+                       "every": args.every})
+            for kind, tab in _tables(out, args, notes).items():
+                by_kind[kind].append(tab)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    mib = out["state_bytes"] / 2**20
-    tab = c.table(f"save of {mib:.0f} MiB of fsdp state (model + Adam), 2 ranks", "s", out["samples"],
-                  baseline="DCP FileSystemWriter", targets=[{"variant": "distfn sharded", "max_ratio": 1.0}],
-                  notes={"distfn async (blocked)": "time training is blocked; the write finishes in the background"})
-    c.emit({"benchmark": "sharded", "tables": [tab],
-            "notes": [f"width {args.width}, {args.layers} layers, {args.rounds} rounds; gloo, CPU"]}, args.json)
+    tables = [tab for kind in by_kind.values() for tab in kind]  # side by side: each question's world sizes
+    c.emit({"benchmark": "sharded", "tables": tables, "notes": notes}, args.json)
     if args.json is None:
-        print(json.dumps({r["variant"]: r["ratio"] for r in tab["rows"]}))
+        print(json.dumps({t["title"]: {r["variant"]: r["ratio"] for r in t["rows"]} for t in tables}))
     return 0
 
 
