@@ -436,6 +436,7 @@ class Context:
             strict: every tensor of `into` must be in the file and nothing extra (as `load_state_dict`).
             rng: restore this rank's random generator states (the file must hold them).
         """
+        checkpoint.background.wait()  # a pending asynchronous save (perhaps of this very path) lands first
         if os.path.isdir(path):  # a sharded checkpoint: each rank reads its own slices, any world size and mode
             values = checkpoint.sharded.load_into(path, into, device=self.device, strict=strict)
         elif self.mode == "fsdp":
@@ -477,6 +478,7 @@ class Context:
             The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
             alone). Rank 0 picks the file and every rank loads that same one.
         """
+        checkpoint.background.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
         last = checkpoint.latest(directory, prefix=prefix) if self.is_main else None
         last = collectives.broadcast_object(None if last is None else str(last))
         if last is None:

@@ -21,7 +21,7 @@ from torch import nn
 
 import distfn
 from distfn import CheckpointError
-from distfn.checkpoint import background, consolidate, sharded
+from distfn.checkpoint import background, consolidate, sharded, storage
 
 from conftest import SCRIPTS, run_python
 
@@ -228,13 +228,16 @@ def test_save_refuses_a_safetensors_name_and_a_failed_save_leaves_the_previous_o
     def full_disk(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sharded, "_write_index", full_disk)
     with torch.no_grad():
         model.inp.weight.add_(1)
-    with pytest.raises(CheckpointError, match="No space left"):
-        sharded.save({"model": model, "step": 2}, tmp_path / "ckpt")
-    _equal(distfn.load(tmp_path / "ckpt"), before)
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # the partial directory is gone
+    # the disk fills while a shard is written, or while the index is written: both leave the previous one
+    for where in (storage, sharded._ShardJob):
+        with monkeypatch.context() as m:
+            m.setattr(where, "write" if where is storage else "_write_index", full_disk)
+            with pytest.raises(CheckpointError, match=r"cannot save .*ckpt.*No space left.*previous checkpoint"):
+                sharded.save({"model": model, "step": 2}, tmp_path / "ckpt")
+        _equal(distfn.load(tmp_path / "ckpt"), before)
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # the partial directory is gone
 
 
 def test_load_checks_everything_before_changing_anything(tmp_path: Path) -> None:
@@ -298,7 +301,7 @@ def test_async_saves_hold_the_state_of_the_call_and_complete_before_the_group_go
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     for mode in ("ddp", "fsdp"):
-        assert result[mode] == "returned"
+        assert result[mode] == {"returned": True, "allocated": 0}  # the second sharded save reused its buffers
         d = tmp_path / mode
         # one file: written in the background while training changed the live tensors; holds the state of the call
         _equal(distfn.load(d / "async-3.safetensors"), distfn.load(d / "ref-3.safetensors"))
@@ -307,6 +310,13 @@ def test_async_saves_hold_the_state_of_the_call_and_complete_before_the_group_go
             _equal(distfn.load(one), distfn.load(d / f"ref-{step}.safetensors"))
             assert distfn.checkpoint.load_into(one, {})["step"] == step
         assert not list(d.glob(".*"))  # no partial directory or temporary file left
+    # ddp: every tensor is replicated; each is written once, and both ranks write about half of the bytes
+    shards = sorted((tmp_path / "ddp" / "ckpt-5").glob("shard-*.safetensors"))
+    assert len(shards) == 2
+    names = [set(load_file(s)) for s in shards]
+    assert not names[0] & names[1] and names[0] | names[1] == set(distfn.load(tmp_path / "ddp" / "ckpt-5"))
+    sizes = [sum(t.numel() * t.element_size() for t in load_file(s).values()) for s in shards]
+    assert min(sizes) > 0.3 * sum(sizes), sizes
 
 
 @pytest.mark.slow
@@ -352,4 +362,14 @@ def test_a_sharded_background_save_in_one_process(tmp_path: Path) -> None:
     sharded.save({"model": model, "optimizer": opt, "step": 2}, tmp_path / "ckpt-2", blocking=False)
     train(model, opt, 3, 3)
     background.wait()
+    _equal(distfn.load(tmp_path / "ckpt-2", prefix="model"), before)
+    # the next save of the same state copies into the same host buffers, and still holds the state of its call
+    first = background.buffers.allocated
+    assert first >= sum(v.numel() * v.element_size() for v in before.values())
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    sharded.save({"model": model, "optimizer": opt, "step": 3}, tmp_path / "ckpt-3", blocking=False)
+    assert background.buffers.allocated == 0
+    train(model, opt, 4, 4)
+    background.wait()
+    _equal(distfn.load(tmp_path / "ckpt-3", prefix="model"), after)
     _equal(distfn.load(tmp_path / "ckpt-2", prefix="model"), before)

@@ -1,13 +1,18 @@
 """Asynchronous saves (``ctx.save(..., blocking=False)``): at most one pending write per process, in a thread.
 
-The caller copies the state to host memory first (`snapshot` for one file; torch's ``async_save`` staging for
-sharded saves), then hands the write, ``fsync`` and rename to `submit`. The next save, the end of the decorated
-function (return or exception) and a true ``ctx.should_stop`` call `wait` first, so nothing is lost when the
-process group is torn down. The thread is not a daemon: a plain script's interpreter also waits for it at exit.
+The caller copies the state to host memory first (`snapshot` for one file, `stage` for a sharded save's own
+pieces), then hands the write, ``fsync`` and rename to `submit`. The host copies go into buffers that are kept
+and reused by the next save of the same state (pinned memory when the tensors are on a GPU, so the copy is a
+DMA): allocating and pinning fresh host memory on every save would cost more than the copy itself.
+
+The next save, the end of the decorated function (return or exception) and a true ``ctx.should_stop`` call `wait`
+first, so nothing is lost when the process group is torn down. The thread is not a daemon: a plain script's
+interpreter also waits for it at exit.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +28,7 @@ from ..modules import unwrap_module
 from . import format as fmt
 from . import storage
 
-__all__ = ["cpu_group", "pending", "save_file", "snapshot", "submit", "wait"]
+__all__ = ["HostBuffers", "buffers", "cpu_group", "pending", "save_file", "snapshot", "stage", "submit", "wait"]
 
 _lock = threading.Lock()
 _pending: tuple[threading.Thread, str, list[BaseException]] | None = None
@@ -86,22 +91,96 @@ def _state_of(value: Any) -> Any:
     return value.state_dict() if fmt.is_stateful(value) else value
 
 
+class HostBuffers:
+    """Host memory for the copies of asynchronous saves, kept from one save to the next and reused.
+
+    A save takes its buffers with `copy` between `begin` and `end`; `end` frees whatever the previous save had and
+    this one did not take again (a state whose shapes changed does not keep old memory alive). Buffers are pinned
+    when the source tensor is on a GPU. Only one save stages at a time: `wait` for the previous write first.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._used: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._cuda = False
+        self.allocated = 0  # bytes allocated (not reused) by the current or last save, for tests and benchmarks
+
+    def begin(self) -> None:
+        """Start staging a save: every buffer of the previous save becomes free for reuse (call `wait` first: the
+        previous write may still be reading them)."""
+        for key, bufs in self._used.items():
+            self._free.setdefault(key, []).extend(bufs)
+        self._used = {}
+        self._cuda = False
+        self.allocated = 0
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` (detached, contiguous) in a reused buffer of the same shape and dtype."""
+        pinned = t.device.type == "cuda"
+        key = (tuple(t.shape), t.dtype, pinned)
+        free = self._free.get(key)
+        if free:
+            buf = free.pop()
+        else:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            self.allocated += buf.numel() * buf.element_size()
+        self._used.setdefault(key, []).append(buf)
+        if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            # memmove is ~1.7x faster than a one-thread copy_ here (measured: 600 MiB in 60 ms vs 100 ms), and
+            # this copy is all the time an asynchronous save blocks training
+            ctypes.memmove(buf.data_ptr(), t.data_ptr(), buf.numel() * buf.element_size())
+        else:  # from a GPU into pinned memory, non_blocking: copies overlap; `end` synchronises once
+            buf.copy_(t.detach(), non_blocking=pinned)
+        self._cuda = self._cuda or pinned
+        return buf
+
+    def end(self) -> None:
+        """Finish staging: wait for the device copies, free the buffers this save did not reuse."""
+        if self._cuda:
+            torch.cuda.synchronize()
+        self._free = {}
+
+    def clear(self) -> None:
+        """Free every buffer (the job ends)."""
+        self._free, self._used = {}, {}
+
+
+#: The process's buffers (one pending save at a time, so one set is enough).
+buffers = HostBuffers()
+
+
+def stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of ``tensors`` (views of one memory stay one copy) in the reused `buffers`, once the previous
+    background save has finished with them."""
+    wait()
+    buffers.begin()
+    try:
+        copies: dict[Any, torch.Tensor] = {}
+        return {name: _copy_once(t, copies) for name, t in tensors.items()}
+    finally:
+        buffers.end()
+
+
+def _copy_once(t: torch.Tensor, copies: dict[Any, torch.Tensor]) -> torch.Tensor:
+    key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+           t.dtype) if t.numel() else id(t)
+    if key not in copies:
+        copies[key] = buffers.copy(t)
+    return copies[key]
+
+
 def snapshot(obj: Any) -> Any:
     """``obj`` with every module and stateful object replaced by its state dict and every tensor copied to host
-    memory (views of one memory, such as tied weights, stay one copy): what a background write may read while
-    training goes on."""
+    memory (views of one memory, such as tied weights, stay one copy; the copies go into the reused `buffers`):
+    what a background write may read while training goes on."""
+    states = tree.tree_map(_state_of, obj, is_leaf=_is_object)
     copies: dict[Any, torch.Tensor] = {}
-
-    def copy(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-               t.dtype) if t.numel() else id(t)
-        if key not in copies:
-            copies[key] = t.detach().to("cpu", copy=True)
-        return copies[key]
-
-    return tree.tree_map(copy, tree.tree_map(_state_of, obj, is_leaf=_is_object))
+    wait()  # the previous write may still read the buffers this copy reuses
+    buffers.begin()
+    try:
+        return tree.tree_map(lambda t: _copy_once(t, copies) if isinstance(t, torch.Tensor) else t, states)
+    finally:
+        buffers.end()
 
 
 def cpu_group() -> Any:

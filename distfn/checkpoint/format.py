@@ -14,7 +14,7 @@ import json
 import math
 import pathlib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
@@ -45,8 +45,10 @@ __all__ = [
     "check_tree",
     "decode",
     "describe",
+    "entry",
     "is_stateful",
     "kind",
+    "layout",
     "parse_header",
     "path_str",
     "plan",
@@ -263,9 +265,22 @@ def plan(obj: Any, metadata: Mapping[str, Any] | None) -> Plan:
         meta[KEY_ALIASES] = _dumps(encoder.aliases)
     if metadata is not None:
         meta.update(_metadata_entries(metadata))
-    # Largest element size first keeps every tensor aligned to its element size (the data starts 8-aligned).
-    entries = sorted(encoder.entries, key=lambda e: (-e.tensor.element_size(), e.name))
-    header: dict[str, Any] = {"__metadata__": meta}
+    return layout(encoder.entries, meta)
+
+
+def entry(name: str, tensor: torch.Tensor) -> Entry:
+    """The `Entry` of a plain dense tensor stored under ``name`` (a `CheckpointError` if it cannot be stored)."""
+    tensor, code = _storable(tensor, name)
+    return Entry(name, tensor, code, tuple(int(s) for s in tensor.shape), tensor.numel() * tensor.element_size())
+
+
+def layout(entries: Iterable[Entry], meta: Mapping[str, str]) -> Plan:
+    """The `Plan` of one safetensors file holding ``entries`` with the string metadata ``meta``.
+
+    Largest element size first keeps every tensor aligned to its element size (the data starts 8-aligned).
+    """
+    entries = sorted(entries, key=lambda e: (-e.tensor.element_size(), e.name))
+    header: dict[str, Any] = {"__metadata__": dict(meta)}
     offset = 0
     for e in entries:
         header[e.name] = {"dtype": e.code, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}

@@ -101,20 +101,20 @@ def ddp_load_job(out: Path, ctx):
 
 @distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"min_params": 100})
 def kill_job(cfg: tuple[Path, int], ctx):
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from distfn.checkpoint import storage
 
     out, victim = cfg
     model, opt = fresh(ctx, 0)
     train(model, opt, 1, 2, ctx.rank, ctx.world_size)
     ctx.save({"model": model, "optimizer": opt, "step": 2}, out / "ckpt-1")
     if ctx.rank == victim:
-        write = HuggingFaceStorageWriter.write_data
+        write = storage.write
 
-        def write_then_die(self, plan, planner):
-            write(self, plan, planner).wait()  # this rank's shard is on disk, the index is not
+        def write_then_die(plan, target):
+            write(plan, target)  # this rank's shard is on disk, the index is not
             os.kill(os.getpid(), signal.SIGKILL)
 
-        HuggingFaceStorageWriter.write_data = write_then_die  # type: ignore[method-assign]
+        storage.write = write_then_die
     train(model, opt, 3, 4, ctx.rank, ctx.world_size)
     ctx.save({"model": model, "optimizer": opt, "step": 4}, out / "ckpt-2")
     return "not killed"
@@ -133,7 +133,8 @@ def _async(out: Path, ctx) -> dict:
     train(model, opt, 5, 5, ctx.rank, ctx.world_size)
     ctx.save({**state, "step": 5}, d / "ref-5.safetensors")
     ctx.save({**state, "step": 5}, d / "ckpt-5", sharded=True, blocking=False)
-    return "returned"  # the pending write completes before the process group goes
+    # the host copies of ckpt-5 went into ckpt-4's buffers: nothing new was allocated
+    return {"returned": True, "allocated": distfn.checkpoint.background.buffers.allocated}
 
 
 @distributed(mode="ddp", nprocs=2, seed=0)
@@ -148,20 +149,23 @@ def fsdp_async_job(out: Path, ctx):
 
 @distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"min_params": 100})
 def async_kill_job(out: Path, ctx):
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    import threading
+
+    from distfn.checkpoint import storage
 
     model, opt = fresh(ctx, 0)
     train(model, opt, 1, 2, ctx.rank, ctx.world_size)
     ctx.save({"model": model, "optimizer": opt, "step": 2}, out / "ckpt-1", blocking=False)
     distfn.checkpoint.background.wait()  # ckpt-1 is complete before the writer is booby-trapped
     if ctx.rank == 0:
-        write = HuggingFaceStorageWriter.write_data
+        write = storage.write
 
-        def write_then_die(self, plan, planner):
-            write(self, plan, planner).wait()  # in the background thread, with this rank's shard on disk
+        def write_then_die(plan, target):
+            assert threading.current_thread() is not threading.main_thread()
+            write(plan, target)  # in the background thread, with this rank's shard on disk
             os.kill(os.getpid(), signal.SIGKILL)
 
-        HuggingFaceStorageWriter.write_data = write_then_die  # type: ignore[method-assign]
+        storage.write = write_then_die
     ctx.save({"model": model, "optimizer": opt, "step": 2}, out / "ckpt-2", blocking=False)
     train(model, opt, 3, 40, ctx.rank, ctx.world_size)
     return "not killed"
