@@ -113,10 +113,18 @@ def test_accumulation_bench_smoke(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fsdp_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_fsdp.py --tiny: the three variants ran, both FSDP variants trained identically, and each rank
-    holds half of DDP's training state."""
+    holds half of DDP's training state; the ctx.wrap memory table measured every way of building the model, and
+    the meta-built model came out finite."""
     result = _run_module_tiny(tmp_path, "fsdp")
-    assert result["identical_losses"] is True
-    step, held, sync = result["tables"]
+    assert result["identical_losses"] is True and result["meta_wrap_finite"] is True
+    step, held, sync, wrap = result["tables"]
+    wrap_rows = {r["variant"]: r for r in wrap["rows"]}
+    assert set(wrap_rows) == {"shard (model / world size)", "distfn ctx.wrap, meta-built",
+                              "hand-written FSDP2 recipe, meta-built", "distfn ctx.wrap, CPU-built",
+                              "whole model (fp32 parameters)"}
+    assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in wrap["rows"])
+    assert wrap_rows["whole model (fp32 parameters)"]["ratio"] == pytest.approx(2.0, rel=1e-3)  # 2 ranks
+    assert wrap["targets"][0]["variant"] == "distfn ctx.wrap, meta-built" and wrap["targets"][0]["met"] in (True, False)
     assert sync["rows"][0]["median"] > 0
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in step["rows"])
     assert step["targets"][0]["variant"] == "distfn fsdp" and step["targets"][0]["met"] in (True, False)
