@@ -25,9 +25,10 @@ counted in every async sample. Compared with each rank's shard (state / world si
 Training while saving (``--train-ranks``): forward, backward and Adam step of a random batch, ``--steps`` steps,
 three ways in a rotated order per round: no saves; ``ctx.save(state, f"ckpt-{step}", blocking=False, keep=2)``
 every ``--every`` steps; the same blocking. A sample is rank 0's loop time per step, from a barrier to a barrier
-after the final ``background.wait()``. Saves come after steps every, 2*every, ... < steps, so each async write
-has a full interval to overlap. The model is ``--train-width``/``--train-layers`` (default 75 MiB of state): the
-save model's training step takes ~5 s on 2 CPU cores (gloo all-gathers of 400 MB per step).
+after the final ``background.wait()``, over ``--train-rounds`` rounds (after an untimed warm-up: 3 steps and
+one async save). Saves come after steps every, 2*every, ... < steps, so each async write has a full interval
+to overlap. The loop has its own model, ``--train-width``/``--train-layers`` (default 72 MiB of state): one
+step of the save model takes ~5 s on 2 CPU cores (gloo all-gathers of 400 MB per step).
 
 Targets: distfn sharded <= 1.0x DCP; extra memory of distfn sharded and async <= shard + 64 MiB; async blocked
 <= 0.10x a blocking save; async saves every N steps <= 1.05x the loop without saves.
@@ -188,8 +189,15 @@ def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
             shutil.rmtree(where, ignore_errors=True)
         return took
 
+    # warm-up, untimed: a few steps and one async save (whose host buffers later saves reuse)
+    for _ in range(3):
+        model(batch).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ctx.save(state, root / "train" / "warmup", blocking=False)
+    distfn.checkpoint.background.wait()
     samples: dict[str, list[float]] = {n: [] for n in TRAIN}
-    for r in range(cfg["rounds"]):
+    for r in range(cfg["train_rounds"]):
         for name in TRAIN[r % len(TRAIN):] + TRAIN[:r % len(TRAIN)]:
             samples[name].append(loop(name))
     return samples
@@ -299,9 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="training batch rows (default 32)")
     p.add_argument("--steps", type=int, default=60, help="training steps per sample (default 60)")
     p.add_argument("--every", type=int, default=20, help="save every N training steps (default 20)")
+    p.add_argument("--train-rounds", type=int, default=5, help="interleaved rounds of the training loop (default 5)")
     args = p.parse_args(argv)
     if args.tiny:
-        args.width, args.layers, args.rounds = 256, 2, 1
+        args.width, args.layers, args.rounds, args.train_rounds = 256, 2, 1, 1
         args.train_width, args.train_layers, args.batch, args.steps, args.every = 256, 2, 8, 4, 2
     ranks, train_ranks = _ranks(args.ranks), _ranks(args.train_ranks)
     args.train_state_mib = (args.train_width + 1) * args.train_width * args.train_layers * 12 / MIB
@@ -310,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     by_kind: dict[str, list[dict[str, Any]]] = {"save": [], "async": [], "memory": [], "train": []}
     notes = [f"save model: width {args.width}, {args.layers} layers, {args.rounds} rounds, ranks {args.ranks}; "
              f"training model: width {args.train_width}, {args.train_layers} layers, batch {args.batch}, "
-             f"ranks {args.train_ranks or 'none'}; gloo, CPU",
+             f"{args.steps} steps, {args.train_rounds} rounds, ranks {args.train_ranks or 'none'}; gloo, CPU",
              "memory: max over ranks of VmHWM - VmRSS around each save, after malloc_trim and a VmHWM reset; an "
              "async save's figure includes what its first run kept in memory (reused host buffers)"]
     tmp = Path(tempfile.mkdtemp(prefix="bench-sharded-"))
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             out = job({"width": args.width, "layers": args.layers, "rounds": args.rounds, "dir": str(tmp),
                        "save": w in ranks, "train": w in train_ranks, "train_width": args.train_width,
                        "train_layers": args.train_layers, "batch": args.batch, "steps": args.steps,
-                       "every": args.every})
+                       "every": args.every, "train_rounds": args.train_rounds})
             for kind, tab in _tables(out, args, notes).items():
                 by_kind[kind].append(tab)
     finally:
