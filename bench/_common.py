@@ -217,3 +217,47 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Peak host memory of this process (Linux: /proc/self/status, VmHWM reset through /proc/self/clear_refs)
+
+
+def proc_status(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` (or any ``kB`` field) of ``/proc/self/status``, in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def trim_heap() -> None:
+    """Collect garbage and give free heap memory back to the system, so that an RSS holds live memory only."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_rss() -> int | None:
+    """Trim the heap and reset the peak RSS (``VmHWM``) to the current RSS; that baseline RSS in bytes, or
+    ``None`` where Linux won't reset it (then report no memory figure rather than a wrong one)."""
+    trim_heap()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        rss = proc_status("VmRSS")
+    except OSError:
+        return None
+    return None if proc_status("VmHWM") > rss + 4 * 2**20 else rss  # accepted, but the peak was not reset
+
+
+def peak_extra(base: int | None) -> int | None:
+    """The peak RSS since `reset_peak_rss` above its baseline ``base``, in bytes (``None`` without a baseline)."""
+    return None if base is None else max(0, proc_status("VmHWM") - base)
+

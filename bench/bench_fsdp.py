@@ -29,7 +29,6 @@ initialisation). Compared with the shard (model bytes / world size). Target: the
 
 from __future__ import annotations
 
-import ctypes
 import json
 import statistics
 import sys
@@ -136,33 +135,6 @@ def _round(kind: str, cfg: dict[str, Any], records: dict[str, list[dict[str, Any
 # Peak host memory of ctx.wrap (Linux: VmHWM reset through /proc/self/clear_refs)
 
 
-def _status(field: str) -> int:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> int | None:
-    """Free heap back to the system, reset ``VmHWM`` to the current RSS; the baseline RSS (``None``: can't)."""
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        rss = _status("VmRSS")
-        return None if _status("VmHWM") > rss + 4 * MIB else rss  # accepted, but the peak was not reset
-    except OSError:
-        return None
-
-
 def _wrap_once(ctx: Any, kind: str, width: int, layers: int) -> dict[str, Any]:
     """Build and wrap the model one way; this rank's peak extra bytes, seconds and sanity figures."""
     import itertools
@@ -172,7 +144,7 @@ def _wrap_once(ctx: Any, kind: str, width: int, layers: int) -> dict[str, Any]:
     from torch import nn
 
     dist.barrier()
-    base = _reset_peak()
+    base = c.reset_peak_rss()
     start = time.perf_counter()
     with torch.device("cpu" if kind == "cpu" else "meta"):
         model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
@@ -192,7 +164,7 @@ def _wrap_once(ctx: Any, kind: str, width: int, layers: int) -> dict[str, Any]:
     else:
         model = ctx.wrap(model)
     seconds = time.perf_counter() - start
-    extra = None if base is None else max(0, _status("VmHWM") - base)
+    extra = c.peak_extra(base)
     tensors = [t.to_local() if hasattr(t, "to_local") else t
                for t in itertools.chain(model.parameters(), model.buffers())]
     out = {"extra": extra, "seconds": seconds,

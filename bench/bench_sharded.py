@@ -37,7 +37,6 @@ Run: ``python bench/bench_sharded.py [--tiny] [--json out.json] [--ranks 2,4] [-
 
 from __future__ import annotations
 
-import ctypes
 import json
 import shutil
 import sys
@@ -53,46 +52,6 @@ import _common as c
 VARIANTS = ("distfn sharded", "distfn one file (gather)", "DCP FileSystemWriter", "distfn async (blocked)")
 TRAIN = ("no saves", "async save every N", "blocking save every N")
 MIB = 2**20
-
-
-# --------------------------------------------------------------------------------------------------
-# Peak host memory of this process (Linux)
-
-
-def _status(field: str) -> int:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"no {field} in /proc/self/status")
-
-
-def _trim() -> None:
-    """Give free heap memory back to the system, so that a baseline RSS holds live memory only."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak() -> int | None:
-    """Reset the peak RSS (``VmHWM``) to the current RSS; the baseline RSS, or ``None`` where Linux won't."""
-    _trim()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        rss = _status("VmRSS")
-        if _status("VmHWM") > rss + 4 * MIB:  # the write was accepted but did not reset the peak
-            return None
-        return rss
-    except OSError:
-        return None
-
-
-def _extra(base: int | None) -> int | None:
-    """Peak RSS since `_reset_peak` above its baseline."""
-    return None if base is None else max(0, _status("VmHWM") - base)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,13 +82,13 @@ def _save_variants(ctx: Any, model: Any, opt: Any, root: Path) -> dict[str, Any]
     state = {"model": model, "optimizer": opt, "step": 1}
 
     def timed(fn: Any) -> tuple[float, int | None, None]:
-        base = _reset_peak()
+        base = c.reset_peak_rss()
         dist.barrier()
         start = time.perf_counter()
         fn()
         dist.barrier()
         took = time.perf_counter() - start
-        return took, _extra(base), None
+        return took, c.peak_extra(base), None
 
     def dcp_save() -> None:
         msd, osd = get_state_dict(model, opt)
@@ -138,17 +97,17 @@ def _save_variants(ctx: Any, model: Any, opt: Any, root: Path) -> dict[str, Any]
     held: list[int] = []  # what the first async save left in memory (reused host buffers): counted every time
 
     def blocked() -> tuple[float, int | None, float]:
-        base = _reset_peak()
+        base = c.reset_peak_rss()
         dist.barrier()
         start = time.perf_counter()
         ctx.save(state, root / "async", blocking=False)
         took = time.perf_counter() - start
         distfn.checkpoint.background.wait()
-        extra = _extra(base)
+        extra = c.peak_extra(base)
         if base is not None and extra is not None:
             if not held:
-                _trim()
-                held.append(max(0, _status("VmRSS") - base))
+                c.trim_heap()
+                held.append(max(0, c.proc_status("VmRSS") - base))
             else:
                 extra += held[0]
         dist.barrier()
@@ -306,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-layers", type=int, default=6, help="training model: layers (default 6)")
     p.add_argument("--batch", type=int, default=32, help="training batch rows (default 32)")
     p.add_argument("--steps", type=int, default=60, help="training steps per sample (default 60)")
-    p.add_argument("--every", type=int, default=20, help="save every N training steps (default 20)")
+    p.add_argument("--every", type=int, default=5, help="save every N training steps (default 5: a harsh cadence, "
+                   "so that blocking saves cost visibly)")
     p.add_argument("--train-rounds", type=int, default=5, help="interleaved rounds of the training loop (default 5)")
     args = p.parse_args(argv)
     if args.tiny:

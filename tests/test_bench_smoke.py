@@ -134,6 +134,28 @@ def test_fsdp_bench_smoke(tmp_path: Path) -> None:
                       "distfn fsdp": pytest.approx(0.5, rel=1e-3), "distfn ddp": 1.0}
 
 
+@pytest.mark.slow
+def test_sharded_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_sharded.py --tiny: every save variant ran on 2 and 4 ranks, with its memory figure, and the
+    training loop ran its three ways; each question has its target row."""
+    result = _run_module_tiny(tmp_path, "sharded")
+    titles = [t["title"] for t in result["tables"]]
+    assert len(titles) == 7 and sum("ranks" in t for t in titles) == 7
+    saves, memory = result["tables"][:2], result["tables"][4:6]
+    for table in saves:
+        assert [r["variant"] for r in table["rows"]] == ["distfn sharded", "distfn one file (gather)",
+                                                          "DCP FileSystemWriter", "distfn async (blocked)"]
+        assert all(r["median"] > 0 for r in table["rows"])
+        assert table["targets"][0]["variant"] == "distfn sharded" and table["targets"][0]["met"] in (True, False)
+    for table in memory:
+        rows = {r["variant"]: r["median"] for r in table["rows"]}
+        # the gather holds the whole state on rank 0: more than any rank's shard
+        assert rows["distfn one file (gather)"] > rows["shard (state / world size)"]
+    train = result["tables"][6]
+    assert [r["variant"] for r in train["rows"]] == ["no saves", "async save every N", "blocking save every N"]
+    assert train["targets"][0]["variant"] == "async save every N"
+
+
 def test_import_and_decoration_stay_light() -> None:
     """What keeps `bench_import` / `bench_launch` fast, as a behaviour: importing distfn and decorating a DDP
     function load none of the heavy or optional modules (torch._dynamo alone costs 1-2 s here)."""

@@ -373,3 +373,16 @@ def test_a_sharded_background_save_in_one_process(tmp_path: Path) -> None:
     background.wait()
     _equal(distfn.load(tmp_path / "ckpt-3", prefix="model"), after)
     _equal(distfn.load(tmp_path / "ckpt-2", prefix="model"), before)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_background_writer_yields_the_cpu_to_training() -> None:
+    import os
+    import threading
+
+    seen: list[int] = []
+    background.submit("probe", lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    background.wait()
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [min(main + 10, 19)]  # the writer only: the training thread keeps its priority
+    assert os.getpriority(os.PRIO_PROCESS, 0) == main
