@@ -16,7 +16,7 @@ import contextlib
 import ctypes
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import torch
@@ -158,30 +158,31 @@ class HostBuffers:
             torch.cuda.synchronize()
         self._free = {}
 
-    def clear(self) -> None:
-        """Free every buffer (the job ends)."""
-        self._free, self._used = {}, {}
-
 
 #: The process's buffers (one pending save at a time, so one set is enough).
 buffers = HostBuffers()
 
 
-def stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies of ``tensors`` (views of one memory stay one copy) in the reused `buffers`, once the previous
-    background save has finished with them."""
-    wait()
+@contextlib.contextmanager
+def _staging() -> Iterator[dict[Any, torch.Tensor]]:
+    """One save's copying into the reused `buffers`; yields the copies made so far (by `fmt.memory_key`)."""
+    wait()  # the previous write may still read the buffers this copy reuses
     buffers.begin()
     try:
-        copies: dict[Any, torch.Tensor] = {}
-        return {name: _copy_once(t, copies) for name, t in tensors.items()}
+        yield {}
     finally:
         buffers.end()
 
 
+def stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of ``tensors`` (views of one memory stay one copy) in the reused `buffers`, once the previous
+    background save has finished with them."""
+    with _staging() as copies:
+        return {name: _copy_once(t, copies) for name, t in tensors.items()}
+
+
 def _copy_once(t: torch.Tensor, copies: dict[Any, torch.Tensor]) -> torch.Tensor:
-    key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-           t.dtype) if t.numel() else id(t)
+    key = fmt.memory_key(t)
     if key not in copies:
         copies[key] = buffers.copy(t)
     return copies[key]
@@ -192,13 +193,8 @@ def snapshot(obj: Any) -> Any:
     memory (views of one memory, such as tied weights, stay one copy; the copies go into the reused `buffers`):
     what a background write may read while training goes on."""
     states = tree.tree_map(_state_of, obj, is_leaf=_is_object)
-    copies: dict[Any, torch.Tensor] = {}
-    wait()  # the previous write may still read the buffers this copy reuses
-    buffers.begin()
-    try:
+    with _staging() as copies:
         return tree.tree_map(lambda t: _copy_once(t, copies) if isinstance(t, torch.Tensor) else t, states)
-    finally:
-        buffers.end()
 
 
 def cpu_group() -> Any:

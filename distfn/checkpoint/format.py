@@ -14,7 +14,7 @@ import json
 import math
 import pathlib
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
@@ -49,6 +49,7 @@ __all__ = [
     "is_stateful",
     "kind",
     "layout",
+    "memory_key",
     "parse_header",
     "path_str",
     "plan",
@@ -144,7 +145,7 @@ class _Encoder:
         self.entries: list[Entry] = []
         self.aliases: dict[str, str] = {}
         self._by_name: dict[str, str] = {}  # every tensor name (stored or alias) -> the path that produced it
-        self._by_memory: dict[tuple[Any, ...], str] = {}
+        self._by_memory: dict[Hashable, str] = {}
 
     def encode(self, obj: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -214,8 +215,7 @@ class _Encoder:
         self._by_name[name] = where
         tensor, code = _storable(tensor, where)
         if tensor.numel():
-            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-                   tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            key = memory_key(tensor)
             first = self._by_memory.get(key)
             if first is not None:  # tied / shared: store once
                 self.aliases[name] = first
@@ -224,6 +224,16 @@ class _Encoder:
         shape = tuple(int(s) for s in tensor.shape)
         self.entries.append(Entry(name, tensor, code, shape, tensor.numel() * tensor.element_size()))
         return name
+
+
+def memory_key(t: torch.Tensor) -> Hashable:
+    """Tensors with the same key are one tensor to store: views of the same memory with the same layout (tied
+    weights: ``state_dict()`` gives distinct views of one parameter). A tensor with no memory of its own to compare
+    (empty, meta, or a ``DTensor``, whose local shard may be empty on some ranks) is keyed by identity."""
+    if hasattr(t, "placements") or t.is_meta or not t.numel():
+        return id(t)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t.dtype)
 
 
 def _storable(tensor: torch.Tensor, where: str) -> tuple[torch.Tensor, str]:

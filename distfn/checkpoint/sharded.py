@@ -33,7 +33,6 @@ import json
 import os
 import pathlib
 import re
-import secrets
 import shutil
 import socket
 import warnings
@@ -103,20 +102,6 @@ def step_of_dir(name: str) -> tuple[str, int] | None:
     return m.group("prefix"), int(m.group("step"))
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_partials(directory: pathlib.Path) -> None:
     """Remove the hidden directories of sharded saves whose rank 0 (on this host) no longer runs.
 
@@ -124,14 +109,9 @@ def remove_partials(directory: pathlib.Path) -> None:
     skips hidden names) and the next sharded save into the same parent removes it. Another host's or a live
     writer's directory is left alone.
     """
-    pattern = re.compile(r"^\..+\." + re.escape(_host()) + r"\.(\d+)\.[0-9a-f]{8}" + re.escape(_PARTIAL) + "$")
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            m = pattern.match(name)
-            if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
-                continue
-            shutil.rmtree(directory / name, ignore_errors=True)
-            logger.debug("removed {} left by a killed sharded save (pid {})", name, m.group(1))
+    for name, pid in storage.dead_leftovers(directory, _PARTIAL):
+        shutil.rmtree(directory / name, ignore_errors=True)
+        logger.debug("removed {} left by a killed sharded save (pid {})", name, pid)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,16 +130,6 @@ def _state_of(value: Any) -> Any:
     return value
 
 
-def _memory_key(t: torch.Tensor) -> Any:
-    """Tensors with the same key are one tensor (tied weights: ``state_dict()`` gives distinct views of one
-    parameter). A ``DTensor`` is keyed by identity: its local shard may be empty on some ranks, and every rank
-    must name the same tensors."""
-    if hasattr(t, "placements") or t.is_meta or not t.numel():
-        return id(t)
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-            t.dtype)
-
-
 def _encode(obj: Any, metadata: Mapping[str, Any] | None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(the index's distfn metadata, ``{stored name: tensor}``) for ``obj``; tensors may be ``DTensor`` s.
 
@@ -173,7 +143,7 @@ def _encode(obj: Any, metadata: Mapping[str, Any] | None) -> tuple[dict[str, str
     def stand_in(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        key = _memory_key(t)
+        key = fmt.memory_key(t)  # tied tensors: one stand-in, stored once
         if key not in memo:
             ph = torch.zeros(1, dtype=t.dtype)
             memo[key] = ph
@@ -199,36 +169,16 @@ def _rank_world() -> tuple[int, int, bool]:
     return (dist.get_rank(), dist.get_world_size(), True) if on else (0, 1, False)
 
 
-def _read_json_header(path: pathlib.Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n > fmt.MAX_HEADER:
-            raise CheckpointError(f"'{path}' is not a safetensors file (header length {n})")
-        out = json.loads(f.read(n))
-    if not isinstance(out, dict):
-        raise CheckpointError(f"'{path}' is not a safetensors file")
-    return out
-
-
-def _fsync_dir(directory: pathlib.Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _publish(tmp: pathlib.Path, target: pathlib.Path) -> None:
     """Rename the complete temporary directory to ``target`` (an older checkpoint there is moved aside first)."""
     old = None
     if target.is_symlink() or target.is_file():
         target.unlink()
     elif target.exists():
-        old = target.with_name(f".{target.name[:120]}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{_PARTIAL}")
+        old = storage.tmp_name(target, _PARTIAL)
         os.rename(target, old)
     os.rename(tmp, target)
-    _fsync_dir(target.parent)
+    storage.fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -417,7 +367,7 @@ class _ShardJob:
         finally:
             os.close(fd)
         os.replace(part, self.tmp / INDEX)  # the index goes in last: the directory is complete only with it
-        _fsync_dir(self.tmp)
+        storage.fsync_dir(self.tmp)
 
 
 def _gather(value: Any, group: Any, world: int) -> list[Any]:
@@ -450,7 +400,7 @@ def _plan_shards(tensors: Mapping[str, torch.Tensor], target: pathlib.Path) -> _
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             remove_partials(target.parent)
-            tmp_name = f".{target.name[:120]}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{_PARTIAL}"
+            tmp_name = storage.tmp_name(target, _PARTIAL).name
             (target.parent / tmp_name).mkdir()
         except OSError as exc:
             error = f"cannot create the checkpoint directory next to '{target}': {exc}"
@@ -814,7 +764,7 @@ def consolidate(path: PathLike, out: PathLike) -> pathlib.Path:
         os.close(fd)
         fd = -1
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        storage.fsync_dir(target.parent)
     except BaseException:
         if fd >= 0:
             os.close(fd)

@@ -180,7 +180,8 @@ class _Sink:
             self._kicked = self._offset  # a failed kick (an odd file system) is harmless: fsync still follows
 
 
-def _fsync_dir(directory: pathlib.Path) -> None:
+def fsync_dir(directory: pathlib.Path) -> None:
+    """``fsync`` a directory, so that renames in it are durable (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:  # e.g. platforms that cannot open directories; the rename itself already happened
@@ -197,33 +198,38 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
 
 
-def tmp_name(target: pathlib.Path) -> pathlib.Path:
-    """A fresh temporary path next to ``target`` for this process: ``.<name>.<host>.<pid>.<random>.distfn-tmp``.
+def tmp_name(target: pathlib.Path, mark: str = TMP_MARK) -> pathlib.Path:
+    """A fresh temporary path next to ``target`` for this process: ``.<name>.<host>.<pid>.<random><mark>``
+    (``mark``: ``.distfn-tmp`` for files; sharded saves use their own for directories).
 
     The host and pid let a later save recognise (and remove) what a killed writer left; the random part keeps two
     concurrent writers of the same target apart. The name is cut to fit NAME_MAX.
     """
-    return target.with_name(f".{target.name[:120]}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_MARK}")
+    return target.with_name(f".{target.name[:120]}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{mark}")
 
 
-def remove_stale_tmps(directory: pathlib.Path) -> None:
-    """Remove the temporary files that writers on this host which no longer run left in ``directory``.
+def dead_leftovers(directory: pathlib.Path, mark: str = TMP_MARK) -> list[tuple[str, int]]:
+    """``(name, pid)`` of the `tmp_name` s with ``mark`` in ``directory`` whose writer on this host no longer runs.
 
-    Every target name counts (``ckpt-7.safetensors``'s leftovers are removed by the save of ``ckpt-8``). A file is
-    removed only when its writer's pid is gone on this host: never a live writer's, never another host's.
+    Every target name counts (``ckpt-7.safetensors``'s leftovers are found by the save of ``ckpt-8``); never a live
+    writer's, never another host's (its pid means nothing here).
     """
-    pattern = re.compile(r"^\..+\." + re.escape(_host()) + r"\.(\d+)\.[0-9a-f]{8}" + re.escape(TMP_MARK) + "$")
+    pattern = re.compile(r"^\..+\." + re.escape(_host()) + r"\.(\d+)\.[0-9a-f]{8}" + re.escape(mark) + "$")
     try:
         names = os.listdir(directory)
     except OSError:
-        return
-    for name in names:
-        m = pattern.match(name)
-        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
-            continue
+        return []
+    found = [(name, int(m.group(1))) for name in names if (m := pattern.match(name)) is not None]
+    return [(name, pid) for name, pid in found if pid != os.getpid() and not _alive(pid)]
+
+
+def remove_stale_tmps(directory: pathlib.Path) -> None:
+    """Remove the temporary files that writers on this host which no longer run left in ``directory``
+    (`dead_leftovers`)."""
+    for name, pid in dead_leftovers(directory):
         with contextlib.suppress(OSError):
             os.unlink(directory / name)
-            logger.debug("removed {} left by a killed writer (pid {})", name, m.group(1))
+            logger.debug("removed {} left by a killed writer (pid {})", name, pid)
 
 
 def _alive(pid: int) -> bool:
@@ -250,7 +256,7 @@ def _make_parents(directory: pathlib.Path) -> list[pathlib.Path]:
     except OSError as exc:
         _remove_dirs(missing)
         raise CheckpointError(f"cannot create the directory '{directory}' for the checkpoint: {exc}") from exc
-    _fsync_dir(d)
+    fsync_dir(d)
     return missing
 
 
@@ -296,7 +302,7 @@ def write(plan: fmt.Plan, target: pathlib.Path) -> None:
         if isinstance(exc, OSError):
             raise CheckpointError(f"writing '{target}' failed ({exc}); the previous file, if any, is intact") from exc
         raise
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 def _write_plan(fd: int, plan: fmt.Plan) -> None:
