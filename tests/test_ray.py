@@ -9,6 +9,7 @@ script tests/scripts/ray_job.py with ``DISTFN_LAUNCHER=ray``. Without Ray they s
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import json
 import os
@@ -200,9 +201,10 @@ def test_a_failing_rank_raises_worker_error_with_rank_host_and_traceback(ray_clu
     assert not (tmp_path / "model.safetensors").exists()
 
 
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_ctrl_c_in_the_driver_kills_the_actors(ray_cluster: str, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _hanging_job(ray_cluster: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """``ray_job.py`` with every rank hanging: yields the driver and the ranks' actor pids once both started; the
+    driver is killed on the way out if it still runs."""
     proc = subprocess.Popen([sys.executable, str(JOB)], env=job_env(ray_cluster, tmp_path, DISTFN_TEST_HANG="1"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -211,7 +213,17 @@ def test_ctrl_c_in_the_driver_kills_the_actors(ray_cluster: str, tmp_path: Path)
         while not all(p.exists() and p.read_text() for p in started):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)[0][-4000:]
             time.sleep(0.5)
-        pids = [int(p.read_text()) for p in started]
+        yield proc, [int(p.read_text()) for p in started]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_ctrl_c_in_the_driver_kills_the_actors(ray_cluster: str, tmp_path: Path) -> None:
+    with _hanging_job(ray_cluster, tmp_path) as (proc, pids):
         proc.send_signal(signal.SIGINT)
         try:
             output, _ = proc.communicate(timeout=30)
@@ -220,10 +232,6 @@ def test_ctrl_c_in_the_driver_kills_the_actors(ray_cluster: str, tmp_path: Path)
             # calls. A second Ctrl-C, as a user would press, must still kill the actors.
             proc.send_signal(signal.SIGINT)
             output, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode != 0
     assert "interrupted: killing the 2 Ray actor(s)" in output, output[-4000:]
 
@@ -260,20 +268,9 @@ def test_the_ray_example_trains_on_the_cluster(ray_cluster: str, tmp_path: Path)
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_an_actor_killed_from_outside_is_reported_as_a_dead_actor(ray_cluster: str, tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, str(JOB)], env=job_env(ray_cluster, tmp_path, DISTFN_TEST_HANG="1"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + JOB_TIMEOUT
-        started = tmp_path / "started1"
-        while not (started.exists() and started.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)[0][-4000:]
-            time.sleep(0.5)
-        os.kill(int(started.read_text()), signal.SIGKILL)  # rank 1's actor dies without a word (as the OOM killer)
+    with _hanging_job(ray_cluster, tmp_path) as (proc, pids):
+        os.kill(pids[1], signal.SIGKILL)  # rank 1's actor dies without a word (as the OOM killer would do it)
         output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 1, output[-4000:]
     assert "WorkerError: rank 1 (pid" in output and "failed with ActorDied: this rank's Ray actor died" in output, \
         output[-4000:]
