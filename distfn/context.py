@@ -25,7 +25,7 @@ from .data import DistributedLoader
 from .devices import collective_device
 from .errors import CheckpointError, ConfigError
 from .modules import unwrap_module
-from .options import ONE_PROCESS_MODES
+from .options import Mode, Precision, runs_one_process, shards_state
 from .progress import Progress
 
 
@@ -63,11 +63,11 @@ class Context:
     num_nodes: int
     device: torch.device
     backend: str | None
-    mode: str
+    mode: Mode
     launcher: str
     seed: int | None = None
     log: Any = attrs.field(default=None, repr=False)
-    precision: str = "32"
+    precision: Precision = "32"
     restart: int = 0
     _loop: amp.LoopState | None = attrs.field(default=None, init=False, repr=False)  # made on first use
 
@@ -113,7 +113,7 @@ class Context:
             seed: the shuffle seed; defaults to the run's seed (or 0).
             drop_last: drop the tail that does not divide evenly instead of padding it with duplicates.
         """
-        replicas, rank = (self.world_size, self.rank) if self.mode not in ONE_PROCESS_MODES else (1, 0)
+        replicas, rank = (self.world_size, self.rank) if not runs_one_process(self.mode) else (1, 0)
         return DistributedSampler(
             dataset,
             num_replicas=replicas,
@@ -390,7 +390,7 @@ class Context:
         """
         checkpoint.background.wait()  # the previous (asynchronous) save first; its failure is raised here
         checked_in = False
-        if rng and self.mode == "fsdp":
+        if rng and shards_state(self.mode):
             checkin.check_in("ctx.save")  # before the RNG gather: a rank-0-only call must fail there, not hang in it
             checked_in = True
         if rng:
@@ -403,7 +403,7 @@ class Context:
             if not checked_in:
                 checkin.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
             return checkpoint.sharded.save(obj, path, metadata=metadata, keep=keep, blocking=blocking)
-        if self.mode == "fsdp":
+        if shards_state(self.mode):
             from . import fsdp  # deferred: only mode='fsdp' needs it (~0.1 s on a busy machine)
 
             return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in,
@@ -439,7 +439,7 @@ class Context:
         checkpoint.background.wait()  # a pending asynchronous save (perhaps of this very path) lands first
         if os.path.isdir(path):  # a sharded checkpoint: each rank reads its own slices, any world size and mode
             values = checkpoint.sharded.load_into(path, into, device=self.device, strict=strict)
-        elif self.mode == "fsdp":
+        elif shards_state(self.mode):
             from . import fsdp  # deferred: only mode='fsdp' needs it (~0.1 s on a busy machine)
 
             values = fsdp.load(path, into, device=self.device, strict=strict)

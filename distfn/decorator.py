@@ -26,7 +26,18 @@ from loguru import logger
 from . import devices, logs, pernode, preflight, ray_launcher, rendezvous, shipping, spawn, topology, worker
 from .context import Context
 from .errors import ConfigError, NestedLaunchError
-from .options import DEFAULT_TIMEOUT, MODES, Options, default_nprocs, make_options, requested_nprocs, with_env
+from .options import (
+    DEFAULT_TIMEOUT,
+    MODES,
+    LauncherName,
+    Mode,
+    Options,
+    StartMethod,
+    default_nprocs,
+    make_options,
+    requested_nprocs,
+    with_env,
+)
 
 __all__ = ["DEFAULT_TIMEOUT", "MODES", "Options", "distributed"]
 
@@ -139,14 +150,14 @@ def distributed(
     fn: None = None,
     /,
     *,
-    mode: str = "ddp",
+    mode: Mode = "ddp",
     nprocs: int | None = None,
     backend: str | None = None,
     seed: int | None = None,
     timeout: float | datetime.timedelta | None = None,
     devices: str | Sequence[int] | None = None,
-    start_method: str = "auto",
-    launcher: str = "auto",
+    start_method: StartMethod = "auto",
+    launcher: LauncherName = "auto",
     init_method: str | None = None,
     precision: str | int = "32",
     fsdp: Mapping[str, Any] | None = None,

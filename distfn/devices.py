@@ -16,6 +16,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from .errors import ConfigError, DistfnError, LauncherError
+from .options import Mode
 from .topology import Topology
 
 __all__ = [
@@ -91,7 +92,7 @@ def apply_visible_devices(devices: tuple[int, ...] | None) -> None:
         )
 
 
-def select_device(mode: str, topology: Topology, backend: str | None) -> torch.device:
+def select_device(mode: Mode, topology: Topology, backend: str | None) -> torch.device:
     """The device for this rank: ``cuda:(local_rank % device_count)`` when CUDA is there, else the CPU.
 
     With NCCL (the default on GPUs) two ranks cannot share a GPU, so more ranks on a node than visible GPUs is

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Literal, TypeVar, get_args
 
 import attrs
 import torch.distributed as dist
@@ -20,26 +20,40 @@ import torch.distributed as dist
 from .errors import ConfigError
 from .fsdp_options import parse_options as parse_fsdp_options
 
+#: A mode of ``@distributed(mode=...)``. The closed sets below are `Literal` types, so strict mypy rejects a
+#: misspelled value (``mode == "fdsp"`` is a non-overlapping comparison); ask `Options` (or the predicates
+#: below) instead of comparing strings where one exists.
+Mode = Literal["ddp", "fsdp", "dp", "single"]
+
+#: A value of ``@distributed(launcher=...)``: ``auto`` detects, the others force one.
+LauncherName = Literal["auto", "spawn", "torchrun", "slurm", "mpi", "ray"]
+
+#: A value of ``@distributed(start_method=...)``.
+StartMethod = Literal["auto", "fork", "forkserver", "spawn"]
+
+#: A normalised ``precision``: full fp32, bf16 autocast, fp16 autocast + GradScaler.
+Precision = Literal["32", "bf16", "16"]
+
 #: Valid values of ``@distributed(mode=...)``.
-MODES: Final = ("ddp", "fsdp", "dp", "single")
+MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 
 #: Modes that run exactly one process (no process group).
-ONE_PROCESS_MODES: Final = ("single", "dp")
+ONE_PROCESS_MODES: Final[tuple[Mode, ...]] = ("single", "dp")
 
 #: Modes with one process per device and a process group.
-MULTI_RANK_MODES: Final = ("ddp", "fsdp")
+MULTI_RANK_MODES: Final[tuple[Mode, ...]] = ("ddp", "fsdp")
 
 #: The default ``timeout`` of collectives and rendezvous.
 DEFAULT_TIMEOUT: Final = datetime.timedelta(minutes=30)
 
 #: Valid values of ``@distributed(start_method=...)``.
-START_METHODS: Final = ("auto", "fork", "forkserver", "spawn")
+START_METHODS: Final[tuple[StartMethod, ...]] = get_args(StartMethod)
 
 #: Valid values of ``@distributed(launcher=...)``: ``auto`` detects, the others force one.
-LAUNCHERS: Final = ("auto", "spawn", "torchrun", "slurm", "mpi", "ray")
+LAUNCHERS: Final[tuple[LauncherName, ...]] = get_args(LauncherName)
 
 #: Accepted values of ``@distributed(precision=...)``: full fp32, bf16 autocast, fp16 autocast + GradScaler.
-PRECISIONS: Final = ("32", "bf16", "16")
+PRECISIONS: Final[tuple[Precision, ...]] = get_args(Precision)
 _PRECISION_ALIASES: Final = {32: "32", 16: "16", "fp32": "32", "float32": "32", "fp16": "16", "float16": "16",
                              "bfloat16": "bf16"}
 
@@ -66,11 +80,22 @@ RESTART_ENV: Final = "DISTFN_RESTART"
 
 
 # -- argument conversion (each raises ConfigError naming the argument and how to fix it) ------------------------
-def check_mode(mode: str) -> str:
+def check_mode(mode: Any) -> Mode:
     """``mode`` unchanged when it is one of `MODES`."""
-    if mode not in MODES:
-        raise ConfigError(f"mode={mode!r} is not a distfn mode; valid modes are: {', '.join(map(repr, MODES))}")
-    return mode
+    for known in MODES:
+        if mode == known:
+            return known
+    raise ConfigError(f"mode={mode!r} is not a distfn mode; valid modes are: {', '.join(map(repr, MODES))}")
+
+
+def runs_one_process(mode: Mode) -> bool:
+    """``mode`` runs exactly one process without a process group (``single``, ``dp``)."""
+    return mode in ONE_PROCESS_MODES
+
+
+def shards_state(mode: Mode) -> bool:
+    """``mode`` shards parameters, gradients and optimizer state over the ranks (``fsdp``)."""
+    return mode == "fsdp"
 
 
 def check_nprocs(nprocs: Any, source: str = "nprocs") -> int | None:
@@ -179,18 +204,22 @@ def check_devices(devices: Any) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, choices))}")
-    return str(value)
+_C = TypeVar("_C", bound=str)
 
 
-def check_start_method(value: Any) -> str:
+def _check_choice(name: str, value: Any, choices: Sequence[_C]) -> _C:
+    for choice in choices:
+        if value == choice:
+            return choice
+    raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, choices))}")
+
+
+def check_start_method(value: Any) -> StartMethod:
     """One of `START_METHODS`."""
     return _check_choice("start_method", value, START_METHODS)
 
 
-def check_launcher(value: Any) -> str:
+def check_launcher(value: Any) -> LauncherName:
     """One of `LAUNCHERS`."""
     return _check_choice("launcher", value, LAUNCHERS)
 
@@ -228,16 +257,17 @@ def check_init_method(init_method: str | None) -> str | None:
     return init_method
 
 
-def check_precision(value: Any) -> str:
+def check_precision(value: Any) -> Precision:
     """Normalise ``precision`` to one of `PRECISIONS` (``32``/``16`` as ints and "fp16"-style names are
     accepted), raising `ConfigError` otherwise."""
     if isinstance(value, bool):
         value = None  # never a precision; falls through to the error
     name = _PRECISION_ALIASES.get(value, value) if isinstance(value, (int, str)) else None
-    if name not in PRECISIONS:
-        raise ConfigError(f"precision={value!r} is not valid; use one of {', '.join(map(repr, PRECISIONS))} "
-                          "(full float32, bfloat16 autocast, float16 autocast with a GradScaler)")
-    return str(name)
+    for known in PRECISIONS:
+        if name == known:
+            return known
+    raise ConfigError(f"precision={value!r} is not valid; use one of {', '.join(map(repr, PRECISIONS))} "
+                      "(full float32, bfloat16 autocast, float16 autocast with a GradScaler)")
 
 
 def check_fsdp(value: Any) -> Any:
@@ -255,16 +285,16 @@ class Options:
     checked on construction, so an `Options` is always valid (``attrs.evolve`` checks again).
     """
 
-    mode: str = attrs.field(default="ddp", converter=check_mode)
+    mode: Mode = attrs.field(default="ddp", converter=check_mode)
     nprocs: int | None = attrs.field(default=None, converter=check_nprocs)
     backend: str | None = attrs.field(default=None, converter=check_backend)
     seed: int | None = attrs.field(default=None, converter=check_seed)
     timeout: datetime.timedelta = attrs.field(default=None, converter=check_timeout)
     devices: tuple[int, ...] | None = attrs.field(default=None, converter=check_devices)
-    start_method: str = attrs.field(default="auto", converter=check_start_method)
-    launcher: str = attrs.field(default="auto", converter=check_launcher)
+    start_method: StartMethod = attrs.field(default="auto", converter=check_start_method)
+    launcher: LauncherName = attrs.field(default="auto", converter=check_launcher)
     init_method: str | None = attrs.field(default=None, converter=check_init_method)
-    precision: str = attrs.field(default="32", converter=check_precision)
+    precision: Precision = attrs.field(default="32", converter=check_precision)
     fsdp: Any = attrs.field(default=None, converter=check_fsdp)  # distfn.fsdp_options.FsdpOptions | None
     max_restarts: int = attrs.field(default=0, converter=check_max_restarts)
     requeue: bool = attrs.field(default=False, converter=check_requeue)
@@ -273,7 +303,7 @@ class Options:
         if self.one_process and self.nprocs not in (None, 1):
             raise ConfigError(f"mode={self.mode!r} runs one process, but nprocs={self.nprocs}; "
                               "use mode='ddp' for several processes")
-        if self.fsdp is not None and self.mode != "fsdp":
+        if self.fsdp is not None and not self.shards_state:
             raise ConfigError(f"fsdp= options were given but mode={self.mode!r}; use mode='fsdp' or drop fsdp=")
         if self.devices is not None and self.nprocs is not None and self.multi_rank \
                 and self.nprocs > len(self.devices) and (self.backend or "nccl") == "nccl":
@@ -283,7 +313,12 @@ class Options:
     @property
     def one_process(self) -> bool:
         """The mode runs exactly one process without a process group (``single``, ``dp``)."""
-        return self.mode in ONE_PROCESS_MODES
+        return runs_one_process(self.mode)
+
+    @property
+    def shards_state(self) -> bool:
+        """The mode shards parameters, gradients and optimizer state over the ranks (``fsdp``)."""
+        return shards_state(self.mode)
 
     @property
     def multi_rank(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
-from .options import check_precision
+from .options import Precision, check_precision
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 class LoopState:
     """Per-process state of the loop helpers: the precision, the GradScaler (fp16), the active accumulator."""
 
-    precision: str = attrs.field(default="32", converter=check_precision)
+    precision: Precision = attrs.field(default="32", converter=check_precision)
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     accumulator: Accumulator | None = None
     _scaler: Any = attrs.field(default=None, init=False)

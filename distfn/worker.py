@@ -111,7 +111,7 @@ def size_thread_pool(local_world_size: int) -> str:
 def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any) -> str:
     """Start this rank's process group; returns its backend."""
     backend = opts.backend or devices.default_backend(device)
-    if opts.mode == "fsdp":  # cpu_offload on GPUs needs gloo beside NCCL (fsdp.required_backend)
+    if opts.shards_state:  # cpu_offload on GPUs needs gloo beside NCCL (fsdp.required_backend)
         from . import fsdp  # deferred: fsdp imports torch._dynamo (~1.5 s); only fsdp jobs pay for it
 
         backend = fsdp.required_backend(opts.fsdp, backend)
@@ -156,7 +156,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         if opts.multi_rank:
             backend = _join_group(opts, topology, device, store)
             started_group = True
-            if opts.mode == "fsdp":  # sharded like ddp needs the group; plus the ctx.save check-in bookkeeping
+            if opts.shards_state:  # sharded like ddp needs the group; plus the ctx.save check-in bookkeeping
                 from . import fsdp  # deferred: see _join_group
 
                 fsdp.begin(topology.rank, topology.world_size, opts.fsdp)
@@ -194,7 +194,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             failures.report_in_place(topology.rank, exc)
         raise
     finally:
-        if opts.mode == "fsdp":
+        if opts.shards_state:
             from . import fsdp  # deferred: see above
 
             fsdp.finish()  # ranks waiting in an fsdp ctx.save learn that this one will never join it

@@ -15,13 +15,13 @@ from loguru import logger
 from torch import nn
 
 from .errors import ConfigError
-from .options import MULTI_RANK_MODES
+from .options import MULTI_RANK_MODES, Mode, shards_state
 
 
 def wrap(
     model: nn.Module,
     *,
-    mode: str,
+    mode: Mode,
     device: torch.device,
     is_main: bool,
     sync_batchnorm: bool = False,
@@ -44,7 +44,7 @@ def wrap(
         raise ConfigError(f"ctx.wrap expects a torch.nn.Module, got {type(model).__name__}")
     if ddp_kwargs and mode not in MULTI_RANK_MODES:
         raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={mode!r}")
-    if mode == "fsdp":
+    if shards_state(mode):
         from . import fsdp  # deferred: only mode='fsdp' needs it; its first wrap imports torch._dynamo (~1.5 s)
 
         if sync_batchnorm:

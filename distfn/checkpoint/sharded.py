@@ -48,6 +48,7 @@ from torch import nn
 from .. import tree
 from ..errors import CheckpointError
 from ..modules import indexed_optimizer_state, unwrap_module
+from ..options import Mode, shards_state
 from . import background, storage
 from . import format as fmt
 
@@ -80,12 +81,12 @@ PathLike = str | os.PathLike[str]
 # Names and the rule for ctx.save
 
 
-def wants_sharded(path: PathLike, mode: str, sharded: bool | None) -> bool:
+def wants_sharded(path: PathLike, mode: Mode, sharded: bool | None) -> bool:
     """The rule of ``ctx.save``: ``sharded=`` when given, else sharded in ``mode="fsdp"`` exactly when the path
     does not end in ``.safetensors`` (``ckpt/step-1200`` is a directory, ``ckpt-1200.safetensors`` one file)."""
     if sharded is not None:
         return bool(sharded)
-    return mode == "fsdp" and not os.fspath(path).endswith(".safetensors")
+    return shards_state(mode) and not os.fspath(path).endswith(".safetensors")
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:
