@@ -10,7 +10,9 @@ Variants (each a real script run as a fresh process, interleaved over rounds):
   call: a CUDA driver call, which matters only where GPUs are visible), ``distfn, notebook-like __main__`` (the
   same script as ``python -c``, matmul included: what was defined there is shipped by value), and
   ``distfn, torch op before decoration`` (no safe moment to copy the process: the fork server is a fresh
-  interpreter started at decoration). distfn then starts the workers from its fork server (`distfn.shipping`);
+  interpreter started at decoration). distfn then starts the workers from its fork server
+  (`distfn.launch.forkserver`): made at decoration where the call is expected to need it (an interactive
+  ``__main__``, a process already unsafe to fork), else started at the call (``after a torch op`` in a script);
 * ``raw fork``: ``torch.multiprocessing.start_processes(start_method="fork")``: the floor, torch imported once;
 * ``raw spawn``: ``torch.multiprocessing.spawn``: every worker imports torch again;
 * ``torchrun``: ``torchrun --nproc_per_node=N script.py``;
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                    "raw fork": "the floor: torch imported once, then fork",
                    "raw spawn": "every worker imports torch again",
                    "distfn": "default start method (fork: safe here)",
-                   "distfn, after a torch op": "fork unsafe: fork server copied at decoration",
+                   "distfn, after a torch op": "fork unsafe by the call: fork server started at the call",
                    "distfn, after is_available()": "fork unsafe where GPUs are visible (else forks)",
                    "distfn, notebook-like __main__": "python -c, after a torch op: shipped by value",
                    "distfn, torch op before decoration": "fork server: a fresh interpreter started at decoration"},

@@ -6,12 +6,16 @@
   DDP step, and prints a pass/fail line with the time of each. ``--gpu`` runs it over NCCL on the GPUs. The
   exit status is non-zero when a check fails.
 - ``distfn env`` prints what distfn would detect in this process, the first thing to paste into a bug report:
-  the launcher and why, the ranks, the device of each rank and how ``CUDA_VISIBLE_DEVICES`` maps program indices
-  to physical GPUs, the default backend, CPUs and memory, the versions of torch / CUDA / NCCL / the driver, and
-  the launcher variables that are set. Nothing is started: no process group, no worker, no name lookup. Under
-  a launcher every rank prints one block headed by its rank (``--rank0``: rank 0 only).
+  the launcher and why, the plan a decorated ``mode="ddp"`` call would execute here (the same
+  `distfn.plan.CallPlan` the call executes: how it runs, this machine's ranks, the world size), each rank's
+  device and how ``CUDA_VISIBLE_DEVICES`` maps program indices to physical GPUs, the default backend, CPUs and
+  memory, the versions of torch / CUDA / NCCL / the driver, and the launcher variables that are set. Nothing is
+  started: no process group, no worker, no name lookup. Under a launcher every rank prints one block headed by
+  its rank (``--rank0``: rank 0 only).
 
-Output here is for a person at a terminal, so this module prints (the library itself logs).
+Output here is for a person at a terminal, so this module prints (the library itself logs). Its imports are all at
+the top: ``python -m distfn`` and the ``distfn`` script import the package (and so torch) before this module runs,
+so deferring them would defer nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,19 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import devices, load
+from .checkpoint import consolidate
+from .decorator import distributed
+from .errors import CheckpointError, ConfigError, DistfnError, WorkerError
+from .options import LAUNCHERS, Options, make_options, with_env
+from .plan import CallPlan, plan_call
+from .preflight import choose_start_method
+from .topology import describe
 
 __all__ = ["collect", "main", "render", "report", "smoke_checks"]
 
@@ -56,8 +73,6 @@ def _visible_mapping(env: Mapping[str, str], count: int) -> list[dict[str, Any]]
 
 
 def _cuda(env: Mapping[str, str]) -> dict[str, Any]:
-    import torch
-
     info: dict[str, Any] = {"available": False, "device_count": 0, "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
                             "mapping": [], "initialized": torch.cuda.is_initialized()}
     try:
@@ -102,9 +117,6 @@ def _machine() -> dict[str, Any]:
 
 
 def _versions() -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
     nccl = None
     if torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available():
         try:
@@ -129,43 +141,45 @@ def _start_method() -> tuple[str | None, str]:
     """What ``start_method="auto"`` would choose in this process. Asked before anything touches CUDA here:
     reading the device names below initialises CUDA, after which the answer would always be spawn."""
     try:
-        from .preflight import choose_start_method
-
         return choose_start_method("auto")
     except Exception as exc:  # noqa: BLE001
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _plan(describe: Mapping[str, Any], cuda: Mapping[str, Any], env: Mapping[str, str],
+def _plan(plan: CallPlan | None, error: str | None, cuda: Mapping[str, Any],
           start_method: tuple[str | None, str] = (None, "")) -> dict[str, Any]:
-    """Ranks, device per rank and backend that a decorated ``mode="ddp"`` call would use here."""
-    from .errors import ConfigError
-    from .options import NPROCS_ENV, default_nprocs, make_options, requested_nprocs
-
+    """The call's plan as JSON-ready data: how it runs, the processes of this machine, the world size, and the
+    device of each local rank (`distfn.devices`' rule: ``cuda:(local_rank % count)``)."""
     count = cuda["device_count"]
-    plan: dict[str, Any] = {"backend": "nccl" if count else "gloo"}
-    topo = describe.get("topology")
-    local_ranks: range = range(0)
-    if describe.get("launcher") in ("spawn", "local"):
-        opts = make_options({})
-        try:  # the decorator's own rule: DISTFN_NPROCS, else one per visible GPU, else 1
-            requested, nprocs = requested_nprocs(opts, env), default_nprocs(opts, env, lambda: count)
-        except ConfigError as exc:
-            plan["error"], requested, nprocs = str(exc), None, 0
-        source = NPROCS_ENV if requested is not None else ("visible CUDA devices" if count else "no CUDA: one process")
-        plan["nprocs"], plan["nprocs_source"] = nprocs, source
-        if nprocs > 1:
-            plan["start_method"], plan["start_method_reason"] = start_method
-        local_ranks = range(nprocs)
-    elif topo is not None:
-        local_ranks = range(topo["local_rank"], topo["local_rank"] + 1)
+    device = devices.device_for(0, count)
+    out: dict[str, Any] = {"backend": devices.default_backend(device)}
+    if plan is None:
+        out.update(error=error, nprocs=0, devices=[])
+        return out
+    out.update(kind=plan.kind, reason=plan.reason, nprocs=plan.nprocs, nprocs_source=plan.source,
+               world_size=plan.world_size, notes=[note.text for note in plan.notes])
+    if plan.layout is not None:
+        out.update(num_nodes=plan.layout.num_nodes, node_rank=plan.layout.node_rank,
+                   workers_per_node=plan.layout.local_world_size,
+                   rendezvous=f"{plan.layout.master_addr}:{plan.layout.master_port}")
+    if plan.launches:
+        out["start_method"], out["start_method_reason"] = start_method
     mapping = {m["index"]: m["physical"] for m in cuda["mapping"]}
-    plan["devices"] = [
-        {"local_rank": r, "device": f"cuda:{r % count}", "physical_gpu": mapping.get(r % count)} if count
-        else {"local_rank": r, "device": "cpu", "physical_gpu": None}
-        for r in local_ranks
-    ]
-    return plan
+    out["ranks"], out["devices"] = [], []
+    for rank, local_rank in plan.local_ranks():
+        where = devices.device_for(local_rank, count)
+        out["ranks"].append(rank)
+        out["devices"].append({"local_rank": local_rank, "device": str(where),
+                               "physical_gpu": mapping.get(where.index) if where.index is not None else None})
+    return out
+
+
+def _call_plan(opts: Options, env: Mapping[str, str], argv: Sequence[str],
+               count: int) -> tuple[CallPlan | None, str | None]:
+    try:
+        return plan_call(opts, env, argv, lambda: count, nested=False), None
+    except DistfnError as exc:
+        return None, str(exc)
 
 
 def collect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = None,
@@ -178,26 +192,31 @@ def collect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = N
         launcher: as ``@distributed(launcher=...)``: ``"auto"`` detects, the others force one.
 
     Returns:
-        The keys ``host``, ``pid``, ``launcher`` (what was detected and why), ``plan`` (processes, start
-        method, device of each local rank, backend), ``cuda``, ``machine`` (CPUs, memory), ``versions`` and
-        ``variables`` (the launcher, CUDA and ``DISTFN_*`` variables that are set).
+        The keys ``host``, ``pid``, ``launcher`` (what was detected and why), ``plan`` (the `distfn.plan.CallPlan`
+        of a ``mode="ddp"`` call here: kind, processes and where the count comes from, world size, start method,
+        device of each local rank, backend; ``error`` when the call would fail), ``cuda``, ``machine`` (CPUs,
+        memory), ``versions`` and ``variables`` (the launcher, CUDA and ``DISTFN_*`` variables that are set).
     """
-    from .topology import describe
-
     env = dict(os.environ if env is None else env)
-    launcher = env.get("DISTFN_LAUNCHER", "").strip() or launcher  # the call path's override (options.with_env)
-    detected = describe(env, tuple(argv or ()), launcher)
+    argv = tuple(argv or ())
+    opts = make_options({"launcher": launcher})
+    try:
+        opts = with_env(opts, env)  # DISTFN_LAUNCHER & co., as the call sees them
+    except ConfigError:
+        pass  # the plan reports it
+    detected = describe(env, argv, opts.launcher)
     start_method = _start_method()
     cuda = _cuda(env)
-    plan = _plan(detected, cuda, env, start_method)
-    if detected["launcher"] == "spawn" and plan.get("nprocs") == 1:
+    plan, error = _call_plan(make_options({"launcher": launcher}), env, argv, cuda["device_count"])
+    if plan is not None and plan.kind == "one-process":
         # One process runs in place (no worker is started): what the run itself reports as `local`.
-        detected = {**detected, "launcher": "local", "reason": f"one process, run in place ({plan['nprocs_source']})"}
+        detected = {**detected, "launcher": "local", "reason": plan.reason}
     variables = dict(detected.pop("variables"))
     variables.update({k: env[k] for k in _EXTRA_VARIABLES if k in env})
     variables.update({k: v for k, v in env.items() if k.startswith("DISTFN_")})
-    return {"host": socket.gethostname(), "pid": os.getpid(), "launcher": detected, "plan": plan, "cuda": cuda,
-            "machine": _machine(), "versions": _versions(), "variables": dict(sorted(variables.items()))}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "launcher": detected,
+            "plan": _plan(plan, error, cuda, start_method), "cuda": cuda, "machine": _machine(),
+            "versions": _versions(), "variables": dict(sorted(variables.items()))}
 
 
 def _line(key: str, value: Any) -> str:
@@ -213,9 +232,21 @@ def _render_launcher(det: Mapping[str, Any], plan: Mapping[str, Any]) -> list[st
     for name, why in det.get("candidates", {}).items():
         if name != det["launcher"] and not (det.get("error") and why.startswith("inconsistent")):
             out.append(_line(f"also set: {name}", why))
-    out += ["", "ranks"]
+    return [*out, "", "ranks", *_render_ranks(det, plan)]
+
+
+def _render_ranks(det: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
     topo = det.get("topology")
-    if topo is not None:
+    if plan.get("kind") == "pernode":
+        out.append(_line("one task per node", f"{plan['workers_per_node']} workers on each of {plan['num_nodes']} "
+                                              f"nodes ({plan['nprocs_source']})"))
+        out.append(_line("world size", plan["world_size"]))
+        ranks = plan["ranks"]
+        out.append(_line("this node", f"node {plan['node_rank']} of {plan['num_nodes']}: ranks {ranks[0]}-"
+                                      f"{ranks[-1]}"))
+        out.append(_line("rendezvous", plan["rendezvous"]))
+    elif topo is not None:
         out.append(_line("rank", f"{topo['rank']} of {topo['world_size']}"))
         out.append(_line("local rank", f"{topo['local_rank']} of {topo['local_world_size']}"))
         out.append(_line("node", f"{topo['node_rank']} of {topo['num_nodes']}"))
@@ -231,8 +262,10 @@ def _render_launcher(det: Mapping[str, Any], plan: Mapping[str, Any]) -> list[st
             out.append(_line("start method", f"{plan['start_method']}: {plan['start_method_reason']}"))
         out.append(_line("rendezvous", "127.0.0.1, a free port chosen at launch"))
     elif det["launcher"] == "ray":
-        out.append(_line("ray", "one actor per rank (nprocs= / DISTFN_NPROCS, else one per GPU of the cluster)"))
+        count = f"{plan['nprocs']} ({plan['nprocs_source']})" if plan.get("nprocs") else plan.get("nprocs_source")
+        out.append(_line("ray", f"one actor per rank: {count or 'one per GPU of the cluster'}"))
         out.append(_line("rendezvous", "rank 0's node, a free port chosen at launch"))
+    out += [_line("note", note) for note in plan.get("notes", ())]
     return out
 
 
@@ -278,7 +311,8 @@ def _print_env(args: argparse.Namespace, argv: Sequence[str]) -> int:
         text = (f"===== rank {topo['rank']} of {topo['world_size']} (local rank {topo['local_rank']}, node "
                 f"{topo['node_rank']}) on {info['host']} =====\n{text}")
         time.sleep(min(topo["rank"], 64) * 0.05)
-    os.write(sys.stdout.fileno(), (text + "\n").encode())
+    # An environment value that is not UTF-8 reaches Python as lone surrogates: shown escaped, not a crash.
+    os.write(sys.stdout.fileno(), (text + "\n").encode("utf-8", "backslashreplace"))
     # Non-zero when the launcher variables are inconsistent: the job itself would refuse to start.
     return 1 if info["launcher"].get("error") else 0
 
@@ -290,11 +324,6 @@ def smoke_checks(cfg: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
     A wrong value is a failed check (the ranks agree on it, so they all go on); an exception on a rank ends the
     job with a `WorkerError` naming that rank, which ``distfn test`` reports as the failure.
     """
-    import torch
-    from torch import nn
-
-    from . import load
-
     started = time.time() - cfg["t0"]
     checks: list[dict[str, Any]] = [
         {"name": "start", "ok": True, "seconds": started,
@@ -354,11 +383,6 @@ def _format_seconds(seconds: float) -> str:
 
 def _run_test(args: argparse.Namespace) -> int:
     t0 = time.time()
-    import torch
-
-    from . import WorkerError, distributed
-    from .errors import DistfnError
-
     options: dict[str, Any] = {"mode": "ddp", "seed": 0, "timeout": args.timeout}
     if args.gpu:
         gpus = torch.cuda.device_count()
@@ -428,17 +452,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_version("distfn"))
         return 0
     if args.command == "env":
-        from .options import LAUNCHERS
-
         if args.launcher not in LAUNCHERS:
             parser.error(f"--launcher must be one of {', '.join(LAUNCHERS)}")
         return _print_env(args, given)
     if args.command == "test":
         return _run_test(args)
     if args.command == "consolidate":
-        from .checkpoint import consolidate
-        from .errors import CheckpointError
-
         try:
             print(consolidate(args.directory, args.out))
         except CheckpointError as exc:

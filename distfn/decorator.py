@@ -1,13 +1,18 @@
-"""``@distributed``: validate everything at decoration time, then at call time choose how to run.
+"""``@distributed``: validate the arguments at decoration time, then at each call execute the call's plan.
 
-    train(cfg) ─┬─ inside a running worker?        → NestedLaunchError
-                ├─ one task per node, more wanted? → spawn them on every node, global ranks (distfn.pernode)
-                ├─ an external launcher detected?  → run in place, one rank per process (torchrun/srun/mpirun)
-                ├─ one process (mode single/dp, or nprocs == 1) → run in place
-                └─ otherwise                       → spawn nprocs workers, return rank 0's value
+    train(cfg) -> plan_call(...)  (distfn.plan: pure, the one answer to "how will this call run?")
+                ├─ nested      → NestedLaunchError
+                ├─ ray         → the ranks as Ray actors (distfn.launch.ray)
+                ├─ pernode     → this node's workers with global ranks (distfn.launch.pernode + launch.local)
+                ├─ in-place    → run here, one rank per process (torchrun/srun/mpirun/env://)
+                ├─ one-process → run here as the only rank
+                └─ spawn       → start nprocs local workers, return rank 0's value (distfn.launch.local)
 
-The arguments themselves (their validation, the process-count rule) are `distfn.options`; the checks before
-a launch are `distfn.preflight`; the launch is `distfn.spawn`; every rank runs `distfn.worker.run`.
+Decoration reads no environment variable and resolves no host: whatever is wrong with the environment is an error
+of the call. The one thing decoration may start is the fork server, where the plan says the call will launch
+workers with forkserver (`distfn.launch.forkserver`); that never fails the decoration. The arguments themselves
+(their validation, the process-count rule) are `distfn.options`; the checks before a launch are
+`distfn.preflight`; every rank runs `distfn.worker.run`.
 """
 
 from __future__ import annotations
@@ -23,21 +28,13 @@ from typing import Any, TypeVar, overload
 import torch
 from loguru import logger
 
-from . import devices, logs, pernode, preflight, ray_launcher, rendezvous, shipping, spawn, topology, worker
+from . import devices, logs, preflight, rendezvous, topology, worker
 from .context import Context
-from .errors import ConfigError, NestedLaunchError
-from .options import (
-    DEFAULT_TIMEOUT,
-    MODES,
-    LauncherName,
-    Mode,
-    Options,
-    StartMethod,
-    default_nprocs,
-    make_options,
-    requested_nprocs,
-    with_env,
-)
+from .errors import ConfigError, DistfnError, NestedLaunchError
+from .launch import forkserver, local, pernode, shipping
+from .launch import ray as ray_launch
+from .options import DEFAULT_TIMEOUT, MODES, LauncherName, Mode, Options, StartMethod, make_options
+from .plan import CallPlan, plan_call
 
 __all__ = ["DEFAULT_TIMEOUT", "MODES", "Options", "distributed"]
 
@@ -66,51 +63,88 @@ def _check_backend_fits(opts: Options) -> None:
                           f"(torch {torch.__version__}); use backend='gloo' or leave it unset")
 
 
-def _log_ignored(opts: Options, topo: topology.Topology | None) -> None:
-    """Say which options cannot apply when the function runs in place (under ``topo``'s launcher, or as the
-    only process when ``topo`` is ``None``)."""
-    if topo is not None:
-        requested = requested_nprocs(opts, os.environ)
-        if requested is not None and requested != topo.world_size and topo.rank == 0:
-            logger.info("nprocs={} is ignored: {} started {} processes", requested, topo.launcher, topo.world_size)
-    if opts.max_restarts and (topo is None or topo.rank == 0):
-        why = (f"{topo.launcher} started the processes; use its own restarts (torchrun --max-restarts)" if topo
-               else "one process runs in place; restarts need workers that distfn starts (nprocs >= 2)")
-        logger.warning("max_restarts={} has no effect here: {}", opts.max_restarts, why)
+def _plan(opts: Options) -> CallPlan:
+    """The plan of a call made here and now."""
+    return plan_call(opts, os.environ, sys.argv, devices.visible_gpus, nested=worker.in_worker())
+
+
+def _start_method(opts: Options) -> tuple[str, str, str | None]:
+    """(start method, why, which fork server forks the workers) for a launch now; under forkserver the server
+    runs when this returns. A server that cannot start is a `ConfigError` where forkserver was asked for by name,
+    else the launch falls back to spawn."""
+    method, reason = preflight.choose_start_method(opts.start_method)
+    if method != "forkserver":
+        return method, reason, None
+    try:
+        return method, reason, forkserver.ensure_server()
+    except ConfigError as exc:
+        if opts.start_method == "forkserver":
+            raise
+        logger.warning("{}; starting the workers with spawn instead", exc)
+        return "spawn", f"{reason}; the fork server cannot start here", None
+
+
+def _launch(sendable: Callable[..., R], cfg: Any, plan: CallPlan) -> R:
+    """Start the plan's local workers (a self-spawned job, or this node's part of a per-node launch)."""
+    preflight.check_main_guard(getattr(sendable, "__qualname__", "the function"))
+    method, reason, server = _start_method(plan.opts)
+    assert plan.nprocs is not None
+    if plan.layout is not None:
+        pernode.announce(plan.layout)
+        return local.launch(sendable, cfg, plan.opts, plan.nprocs, method=method, reason=reason, server=server,
+                            topology=plan.layout.topology)
+    return local.launch(sendable, cfg, plan.opts, plan.nprocs, method=method, reason=reason, server=server)
 
 
 def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: Any) -> R:
     """Run one job: ``fn`` is the user's function, ``sendable`` what spawn may pickle to reach it."""
-    name = getattr(fn, "__qualname__", "the function")
-    opts = with_env(opts, os.environ)  # DISTFN_PRECISION & co., read at each call
-    if worker.in_worker():
+    plan = _plan(opts)
+    if plan.kind == "nested":
         raise NestedLaunchError(
-            f"{name}() was called from inside a running distfn worker. A decorated function starts a whole job; "
-            "call the undecorated function instead (available as `decorated.__wrapped__`). If this comes from a "
-            "script being re-imported by a worker, put the call under `if __name__ == \"__main__\":`."
+            f"{getattr(fn, '__qualname__', 'the function')}() was called from inside a running distfn worker. A "
+            "decorated function starts a whole job; call the undecorated function instead (available as "
+            "`decorated.__wrapped__`). If this comes from a script being re-imported by a worker, put the call "
+            "under `if __name__ == \"__main__\":`."
         )
-    if opts.launcher == "ray":  # the ranks are Ray actors on the cluster's nodes, not processes of this machine
-        return ray_launcher.launch(fn, cfg, opts)
-    devices.apply_visible_devices(opts.devices)
-    _check_backend_fits(opts)
-    topo = topology.detect(os.environ, sys.argv, opts.launcher)
-    if topo is not None:
-        topo = rendezvous.resolve_rendezvous(topo)  # only multi-node MPI without MASTER_ADDR needs it
-        if opts.one_process and topo.world_size > 1:
-            raise ConfigError(f"mode={opts.mode!r} runs one process, but {topo.launcher} started "
-                              f"{topo.world_size}; use mode='ddp' or launch one process")
-        layout = pernode.plan(topo, opts, os.environ, devices.visible_gpus)
-        if layout is not None:  # one task per node: start the node's ranks here (distfn.pernode)
-            preflight.check_main_guard(name)
-            return spawn.launch(sendable, cfg, pernode.prepare(layout, opts), layout.local_world_size, layout)
-        _log_ignored(opts, topo)
-        return worker.run(fn, cfg, opts, topo)
-    nprocs = default_nprocs(opts, os.environ, devices.visible_gpus)
-    if nprocs == 1:
-        _log_ignored(opts, None)
-        return worker.run(fn, cfg, opts, topology.Topology.local())
-    preflight.check_main_guard(name)
-    return spawn.launch(sendable, cfg, opts, nprocs)
+    for note in plan.notes:
+        logger.log(note.level, note.text)
+    if plan.kind == "ray":  # the ranks are Ray actors on the cluster's nodes, not processes of this machine
+        return ray_launch.launch(fn, cfg, plan.opts)
+    devices.apply_visible_devices(plan.opts.devices)
+    _check_backend_fits(plan.opts)
+    if plan.kind in ("in-place", "pernode"):
+        assert plan.topology is not None
+        # the I/O that planning leaves out: the master's name lookup, and an MPI rendezvous over mpi4py
+        plan = plan.at(rendezvous.resolve_rendezvous(topology.check_master(plan.topology)))
+    if plan.launches:
+        return _launch(sendable, cfg, plan)
+    assert plan.topology is not None
+    return worker.run(fn, cfg, plan.opts, plan.topology)
+
+
+def _forkserver_expected(start_method: StartMethod) -> bool:
+    """Whether a launch will use the fork server: asked for by name; or ``"auto"`` where forking is unsafe already,
+    or in an interactive session (a notebook, a REPL), where torch runs in the cells between defining a function
+    and calling it, so forking is unsafe by the call (docs/notebooks.md: the server made at decoration is what
+    makes those calls fast). A script that is safe to fork now is expected to fork: it gets no server."""
+    if start_method == "forkserver":
+        return True
+    if start_method != "auto":
+        return False
+    return shipping.interactive_main() or preflight.choose_start_method("auto")[0] == "forkserver"
+
+
+def _start_early(opts: Options) -> None:
+    """At decoration: a fork server now, where calling the function here will launch workers with it. Never
+    raises: whatever is wrong with the environment is the call's error."""
+    if sys.platform != "linux" or opts.start_method not in ("auto", "forkserver"):
+        return
+    try:
+        plan = _plan(opts)
+    except DistfnError:
+        return  # the call explains what is wrong
+    if plan.launches and _forkserver_expected(plan.opts.start_method):
+        forkserver.start_early()
 
 
 def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | None = None) -> Callable[..., R]:
@@ -139,7 +173,7 @@ def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | 
 
     wrapper.distfn_options = opts  # type: ignore[attr-defined]
     wrapper.options = options  # type: ignore[attr-defined]
-    shipping.start_early(opts)  # a fork server while forking is still safe, if calling it will start workers
+    _start_early(opts)  # a fork server now, where the call will launch workers with forkserver
     return wrapper
 
 
@@ -186,7 +220,7 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
         devices: GPUs to use, e.g. ``"0,5"`` or ``[0, 5]``, applied through ``CUDA_VISIBLE_DEVICES`` (program
             index 1 is then physical GPU 5). Rank r uses ``cuda:(local_rank % device_count)``.
         start_method: ``"auto"`` (fork when this process has no CUDA context and no extra threads, else
-            forkserver: distfn's fork server, a copy of this process made at decoration, see docs/notebooks.md),
+            forkserver: distfn's fork server, see docs/notebooks.md),
             ``"fork"``, ``"forkserver"`` or ``"spawn"``.
         launcher: ``"auto"`` detects torchrun / MPI / SLURM; ``"spawn"``, ``"torchrun"``, ``"slurm"``,
             ``"mpi"`` force one (a forced launcher whose variables are missing is an error naming them);
@@ -210,7 +244,8 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take
-            ``(cfg, ctx)``.
+            ``(cfg, ctx)``; nothing else, ever: decoration does not judge the environment (a stray ``RANK``, a
+            ``MASTER_ADDR`` that does not resolve, a bad ``DISTFN_*`` value), the call does.
 
     The caller gets rank 0's return value (tensors moved to the CPU) when distfn spawned the workers; under an
     external launcher every process gets its own. A failing worker raises ``distfn.WorkerError``.

@@ -25,6 +25,7 @@ __all__ = [
     "collective_device",
     "counts_without_driver",
     "default_backend",
+    "device_for",
     "select_device",
     "visible_gpus",
 ]
@@ -105,7 +106,13 @@ def select_device(mode: Mode, topology: Topology, backend: str | None) -> torch.
         return torch.device("cuda", 0)  # DataParallel scatters from device 0 over all visible GPUs
     if backend is None or "nccl" in backend.lower():
         check_devices(topology, count, env=os.environ)
-    return torch.device("cuda", topology.local_rank % count)
+    return device_for(topology.local_rank, count)
+
+
+def device_for(local_rank: int, count: int) -> torch.device:
+    """The device of local rank ``local_rank`` on a node with ``count`` usable GPUs: ``cuda:(local_rank % count)``,
+    or the CPU without GPUs (the one rule, for the ranks and for ``distfn env``)."""
+    return torch.device("cuda", local_rank % count) if count > 0 else torch.device("cpu")
 
 
 def _cuda_usable() -> bool:

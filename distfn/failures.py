@@ -1,6 +1,6 @@
 """Failure records of ranks: what failed where, which failure is the root cause, and how to tell the user.
 
-Used by both paths: the launcher of a self-spawned job (`distfn.spawn`) collects a `Failure` per rank, orders
+Used by both paths: the launcher of a self-spawned job (`distfn.launch.local`) collects a `Failure` per rank, orders
 them (`order_failures`), adds what it can see from outside (`diagnose`) and raises one `WorkerError`; a rank
 started by torchrun / srun / mpirun has no distfn parent and reports itself (`report_in_place`). This module
 never imports the launcher (like torch's ``elastic/multiprocessing/errors``, which its launcher imports).

@@ -11,6 +11,7 @@ process group (`Options.multi_rank`) and how many processes to start (`requested
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal, TypeVar, get_args
 
@@ -165,7 +166,12 @@ def check_timeout(timeout: Any) -> datetime.timedelta:
     if isinstance(timeout, datetime.timedelta):
         value = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        value = datetime.timedelta(seconds=timeout)
+        if not math.isfinite(timeout):  # timedelta(seconds=inf) is a bare OverflowError, nan a bare ValueError
+            raise ConfigError(f"timeout must be a finite number of seconds, got {timeout!r}")
+        try:
+            value = datetime.timedelta(seconds=timeout)
+        except OverflowError:
+            raise ConfigError(f"timeout={timeout!r} seconds is too large (at most {datetime.timedelta.max})") from None
     else:
         raise ConfigError(f"timeout must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
     if value.total_seconds() <= 0:
@@ -374,9 +380,9 @@ def requested_nprocs(opts: Options, env: Mapping[str, str]) -> int | None:
     return opts.nprocs
 
 
-def default_nprocs(opts: Options, env: Mapping[str, str], visible_gpus: Callable[[], int]) -> int:
-    """How many processes a self-spawned job starts: the requested count, else 1 for the one-process modes,
-    else ``len(devices)``, else one per visible GPU (at least one). ``visible_gpus`` is asked only then."""
+def fixed_nprocs(opts: Options, env: Mapping[str, str]) -> int | None:
+    """The process count that the options alone decide: the requested count, else 1 for the one-process modes,
+    else ``len(devices)``; ``None``: one per GPU (of this machine, or of a Ray cluster)."""
     requested = requested_nprocs(opts, env)
     if requested is not None:
         if opts.one_process and requested != 1:  # nprocs= itself was checked at decoration time
@@ -386,4 +392,11 @@ def default_nprocs(opts: Options, env: Mapping[str, str], visible_gpus: Callable
         return 1
     if opts.devices is not None:
         return len(opts.devices)
-    return max(1, visible_gpus())
+    return None
+
+
+def default_nprocs(opts: Options, env: Mapping[str, str], visible_gpus: Callable[[], int]) -> int:
+    """How many processes a self-spawned job starts: `fixed_nprocs`, else one per visible GPU (at least one).
+    ``visible_gpus`` is asked only then (a Ray job passes the cluster's count, which may refuse zero)."""
+    fixed = fixed_nprocs(opts, env)
+    return fixed if fixed is not None else max(1, visible_gpus())

@@ -46,7 +46,7 @@ def thread_ids() -> frozenset[str]:
 # that is not among them at launch time (an OpenMP pool from an earlier torch op, a user's thread) makes fork
 # unsafe: GNU OpenMP's pool does not survive fork, and the children hang at their first parallel op (measured).
 # Thread ids, not a count: threads that torch starts during import may end later, and a count would then miss
-# an OpenMP thread that took their place. `import distfn` imports this module (decorator -> spawn -> preflight).
+# an OpenMP thread that took their place. `import distfn` imports this module (decorator -> preflight).
 BASELINE_THREADS = thread_ids()
 
 
@@ -83,7 +83,7 @@ def _cuda_blocks_fork() -> str | None:
 
 def _fallback(why: str) -> tuple[str, str]:
     """The start method when fork is unsafe: forkserver (workers fork from a clean server process that has
-    torch imported, see `distfn.shipping`) where it exists, else spawn (every worker imports torch again)."""
+    torch imported, see `distfn.launch.forkserver`) where it exists, else spawn (every worker imports torch again)."""
     if "forkserver" in mp.get_all_start_methods() and sys.platform.startswith("linux"):
         return "forkserver", why
     return "spawn", why

@@ -1,6 +1,7 @@
 """What every rank does around the user's function, whoever started the process.
 
-Both paths end here: a self-spawned worker (``spawn.py``) and a process started by torchrun / srun / mpirun (run
+Every path ends here: a worker of a distfn launcher (`distfn.launch.local`, `distfn.launch.ray`) and a
+process started by torchrun / srun / mpirun (run
 in place by ``decorator.py``). In order: pick and pin the device, size the CPU thread pool, seed, set up logging,
 start the process group, build the `Context`, call the function, and always destroy the process group.
 

@@ -181,3 +181,11 @@ def test_distfn_test_gpu_without_gpus_says_so() -> None:
         pytest.skip("GPUs are visible here: tests/test_gpu.py runs `distfn test --gpu`")
     done = _run("test", "--gpu")
     assert done.returncode == 2 and "no CUDA GPU is visible" in done.stderr
+
+
+def test_env_prints_a_value_that_is_not_utf8() -> None:
+    """An environment value holding a byte that is not UTF-8 is shown escaped (it crashed with UnicodeEncodeError)."""
+    bad = os.fsdecode(b"caf\xe9")  # what Python makes of the byte: a lone surrogate
+    text = _run("env", env={"DISTFN_NOTE": bad, "CUDA_VISIBLE_DEVICES": ""})
+    assert text.returncode == 0, text.stderr
+    assert "DISTFN_NOTE" in text.stdout and "caf" in text.stdout

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import distfn
-from distfn import Terminated, failures, spawn, worker
+from distfn import Terminated, failures, worker
+from distfn.launch import local
 
 HOST = socket.gethostname()
 
@@ -44,14 +45,14 @@ def test_main_stack_keeps_the_main_thread_above_distfn() -> None:
         "Current thread 0x00007f02 (most recent call first):\n"
         '  File "/home/u/train.py", line 7 in train\n'
         '  File "/x/distfn/worker.py", line 190 in run\n'
-        '  File "/x/distfn/spawn.py", line 441 in _entry\n'
+        '  File "/x/distfn/launch/local.py", line 441 in _entry\n'
     )
     # the launcher cuts at the frames of distfn's own start-up: the rank bootstrap and the spawn entry point
-    text = failures.main_stack(dump, spawn.BOOTSTRAP)
+    text = failures.main_stack(dump, local.BOOTSTRAP)
     assert 'train.py", line 7 in train' in text and "worker.py" not in text and "threading" not in text
     assert "1 other thread(s) not shown" in text
     assert failures.innermost_user_frame(text) == "train (/home/u/train.py:7)"
-    assert worker.run in spawn.BOOTSTRAP
+    assert worker.run in local.BOOTSTRAP
 
 
 def test_root_cause_ordering() -> None:

@@ -1,6 +1,6 @@
-"""The per-node launch rule (distfn.pernode): when one task per node becomes L local workers with global ranks.
+"""The per-node launch rule (distfn.launch.pernode): when one task per node becomes L local workers with global ranks.
 
-Pure tests: recorded launcher environments through `distfn.topology.detect`, then `distfn.pernode.plan`; the GPU
+Pure tests: recorded launcher environments through `distfn.topology.detect`, then `distfn.launch.pernode.plan`; the GPU
 count is injected. The real run (srun -N2 --ntasks-per-node=1 with DISTFN_NPROCS=2 -> 4 ranks) is
 tests/cluster/test_cluster_pernode.py.
 """
@@ -20,8 +20,8 @@ from typing import Final
 import pytest
 
 from distfn.errors import LauncherError
+from distfn.launch.pernode import NodeLayout, describe, plan, prepare
 from distfn.options import Options
-from distfn.pernode import NodeLayout, describe, plan, prepare
 from distfn.topology import Topology, detect
 
 from conftest import clean_env, free_port

@@ -1,4 +1,4 @@
-"""``launcher="ray"`` (distfn.ray_launcher): the rank layout rules without Ray, then real jobs on a local Ray cluster.
+"""``launcher="ray"`` (distfn.launch.ray): the rank layout rules without Ray, then real jobs on a local Ray cluster.
 
 The cluster tests start their own two-node Ray cluster on this machine (``ray start --head`` and a second raylet
 joining it, one CPU each, a small object store) and always stop it (``ray stop --force``). They run the unchanged
@@ -25,8 +25,8 @@ import pytest
 
 from distfn import distributed
 from distfn.errors import ConfigError
+from distfn.launch.ray import ActorPlace, assign_ranks, import_ray, ray_nprocs, topology_for
 from distfn.options import Options, with_env
-from distfn.ray_launcher import ActorPlace, assign_ranks, import_ray, ray_nprocs, topology_for
 
 from conftest import SCRIPTS, clean_env, free_port
 

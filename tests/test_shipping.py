@@ -1,8 +1,9 @@
-"""distfn.shipping: the fork server made at decoration, and shipping by value (issue 11).
+"""distfn.launch.forkserver and .shipping: the fork server made at decoration, and shipping by value (issue 11).
 
 What users rely on: after a torch op the workers still start (from the fork server) and see the launching
-process's environment as it is at the call; the server exists only where a call will start workers, and neither
-it nor the workers outlive the launching process; what a worker cannot find by name arrives by value.
+process's environment as it is at the call; the server exists only where a call will start workers with it (not
+for a plain fork launch, issue 25 item 9), a server that cannot start never fails the import, and neither it nor
+the workers outlive the launching process; what a worker cannot find by name arrives by value.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from distfn import shipping
+from distfn.launch import forkserver, shipping
 
 from conftest import clean_env, run_python
 
@@ -52,7 +53,8 @@ PROBE = """
 import os, sys
 import torch
 import distfn
-from distfn import distributed, shipping
+from distfn import distributed
+from distfn.launch import forkserver
 
 def children():
     import time
@@ -74,33 +76,43 @@ def list_children():
                 pass
     return sorted(out)
 
-print("import", children(), shipping.server_running())
+print("import", children(), forkserver.server_running())
 @distributed(mode="ddp", nprocs=1)
 def one(cfg, ctx): pass
-print("one process", children(), shipping.server_running())
+print("one process", children(), forkserver.server_running())
 @distributed(mode="ddp", nprocs=2)
 def two(cfg, ctx): pass
-print("two processes", children(), shipping.server_running())
+print("two processes", children(), forkserver.server_running())
+@distributed(mode="ddp", nprocs=2, start_method="forkserver")
+def served(cfg, ctx): pass
+print("forkserver", children(), forkserver.server_running())
 """
 
 
-def test_the_fork_server_exists_only_where_a_call_will_start_workers() -> None:
-    done = run_python(["-c", PROBE], timeout=120)
+def test_the_fork_server_exists_only_where_a_call_will_start_workers_with_it(tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    done = run_python([str(script)], timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "import [] False"  # `import distfn` starts nothing
     assert lines[1] == "one process [] False"  # runs in place: no server
-    assert lines[2] == f"two processes ['{shipping.SERVER_NAME}'] True"
+    assert lines[2] == "two processes [] False"  # a script safe to fork: a plain fork launch needs no server
+    assert lines[3] == f"forkserver ['{forkserver.SERVER_NAME}'] True"
+    # interactively (a notebook, `python -c`) torch runs between definition and call: the server is made at once
+    done = run_python(["-c", PROBE], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[2] == f"two processes ['{forkserver.SERVER_NAME}'] True"
     # under torchrun the call runs in place: no server either
     under_torchrun = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                                MASTER_PORT="29999", TORCHELASTIC_RUN_ID="x")
     done = run_python(["-c", PROBE], env=under_torchrun, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[2] == "two processes [] False"
+    assert done.stdout.splitlines()[3] == "forkserver [] False"
     # DISTFN_LAUNCHER=ray: Ray starts the ranks as actors, so no fork server here either
     done = run_python(["-c", PROBE], env=clean_env(DISTFN_LAUNCHER="ray"), timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[2] == "two processes [] False"
+    assert done.stdout.splitlines()[3] == "forkserver [] False"
 
 
 LATE_ENV = """
@@ -156,7 +168,7 @@ def test_server_and_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
             time.sleep(0.2)
         workers = [int(p.read_text()) for p in tmp_path.glob("pid*")]
         assert len(workers) == 2, proc.stderr.read().decode() if proc.poll() is not None else "no workers"
-        servers = [pid for pid, comm in _children(proc.pid).items() if comm == shipping.SERVER_NAME]
+        servers = [pid for pid, comm in _children(proc.pid).items() if comm == forkserver.SERVER_NAME]
         assert len(servers) == 1
         proc.send_signal(signal.SIGKILL)  # no chance to clean up
         proc.wait(timeout=10)
@@ -202,7 +214,8 @@ def test_a_script_sends_by_name_what_pickle_can_find(monkeypatch: pytest.MonkeyP
 
 OP_FIRST = """
 import torch
-from distfn import distributed, shipping
+from distfn import distributed
+from distfn.launch import forkserver
 
 torch.randn(600, 600) @ torch.randn(600, 600)  # before the decoration: no safe moment to copy this process
 
@@ -211,7 +224,7 @@ def job(cfg, ctx):
     return ctx.all_reduce(cfg["f"](ctx.rank), op="sum")
 
 if __name__ == "__main__":
-    print("RESULT", job({"f": lambda r: r + 5}), shipping.server_running())
+    print("RESULT", job({"f": lambda r: r + 5}), forkserver.server_running())
 """
 
 
@@ -222,3 +235,49 @@ def test_a_torch_op_before_the_decoration_gets_a_fresh_fork_server(tmp_path: Pat
     assert done.returncode == 0, done.stderr
     assert "RESULT 11 True" in done.stdout  # (0 + 5) + (1 + 5), the lambda by value
     assert "with forkserver" in done.stderr and "a fresh interpreter" in done.stderr
+
+
+LONG_TMPDIR_JOB = """
+import sys
+import torch
+from distfn import distributed
+
+@distributed(mode="ddp", nprocs=2, backend="gloo", start_method=sys.argv[1])
+def job(cfg, ctx):
+    return ctx.all_reduce(ctx.rank + 1, op="sum")
+
+if __name__ == "__main__":
+    print("IMPORTED", flush=True)
+    if sys.argv[2] == "op":
+        torch.randn(600, 600) @ torch.randn(600, 600)  # an OpenMP pool: fork is unsafe from here on
+    print("RESULT", job({}))
+"""
+
+
+def _long_tmpdir(tmp_path: Path) -> Path:
+    long = tmp_path / ("d" * 60) / ("e" * 60)  # over the ~108 bytes of an AF_UNIX path with pymp-*/listener-*
+    long.mkdir(parents=True)
+    return long
+
+
+def test_a_fork_script_runs_with_a_tmpdir_too_long_for_a_unix_socket(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(LONG_TMPDIR_JOB)
+    env = clean_env(TMPDIR=str(_long_tmpdir(tmp_path)), OMP_NUM_THREADS="2")
+    done = run_python([str(script), "auto", "plain"], env=env, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT 3" in done.stdout
+    # forking unsafe at the call: no fork server can start, so the workers start with spawn, saying why
+    done = run_python([str(script), "auto", "op"], env=env, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT 3" in done.stdout and "TMPDIR" in done.stderr and "spawn" in done.stderr
+
+
+def test_forkserver_by_name_with_a_tmpdir_too_long_is_a_config_error_at_the_call(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(LONG_TMPDIR_JOB)
+    env = clean_env(TMPDIR=str(_long_tmpdir(tmp_path)), OMP_NUM_THREADS="2")
+    done = run_python([str(script), "forkserver", "plain"], env=env, timeout=180)
+    assert done.returncode != 0
+    assert "IMPORTED" in done.stdout  # the import went through; the call failed
+    assert "ConfigError" in done.stderr and "TMPDIR=" in done.stderr and "too long" in done.stderr

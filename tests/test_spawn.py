@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distfn import spawn
+from distfn.launch import protocol
 
 from conftest import SCRIPTS, clean_env, run_python
 
@@ -43,7 +43,7 @@ def test_namedtuple_and_dict_subclass_results_come_back_detached_on_the_cpu() ->
 def test_to_cpu_keeps_container_types() -> None:
     Point = collections.namedtuple("Point", ["x", "y"])
     w = torch.ones(2, requires_grad=True)
-    out = spawn.to_cpu({"p": Point(w * 2, [w * 3]), "d": collections.defaultdict(list, a=(w,))})
+    out = protocol.to_cpu({"p": Point(w * 2, [w * 3]), "d": collections.defaultdict(list, a=(w,))})
     assert type(out["p"]) is Point and type(out["d"]) is collections.defaultdict and out["d"].default_factory is list
     assert not out["p"].x.requires_grad and not out["p"].y[0].requires_grad and not out["d"]["a"][0].requires_grad
     assert torch.equal(out["p"].x, torch.full((2,), 2.0))
@@ -56,9 +56,9 @@ def test_views_travel_with_their_own_bytes_only() -> None:
     assert got["values"] == [1.0, 2.0] and got["storage_bytes"] == 8
     assert got["cfg"] == [3.0, 4.0] and got["cfg_bytes"] == 8
     big = torch.arange(1000.0)
-    small = spawn.to_cpu({"a": big[10:12]})["a"]
+    small = protocol.to_cpu({"a": big[10:12]})["a"]
     assert small.tolist() == [10.0, 11.0] and small.untyped_storage().nbytes() == 8
-    whole = spawn.to_cpu(big)
+    whole = protocol.to_cpu(big)
     assert whole.data_ptr() == big.data_ptr()  # a tensor that is its whole storage is not copied
 
 

@@ -15,14 +15,15 @@ from typing import Any, Final
 import attrs
 import pytest
 
-from distfn import topology as topo_mod
-from distfn.errors import LauncherError
+from distfn.errors import ConfigError, LauncherError
+from distfn.options import Options
 from distfn.topology import (
     LAUNCHERS,
     MPI_FALLBACK_PORT,
     PORT_BASE,
     PORT_SPAN,
     Topology,
+    check_master,
     derive_port,
     describe,
     detect,
@@ -30,6 +31,7 @@ from distfn.topology import (
     expand_tasks_per_node,
     split_local_rank,
 )
+from distfn.topology import mpi as topo_mpi
 
 # ---------------------------------------------------------------------------------------------------------
 # Recorded environments
@@ -385,7 +387,7 @@ def test_mpirun_inside_one_node_sbatch_is_mpi(env: Mapping[str, str]) -> None:
 
 def test_mpirun_inside_two_node_sbatch_needs_a_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
     # Ranks see SLURM_STEP_ID=0 and SLURM_PROCID=<node index> of Open MPI's daemon step: MPI must win.
-    monkeypatch.setattr(topo_mod, "mpi4py_available", lambda: False)
+    monkeypatch.setattr(topo_mpi, "mpi4py_available", lambda: False)
     with pytest.raises(LauncherError) as err:
         run(MPIRUN_IN_SBATCH_2NODES_RANK3_RECORDED)
     msg = str(err.value)
@@ -404,7 +406,7 @@ def test_mpirun_two_nodes_with_master_addr_exported() -> None:
 
 
 def test_mpirun_two_nodes_with_mpi4py_defers_the_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(topo_mod, "mpi4py_available", lambda: True)
+    monkeypatch.setattr(topo_mpi, "mpi4py_available", lambda: True)
     t = run(MPIRUN_IN_SBATCH_2NODES_RANK3_RECORDED)
     assert t is not None and (t.master_addr, t.master_port) == (None, None) and "mpi4py" in t.reason
 
@@ -594,8 +596,9 @@ def test_launchers_tuple() -> None:
 
 
 def test_unknown_launcher() -> None:
-    with pytest.raises(LauncherError, match="'pbs' is not one of 'auto', 'spawn'"):
-        run({}, launcher="pbs")
+    # launcher names are checked once, by the options (detection takes only the checked names)
+    with pytest.raises(ConfigError, match="'pbs' is not valid; use one of 'auto', 'spawn'"):
+        Options(launcher="pbs")
 
 
 @pytest.mark.parametrize("env", [SRUN_N1_N2_TASK1_RECORDED, TORCHRUN_IN_SRUN_RANK3_RECORDED, {}])
@@ -687,7 +690,7 @@ def test_unresolvable_master_host() -> None:
 def test_default_resolver_accepts_loopback_and_ip_literals() -> None:
     for addr in ("127.0.0.1", "localhost", "::1"):
         t = detect(env_of(LAUNCH_MODULE_RANK1_RECORDED, MASTER_ADDR=addr), LAUNCH_MODULE_ARGV)
-        assert t is not None and t.master_addr == addr
+        assert t is not None and check_master(t).master_addr == addr
 
 
 def test_garbled_nodelist_names_the_variable() -> None:

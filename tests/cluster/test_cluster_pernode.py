@@ -1,4 +1,4 @@
-"""One task per node on the real two-virtual-node Slurm: distfn starts the node's ranks itself (distfn.pernode).
+"""One task per node on the real two-virtual-node Slurm: distfn starts the node's ranks itself (distfn.launch.pernode).
 
 ``srun -N2 --ntasks-per-node=1`` (and ``mpirun -npernode 1`` across the two nodes of an ``sbatch`` job) with
 ``DISTFN_NPROCS=2`` must give 4 ranks, numbered node by node, with identical weights and one checkpoint write;

@@ -6,10 +6,13 @@
       ├─ a placement group of one bundle per rank ({"CPU": 1, "GPU": 1} with GPUs), then one `RankActor` each
       ├─ where each actor runs -> `assign_ranks` (node ranks, local ranks, each node's CUDA_VISIBLE_DEVICES)
       ├─ rank 0's actor binds a free port on its node; every actor gets its `Topology` (launcher ``"ray"``)
-      ├─ each actor runs `distfn.worker.run` (the bootstrap every rank runs) and answers once:
-      │  ``("ok", value)`` / ``("error", Failure)``; an actor or node that died becomes a `Failure` saying so
+      ├─ each actor runs its rank as every distfn rank does (`distfn.launch.protocol.run_rank`) and answers once:
+      │  ``("ok", value)`` / ``("exit", Failure)`` (``sys.exit(0)``: an early exit, no error unless a peer fails)
+      │  / ``("error", Failure)``; an actor or node that died becomes a `Failure` saying so
       └─ the first failure -> `WorkerError` (root cause first); Ctrl-C -> the actors are killed; always: the
          actors are killed and the placement group removed, so nothing of the job is left on the cluster
+
+``max_restarts=`` has no effect here (logged at the call, `distfn.plan`): restart the job from the driver.
 
 The function and ``cfg`` travel by Ray's own serialisation (cloudpickle: a function defined in the script you
 run goes by value; one from a module must be importable on every node, as distfn itself must be). Ray is imported
@@ -25,18 +28,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
-import torch.distributed as dist
 from loguru import logger
 
-from . import worker
-from .errors import ConfigError, LauncherError, WorkerError
-from .failures import Failure, diagnose, order_failures
-from .options import NPROCS_ENV, Options, requested_nprocs
-from .spawn import to_cpu
-from .topology import Topology
+from .. import worker
+from ..errors import ConfigError, LauncherError, WorkerError
+from ..failures import Failure
+from ..options import NPROCS_ENV, Options, fixed_nprocs
+from ..topology import Topology
+from . import protocol
 
-__all__ = ["CPUS_PER_RANK", "ActorPlace", "Assignment", "RankActor", "assign_ranks", "launch", "ray_nprocs",
-           "topology_for"]
+__all__ = ["CPUS_PER_RANK", "ActorPlace", "Assignment", "RankActor", "assign_ranks", "check_options", "launch",
+           "ray_nprocs", "topology_for"]
 
 #: CPUs that each rank's actor reserves on its node (as Ray Train's workers do by default).
 CPUS_PER_RANK: Final = 1
@@ -58,22 +60,24 @@ def import_ray() -> Any:
 
 
 # -- pure rules (tested without Ray) -----------------------------------------------------------------------------
-def ray_nprocs(opts: Options, env: Mapping[str, str], cluster_gpus: float) -> int:
-    """How many ranks (actors) a Ray job starts: ``DISTFN_NPROCS`` / ``nprocs=``, else 1 in ``mode="single"``,
-    else one per GPU of the cluster; on a cluster without GPUs the count must be given (`ConfigError`)."""
+def check_options(opts: Options) -> None:
+    """Refuse the options that cannot mean anything on a Ray cluster (`ConfigError`, at the call)."""
     if opts.mode == "dp":
         raise ConfigError("mode='dp' runs one process over the GPUs of one machine; with launcher='ray' use "
                           "mode='ddp' (one actor per GPU) or mode='single'")
     if opts.devices is not None:
         raise ConfigError(f"devices={opts.devices} picks GPUs of this machine; with launcher='ray' Ray gives each "
                           "rank's actor its GPU: drop devices= (limit the GPUs with nprocs= instead)")
-    requested = requested_nprocs(opts, env)
-    if requested is not None:
-        if opts.one_process and requested != 1:
-            raise ConfigError(f"{NPROCS_ENV}={requested} but mode={opts.mode!r} runs one process")
-        return requested
-    if opts.one_process:
-        return 1
+
+
+def ray_nprocs(opts: Options, env: Mapping[str, str], cluster_gpus: float) -> int:
+    """How many ranks (actors) a Ray job starts: the rule of a local job (`distfn.options.fixed_nprocs`:
+    ``DISTFN_NPROCS`` / ``nprocs=``, else 1 in ``mode="single"``), else one per GPU of the cluster; on a cluster
+    without GPUs the count must be given (`ConfigError`)."""
+    check_options(opts)
+    fixed = fixed_nprocs(opts, env)
+    if fixed is not None:
+        return fixed
     gpus = int(cluster_gpus)
     if gpus < 1:
         raise ConfigError(
@@ -150,8 +154,6 @@ class RankActor:
         # a decorated call in this process (a script re-imported here without a main guard) is a nested launch
         worker.mark_active(True)
         self._listener: socket.socket | None = None
-        self._failure: Failure | None = None
-        self._rank = 0
 
     def where(self, bundle: int) -> ActorPlace:
         """Where this actor runs (node, address, pid, the GPUs Ray assigned)."""
@@ -163,45 +165,33 @@ class RankActor:
 
     def bind_port(self) -> int:
         """Rank 0: listen on a free port of this node for the rendezvous store (held until `run`: no race)."""
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.bind(("", 0))
-        self._listener.listen(128)
+        self._listener = protocol.bind_listener("")
         return int(self._listener.getsockname()[1])
-
-    def _report(self, exc: BaseException) -> None:
-        self._failure = Failure.from_exception(self._rank, exc)  # before the process group is torn down
 
     def run(self, fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology,
             visible_devices: str | None) -> tuple[str, Any]:
-        """Run this rank (`distfn.worker.run`) and answer ``("ok", value or None)`` or ``("error", Failure)``."""
-        self._rank = topology.rank
-        os.environ.update(RANK=str(topology.rank), LOCAL_RANK=str(topology.local_rank),
-                          WORLD_SIZE=str(topology.world_size), LOCAL_WORLD_SIZE=str(topology.local_world_size),
-                          MASTER_ADDR=str(topology.master_addr), MASTER_PORT=str(topology.master_port))
+        """Run this rank as every distfn rank runs (`distfn.launch.protocol.run_rank`) and answer its one report:
+        ``("ok", value or None)``, ``("exit", Failure)`` or ``("error", Failure)``."""
+        protocol.export_rank_env(topology)
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices  # before anything starts CUDA in this process
         try:
             store = self._store(topology, opts)
-            result = worker.run(fn, cfg, opts, topology, store=store, report=self._report)
-            return "ok", (to_cpu(result) if topology.rank == 0 else None)
-        except SystemExit as exc:
-            if exc.code in (None, 0):
-                return "error", Failure.from_early_exit(topology.rank, exc)
-            return "error", self._failure or Failure.from_exception(topology.rank, exc)
-        except BaseException as exc:  # noqa: BLE001 - every failure is reported to the driver
-            return "error", self._failure or Failure.from_exception(topology.rank, exc)
+        except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
+            return protocol.classify(topology.rank, exc)
+        # the report is kept when the function fails (before the process group goes) and answered at the end
+        return protocol.run_rank(fn, cfg, opts, topology, store=store, deliver=lambda message: None,
+                                 pack=protocol.to_cpu)
 
     def _store(self, topology: Topology, opts: Options) -> Any:
         if opts.init_method is not None:
             return None  # the user's own rendezvous URL
         assert topology.master_addr is not None and topology.master_port is not None
         if topology.rank == 0 and self._listener is not None:
-            store = dist.TCPStore(topology.master_addr, topology.master_port, topology.world_size, True,
-                                  opts.timeout, wait_for_workers=False, master_listen_fd=self._listener.fileno())
-            self._listener.detach()  # the store owns the socket now
-            self._listener = None
+            store = protocol.host_store(self._listener, topology.master_addr, topology.world_size, opts.timeout)
+            self._listener = None  # the store owns the socket now
             return store
-        return dist.TCPStore(topology.master_addr, topology.master_port, topology.world_size, False, opts.timeout)
+        return protocol.join_store(topology.master_addr, topology.master_port, topology.world_size, opts.timeout)
 
 
 # -- the driver ---------------------------------------------------------------------------------------------------
@@ -226,6 +216,7 @@ class RayJob:
     actors: list[Any] = attrs.field(factory=list)  # in rank order once placed
     assignments: list[Assignment] = attrs.field(factory=list)
     failures: list[Failure] = attrs.field(factory=list)
+    early_exits: list[Failure] = attrs.field(factory=list)  # sys.exit(0): no error unless a peer fails
     returned: list[int] = attrs.field(factory=list)
     result: Any = None
     started: float = attrs.field(factory=time.time)
@@ -285,7 +276,7 @@ class RayJob:
             for ref in ready:
                 self._receive(ref, pending.pop(ref))
             if self.failures and settle_until is None:
-                settle_until = time.monotonic() + 0.5  # the root cause from its consequences (see spawn.settle)
+                settle_until = time.monotonic() + protocol.SETTLE_WINDOW  # the root cause from its consequences
 
     def _receive(self, ref: Any, rank: int) -> None:
         try:
@@ -301,6 +292,8 @@ class RayJob:
             self.returned.append(rank)
             if rank == 0:
                 self.result = data
+        elif kind == "exit":
+            self.early_exits.append(data)
         else:
             self.failures.append(data)
 
@@ -344,10 +337,9 @@ class RayJob:
         """Rank 0's value, or the `WorkerError` of the first failure (root cause first)."""
         if not self.failures:
             return self.result
-        failures = order_failures(self.failures)
-        failures[0] = diagnose(failures[0], timeout_s=self.opts.timeout.total_seconds(),
-                               returned=self.returned, failed=[f.rank for f in failures[1:]])
-        raise WorkerError(failures)
+        raise WorkerError(protocol.root_cause_first(
+            self.failures, self.early_exits, timeout_s=self.opts.timeout.total_seconds(), returned=self.returned,
+            failed=[f.rank for f in self.failures]))
 
 
 def _first_lines(exc: BaseException, n: int = 3) -> str:

@@ -2,14 +2,16 @@
 
 ``srun -N2 --ntasks-per-node=1 python train.py``, ``mpirun -npernode 1`` or one pod per node (``env://``) start
 one *launching process* per node, the way torchrun's agent or ``accelerate launch`` run. When more than one
-process per node is wanted, each launching process self-spawns ``L`` local workers (`distfn.spawn`), and the
+process per node is wanted, each launching process starts ``L`` local workers (`distfn.launch.local`, which the
+decorator runs with `NodeLayout.topology` as the workers' places), and the
 ranks meet on the launcher's master (Slurm: the first host of the step's nodelist; MPI: ``MASTER_ADDR`` or the
 mpi4py broadcast; ``env://``: ``MASTER_ADDR``) with
 
     global rank = node_rank * L + local_rank,   world size = nodes * L.
 
-When is a per-node launch wanted (`plan`)? Only in the multi-rank modes (ddp/fsdp), only under Slurm, MPI or a
-plain ``env://`` launcher (torchrun starts its own local workers), and only when a count above 1 is asked for:
+When is a per-node launch wanted (`plan`, which `distfn.plan.plan_call` asks)? Only in the multi-rank modes
+(ddp/fsdp), only under Slurm, MPI or a plain ``env://`` launcher (torchrun starts its own local workers), and
+only when a count above 1 is asked for:
 
 * ``DISTFN_NPROCS=L`` in the environment: the processes per node, set at launch time next to ``srun``;
 * else, when the decorator's ``nprocs=`` is not given: ``len(devices)`` or the visible GPUs, as for a plain
@@ -33,11 +35,11 @@ from collections.abc import Callable, Mapping
 import attrs
 from loguru import logger
 
-from .errors import LauncherError
-from .options import NPROCS_ENV, Options, default_nprocs, requested_nprocs
-from .topology import Topology
+from ..errors import LauncherError
+from ..options import NPROCS_ENV, Options, default_nprocs, requested_nprocs
+from ..topology import LauncherKind, Topology
 
-__all__ = ["PER_NODE_LAUNCHERS", "NodeLayout", "describe", "plan", "prepare"]
+__all__ = ["PER_NODE_LAUNCHERS", "NodeLayout", "announce", "describe", "plan", "prepare"]
 
 #: Launchers whose one-task-per-node jobs distfn completes with local workers (torchrun starts its own).
 PER_NODE_LAUNCHERS = ("slurm", "mpi", "env", "kubernetes")
@@ -52,18 +54,25 @@ class NodeLayout:
         node_rank: this node's index (the launching task's rank: with one task per node it numbers the nodes).
         num_nodes: nodes of the job, one launching task each.
         local_world_size: workers distfn starts on every node.
-        master_addr: host of the rendezvous (the launcher's master, where global rank 0 runs).
-        master_port: TCP port of the rendezvous; global rank 0 hosts the store there.
+        master_addr: host of the rendezvous (the launcher's master, where global rank 0 runs); ``None`` until
+            `distfn.rendezvous.resolve_rendezvous` agreed on one (multi-node MPI without ``MASTER_ADDR``).
+        master_port: TCP port of the rendezvous; global rank 0 hosts the store there (``None`` with the address).
         reason: the launcher's reason, for the start-up log and ``distfn env``.
+        source: where ``local_world_size`` comes from (``DISTFN_NPROCS=4``, ``2 visible GPUs``, ...).
     """
 
-    launcher: str
+    launcher: LauncherKind
     node_rank: int
     num_nodes: int
     local_world_size: int
-    master_addr: str
-    master_port: int
+    master_addr: str | None
+    master_port: int | None
     reason: str
+    source: str = ""
+
+    def at(self, master_addr: str | None, master_port: int | None) -> NodeLayout:
+        """This layout meeting at ``master_addr:master_port`` (the rendezvous agreed after planning)."""
+        return attrs.evolve(self, master_addr=master_addr, master_port=master_port)
 
     @property
     def world_size(self) -> int:
@@ -95,7 +104,8 @@ def plan(topo: Topology, opts: Options, env: Mapping[str, str],
          visible_gpus: Callable[[], int]) -> NodeLayout | None:
     """The per-node launch to make under ``topo``, or ``None`` to run in place as one rank per task.
 
-    Pure apart from ``visible_gpus``, which is asked only when no count was requested.
+    Pure apart from ``visible_gpus``, which is asked only when no count was requested. The rendezvous address may
+    still be open (``topo.master_addr`` ``None``); the caller fills it in once agreed (`NodeLayout.at`).
 
     Raises:
         LauncherError: a per-node launch is asked for (``DISTFN_NPROCS``) but the launcher started a second
@@ -109,11 +119,9 @@ def plan(topo: Topology, opts: Options, env: Mapping[str, str],
     explicit = source.startswith(NPROCS_ENV)
     even = topo.world_size == topo.num_nodes * topo.local_world_size
     if topo.local_world_size == 1 and even:
-        if topo.master_addr is None or topo.master_port is None:
-            raise LauncherError(f"{topo.launcher}: no rendezvous address for a per-node launch ({topo.reason})")
         return NodeLayout(launcher=topo.launcher, node_rank=topo.rank, num_nodes=topo.num_nodes,
                           local_world_size=per_node, master_addr=topo.master_addr, master_port=topo.master_port,
-                          reason=f"{topo.reason}; {source}")
+                          reason=f"{topo.reason}; {source}", source=source)
     if not explicit or per_node == topo.world_size or (per_node == topo.local_world_size and even):
         return None  # the launcher already started the processes: one rank per task, as before
     fix = ("launch one task per node (`srun --ntasks-per-node=1`, `mpirun -npernode 1`, one pod per node) to let "
@@ -135,12 +143,13 @@ def describe(layout: NodeLayout) -> str:
 
 
 def prepare(layout: NodeLayout, opts: Options) -> Options:
-    """Log the layout once for the job (node 0's launching process only) and return the options the node's
-    workers run with: ``max_restarts`` is dropped, since one node restarting alone cannot rejoin the others
-    (use the launcher's own requeue / restart, or ``requeue=True`` under Slurm)."""
+    """The options the node's workers run with: ``max_restarts`` is dropped, since one node restarting alone
+    cannot rejoin the others (use the launcher's own requeue / restart, or ``requeue=True`` under Slurm; the call
+    logs that it has no effect, `distfn.plan`)."""
+    return attrs.evolve(opts, max_restarts=0) if opts.max_restarts else opts
+
+
+def announce(layout: NodeLayout) -> None:
+    """Log the layout once for the job (node 0's launching process only)."""
     if layout.node_rank == 0:
         logger.info("{} (pid {})", describe(layout), os.getpid())
-        if opts.max_restarts:
-            logger.warning("max_restarts={} has no effect in a per-node launch: a node cannot restart its "
-                           "workers alone; use the launcher's restarts", opts.max_restarts)
-    return attrs.evolve(opts, max_restarts=0) if opts.max_restarts else opts

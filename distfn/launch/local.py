@@ -1,5 +1,9 @@
-"""The launching process of a self-spawned job: start the workers, watch them, bring back a result or the first
-failure, and leave nothing behind.
+"""Local workers: start a job's ranks as processes of this machine (fork, forkserver or spawn), watch them, bring
+back a result or the first failure, and leave nothing behind.
+
+Two callers: a self-spawned job (``python train.py``: the ranks meet on a loopback store this process hosts) and
+a per-node launch (`distfn.launch.pernode`: the ranks of this node get their global places from a topology
+callable and meet on the external launcher's master).
 
 Shape (after ``torch/multiprocessing/spawn.py``, whose ``ProcessContext`` also owns its processes):
 
@@ -7,26 +11,28 @@ Shape (after ``torch/multiprocessing/spawn.py``, whose ``ProcessContext`` also o
   forwarder and the rendezvous store;
 * a loopback socket is bound *before* the workers start, so the port is ours (no "pick a free port and hope"
   race) and the rendezvous store is reachable from this machine only;
-* each worker reports exactly once through its own pipe: ``("ok", pickled_result_or_None)`` or
-  ``("error", Failure)``; a worker that dies without reporting is described from its exit code / signal;
+* each worker reports exactly once through its own pipe (`distfn.launch.protocol`: ``("ok", pickled value or
+  None)``, ``("exit", Failure)`` or ``("error", Failure)``); a worker that dies without reporting is described
+  from its exit code / signal;
 * a second pipe per worker carries its ``faulthandler`` output: the Python stack of a crash (SIGSEGV, ...),
   and on request (``DUMP_SIGNAL``) every rank's stack when a collective timed out;
-* the root cause leads (`distfn.failures.order_failures`), the others are stopped at once (SIGTERM, SIGKILL
+* the root cause leads (`protocol.root_cause_first`), the others are stopped at once (SIGTERM, SIGKILL
   after a grace, the worker's whole process group), and it all becomes one ``WorkerError``;
 * Ctrl-C, SIGTERM and SIGUSR2 reaching this process are forwarded to the workers (see ``preemption.py`` for
   what they do there); every worker also dies with this process (PR_SET_PDEATHSIG).
 
-The checks before the start are in `distfn.preflight`, the failure records in `distfn.failures`. Under torchrun /
-srun / mpirun none of this runs (`distfn.failures.report_in_place` is all a failing rank does there).
+The checks before the start are in `distfn.preflight`, the failure records in `distfn.failures`, what a rank does
+around the function in `distfn.launch.protocol`, how the function and ``cfg`` travel under spawn/forkserver in
+`distfn.launch.shipping`. Under torchrun / srun / mpirun none of this runs (`distfn.failures.report_in_place` is
+all a failing rank does there).
 
-(About 600 lines, over the ~500 the package aims at: both ends of one protocol live here, the worker's entry that
+(About 550 lines, over the ~500 the package aims at: both ends of the pipes live here, the worker's entry that
 sends the report and arms the stack pipe, and the launcher that reads them and restarts a failed job, so that they
 change together.)
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import os
 import signal
@@ -38,18 +44,17 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import attrs
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from loguru import logger
 
-from . import preemption, preflight, shipping, worker
-from .errors import ConfigError, Terminated, WorkerError
-from .failures import Failure, diagnose, innermost_user_frame, main_stack, order_failures
-from .options import RESTART_ENV, Options
-from .pernode import NodeLayout
-from .topology import Topology
-from .tree import tree_map
+from .. import preemption, preflight, worker
+from ..errors import ConfigError, Terminated, WorkerError
+from ..failures import Failure, innermost_user_frame, main_stack
+from ..options import Options
+from ..topology import LOOPBACK, Topology
+from . import protocol, shipping
+
+__all__ = ["BOOTSTRAP", "WorkerGroup", "launch"]
 
 #: Seconds the other workers get to exit after a failure or Ctrl-C before they are killed.
 STOP_GRACE = 5.0
@@ -91,62 +96,25 @@ def _arm_faulthandler(conn: Connection) -> None:
     faulthandler.register(DUMP_SIGNAL, file=fd, all_threads=True)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this worker when its parent dies, even by SIGKILL (no orphans).
-
-    The parent is the launching process (fork, spawn), or under forkserver the fork server, which exits when
-    the launching process does; ``parent_pid`` is 0 then, and only the launching process's own check applies.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if parent_pid and os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _own_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or a copy when it is a view of a larger storage (pickle sends a tensor's whole storage: a
-    2-element slice of a 400 MB tensor would carry 400 MB)."""
-    if tensor.layout != torch.strided or tensor.is_nested:
-        return tensor
-    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-        return tensor.clone(memory_format=torch.contiguous_format)
-    return tensor
-
-
-def compact_views(value: Any) -> Any:
-    """``value`` with every tensor inside that views a larger storage replaced by a copy of just its bytes, for
-    sending to another process (`cfg` under spawn/forkserver)."""
-    return tree_map(lambda v: _own_bytes(v) if isinstance(v, torch.Tensor) else v, value)
-
-
-def to_cpu(value: Any) -> Any:
-    """``value`` with every tensor inside (dicts, lists, tuples, namedtuples, dict subclasses) detached, on the
-    CPU and holding only its own bytes; containers keep their types (`distfn.tree.tree_map`)."""
-    return tree_map(lambda v: _own_bytes(v.detach().cpu()) if isinstance(v, torch.Tensor) else v, value)
-
-
 def _entry(
-    rank: int,
-    world_size: int,
-    port: int,
     fn: Callable[..., Any],
     cfg: Any,
     opts: Options,
+    topology: Topology,
+    store_port: int | None,
     conn: Connection,
     stack_conn: Connection,
     parent_pid: int,
     listen_fd: int,
     attempt: int = 0,
-    layout: NodeLayout | None = None,
 ) -> None:
-    """The first code a worker runs (module-level so spawn can find it); ``attempt``: see `options.restart_attempt`;
-    ``layout``: this node's part of a per-node launch (`distfn.pernode`), where ``rank`` is the local rank."""
+    """The first code a worker runs (module-level so spawn can find it). ``topology``: this rank's place;
+    ``store_port``: the loopback port of the launching process's store, or ``None`` where the ranks meet on the
+    launcher's master instead (a per-node launch, `distfn.launch.pernode`); ``parent_pid``: see
+    `protocol.die_with_parent` (0 under forkserver, whose server is the parent); ``attempt``: see
+    `distfn.options.restart_attempt`."""
     shipping.arrive(fn)  # forkserver: the launching process's environment, as it is now
-    _die_with_parent(parent_pid)
+    protocol.die_with_parent(parent_pid)
     try:
         os.setpgid(0, 0)  # own process group: a terminal's Ctrl-C reaches the launcher, which forwards it once
     except OSError:
@@ -161,22 +129,17 @@ def _entry(
         except OSError:
             pass
     worker.mark_active(True)
-    # Visible to code that reads the torchrun-style variables (libraries, user code).
-    topology = Topology.self_spawned(rank, world_size, port) if layout is None else layout.topology(rank)
-    os.environ.update(RANK=str(topology.rank), LOCAL_RANK=str(topology.local_rank),
-                      WORLD_SIZE=str(topology.world_size), LOCAL_WORLD_SIZE=str(topology.local_world_size),
-                      MASTER_ADDR=str(topology.master_addr), MASTER_PORT=str(topology.master_port))
-    os.environ[RESTART_ENV] = str(attempt)  # ctx.restart
-    if layout is None:  # a per-node launch meets across nodes, not on loopback
+    protocol.export_rank_env(topology, attempt)
+    store = None
+    if store_port is not None:  # the ranks meet on this machine's loopback (a per-node launch meets across nodes)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
-    sent = False
+        if opts.init_method == "env://":
+            # the environment is the one set above, whose store this process's launcher hosts: join it (with
+            # env:// rank 0 would try to host a second store on the same port)
+            opts = attrs.evolve(opts, init_method=None)
 
-    def send(message: tuple[str, Any]) -> None:
-        """The one report to the launching process (result, failure or early exit), sent at most once."""
-        nonlocal sent
-        if sent:
-            return
-        sent = True
+    def deliver(message: protocol.Message) -> None:
+        """The one report to the launching process (result, failure or early exit)."""
         # The function is over: a SIGTERM now (the launching process stopping the job) just ends the process,
         # rather than raising Terminated into the report being sent or into interpreter shutdown.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -186,40 +149,23 @@ def _entry(
         except (OSError, ValueError):
             pass  # the launcher is gone; PDEATHSIG ends us
 
-    failed = False
     try:
-        # per-node launch: no local store; the ranks meet on the launcher's master (tcp://, rank 0 hosts it)
-        store = None if layout is not None else dist.TCPStore("127.0.0.1", port, world_size, False, opts.timeout)
-        if layout is None and opts.init_method == "env://":
-            # the environment is the one set above, whose store this process's launcher hosts: join it (with
-            # env:// rank 0 would try to host a second store on the same port)
-            opts = attrs.evolve(opts, init_method=None)
-        fn, cfg = shipping.unpack(fn), shipping.unpack(cfg)  # spawn/forkserver: see distfn.shipping
-        # report=: worker.run sends a failure before it tears the process group down (NCCL's teardown can wait
-        # for the very collective that failed, and the report would never leave)
-        result = worker.run(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store,
-                            report=lambda exc: send(_failure_message(topology.rank, exc)))
-        payload = _pickle_result(result) if topology.rank == 0 else None  # per-node: other nodes return None
-        send(("ok", payload))
-    except BaseException as exc:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
-        kind, record = _failure_message(topology.rank, exc)
-        failed = kind == "error"
-        send((kind, record))
-    if failed:
+        if store_port is not None:
+            store = protocol.join_store(LOOPBACK, store_port, topology.world_size, opts.timeout)
+        fn, cfg = shipping.unpack(fn), shipping.unpack(cfg)  # spawn/forkserver: see distfn.launch.shipping
+    except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
+        message = protocol.classify(topology.rank, exc)
+        deliver(message)
+    else:
+        message = protocol.run_rank(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store,
+                                    deliver=deliver, pack=_pickle_result)
+    if message[0] == "error":
         sys.stderr.flush()
         os._exit(1)
 
 
-def _failure_message(rank: int, exc: BaseException) -> tuple[str, Failure]:
-    """What a worker whose function raised ``exc`` tells the launching process: ``sys.exit(0)`` (or no code) is
-    an early exit, anything else a failure."""
-    if isinstance(exc, SystemExit) and exc.code in (None, 0):
-        return "exit", Failure.from_early_exit(rank, exc)
-    return "error", Failure.from_exception(rank, exc)
-
-
 def _pickle_result(result: Any) -> bytes:
-    result = to_cpu(result)
+    result = protocol.to_cpu(result)
     try:
         return shipping.dumps_result(result)  # by value where the function came by value (a notebook's class)
     except Exception:  # noqa: BLE001
@@ -242,7 +188,7 @@ def _loopback_ifname() -> str:
 
 
 # distfn's frames between a worker's start and the user's function: stack dumps are cut there.
-BOOTSTRAP = (worker.run, _entry)
+BOOTSTRAP = (worker.run, protocol.run_rank, _entry)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -369,10 +315,13 @@ class WorkerGroup:
     failures, the signal forwarder and the rendezvous store (``start`` -> ``wait`` -> ``teardown`` ->
     ``outcome``)."""
 
-    def __init__(self, method: str, nprocs: int, opts: Options, attempt: int = 0,
-                 layout: NodeLayout | None = None) -> None:
+    def __init__(self, method: str, nprocs: int, opts: Options, attempt: int = 0, *,
+                 topology: Callable[[int], Topology] | None = None, own_store: bool = True) -> None:
+        """``topology``: the place of local worker ``i`` (default: worker ``i`` of ``nprocs`` self-spawned on this
+        machine); ``own_store``: this process hosts the ranks' rendezvous store on a loopback port (``False``
+        where they meet elsewhere, e.g. on the master of a per-node launch)."""
         self.method = method
-        self.layout = layout  # a per-node launch (distfn.pernode): global ranks, the launcher's rendezvous
+        self.own_store = own_store
         self.attempt = attempt  # 0 first, then one more for each restart (max_restarts)
         self.nprocs = nprocs
         self.opts = opts
@@ -384,10 +333,11 @@ class WorkerGroup:
         self.started = time.time()  # when the first worker was started (see `start`)
         self._context = mp.get_context(method)
         self._store: Any = None
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.bind(("127.0.0.1", 0))  # loopback only: nothing outside this machine can reach the store
-        self._listener.listen(max(128, nprocs))
-        self.port: int = self._listener.getsockname()[1]
+        # loopback only: nothing outside this machine can reach the store
+        self._listener = protocol.bind_listener(LOOPBACK, nprocs) if own_store else None
+        self.port: int | None = self._listener.getsockname()[1] if self._listener is not None else None
+        port = self.port or 0
+        self.topology = topology or (lambda rank: Topology.self_spawned(rank, nprocs, port))
 
     # -- start ------------------------------------------------------------------------------------------------
     def start(self, fn: Callable[..., Any], cfg: Any) -> None:
@@ -399,18 +349,19 @@ class WorkerGroup:
         self.forwarder.install()
         # The store is started after the forks so no worker inherits its threads; until it accepts, the
         # kernel queues the workers' connections on the listening socket.
-        self._store = dist.TCPStore("127.0.0.1", self.port, None, True, self.opts.timeout, wait_for_workers=False,
-                                    master_listen_fd=self._listener.fileno())
-        self._listener.detach()  # the store owns the socket now and closes it when it is destroyed
+        if self._listener is not None:
+            self._store = protocol.host_store(self._listener, LOOPBACK, None, self.opts.timeout)
+            self._listener = None  # the store owns the socket now and closes it when it is destroyed
 
     def _start_worker(self, rank: int, fn: Callable[..., Any], cfg: Any) -> _Worker:
         reader, writer = self._context.Pipe(duplex=False)
         stack_reader, stack_writer = self._context.Pipe(duplex=False)
         process = self._context.Process(  # type: ignore[attr-defined]
             target=_entry,
-            args=(rank, self.nprocs, self.port, fn, cfg, self.opts, writer, stack_writer,
+            args=(fn, cfg, self.opts, self.topology(rank), self.port, writer, stack_writer,
                   os.getpid() if self.method != "forkserver" else 0,
-                  self._listener.fileno() if self.method == "fork" else -1, self.attempt, self.layout),
+                  self._listener.fileno() if self.method == "fork" and self._listener is not None else -1,
+                  self.attempt),
             name=f"{worker.WORKER_NAME}{rank}",  # marks the child as a worker (`worker.in_worker`)
             daemon=False,  # daemonic processes may not have children: DataLoader workers need them
         )
@@ -418,9 +369,7 @@ class WorkerGroup:
         writer.close()
         stack_writer.close()
         os.set_blocking(stack_reader.fileno(), False)
-        if self.layout is not None:  # per-node launch: reports name the global rank
-            rank = self.layout.topology(rank).rank
-        return _Worker(rank, process, reader, stack_reader)
+        return _Worker(self.topology(rank).rank, process, reader, stack_reader)  # reports name the global rank
 
     # -- poll -------------------------------------------------------------------------------------------------
     def wait(self) -> None:
@@ -434,17 +383,14 @@ class WorkerGroup:
                 return
         if self.failures:
             self.settle()
-            # a rank that left with sys.exit(0) is why its peers lost it: a failure now, and likely the root cause
-            self.failures.extend(w.early_exit for w in self.workers if w.early_exit is not None)
-            self.failures[:] = order_failures(self.failures)
-            first = self.failures[0]
-            self.failures[0] = diagnose(
-                first, timeout_s=self.opts.timeout.total_seconds(), forwarded=self.forwarder.received,
+            self.failures[:] = protocol.root_cause_first(
+                self.failures, [w.early_exit for w in self.workers if w.early_exit is not None],
+                timeout_s=self.opts.timeout.total_seconds(), forwarded=self.forwarder.received,
                 returned=[w.rank for w in self.workers if w.ok and w.early_exit is None],
                 failed=[w.rank for w in self.workers if w.reported and not w.ok],
-                stacks=lambda: self.request_stacks(
+                stacks=lambda first: self.request_stacks(
                     [w for w in self.workers if w.rank != first.rank and not w.reported]),
-                elapsed_s=first.time - self.started,
+                elapsed_s=lambda first: first.time - self.started,
             )
 
     def collect(self, timeout: float) -> None:
@@ -474,7 +420,7 @@ class WorkerGroup:
         self.failures.extend(deaths)
         self.failures.extend(sorted(reported, key=lambda f: f.time))
 
-    def settle(self, window: float = 0.5) -> None:
+    def settle(self, window: float = protocol.SETTLE_WINDOW) -> None:
         """After the first failure, give the other ranks' reports ``window`` seconds to arrive, so that the root
         cause can be told from its consequences (a rank that raised reports after its peers saw it leave)."""
         deadline = time.monotonic() + window
@@ -558,7 +504,8 @@ class WorkerGroup:
                              if self.forwarder.received or f.exc_type != Terminated.__qualname__)
         self.forwarder.restore()
         self._store = None
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
 
     def retryable(self) -> bool:
         """Whether starting the job again could help: it failed by itself (not stopped by a signal from outside
@@ -585,26 +532,29 @@ class WorkerGroup:
         return None if payload is None else shipping.loads_result(payload)
 
 
-def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, layout: NodeLayout | None = None) -> Any:
+def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, *, method: str, reason: str,
+           server: str | None = None, topology: Callable[[int], Topology] | None = None) -> Any:
     """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``).
 
-    ``layout``: this node's part of a per-node launch (`distfn.pernode`); the value is then ``None`` on every node
-    but node 0.
+    ``method``: the start method (`distfn.preflight.choose_start_method`) and ``reason`` why; ``server``: under
+    forkserver, which fork server forks them (for the log line; the caller made sure one runs). ``topology``: the
+    place of local worker ``i`` in a job that meets elsewhere (a per-node launch, where the value is ``None`` on
+    every node but node 0); by default the workers are a job of their own on a loopback store of this process.
 
     A job that fails by itself is started again on fresh workers and a fresh rendezvous, up to
     ``opts.max_restarts`` times, after a back-off; never after a ConfigError or a stop from outside.
     """
     preflight.check_port_free(opts.init_method)
-    method, reason = preflight.choose_start_method(opts.start_method)
     if method == "fork":
         logger.trace("starting {} workers with fork: {}", nprocs, reason)
     else:
-        cfg = compact_views(cfg)  # travels by pickle: a view must not carry its whole storage
+        cfg = protocol.compact_views(cfg)  # travels by pickle: a view must not carry its whole storage
         fn, cfg, how = shipping.pack(preflight.sendable(fn), cfg, method, opts.start_method)
-        logger.info("starting {} workers with {}: {}; {}", nprocs, method, reason, how)
+        logger.info("starting {} workers with {}: {}; {}", nprocs, method, reason,
+                    f"{server}; {how}" if server else how)
     earlier: list[Failure] = []  # the root cause of each failed attempt before this one
     for attempt in range(opts.max_restarts + 1):
-        group = WorkerGroup(method, nprocs, opts, attempt, layout)
+        group = WorkerGroup(method, nprocs, opts, attempt, topology=topology, own_store=topology is None)
         try:
             with shipping.main_for_workers(method):
                 group.start(fn, cfg)

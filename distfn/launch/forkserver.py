@@ -1,0 +1,225 @@
+"""The fork server: where the workers of ``start_method="forkserver"`` fork from.
+
+Re-importing torch in every spawned worker doubles the start-up time (measured: raw spawn 2.06x the raw-fork
+floor). So where a call will start its workers with forkserver (the plan says so: `distfn.plan.CallPlan`), the
+decorator asks for a server at decoration (`start_early`): while forking is still safe, a *copy of this process*,
+single-threaded, with no CUDA context, torch already imported; where forking is already unsafe, a fresh interpreter
+that imports distfn (and so torch), started in the background. It runs the standard library's fork-server loop
+(`multiprocessing.forkserver`), so the workers fork from it later, however many threads or CUDA calls the
+launching process has made since. A launch with no server yet starts one and waits for it (`ensure_server`).
+
+The server is named ``distfn-forksrv``, dies with the launching process (``PR_SET_PDEATHSIG`` and the standard
+library's "alive" pipe) and never runs a thread, CUDA, or user code. Nothing here may fail at decoration: a server
+that cannot start then (``TMPDIR`` too long for a Unix socket's path, ...) is logged and tried again at the call,
+where it is a `ConfigError` naming the cause.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import sysconfig
+import threading
+import types
+from multiprocessing import connection as mp_connection
+from multiprocessing import forkserver
+from multiprocessing import spawn as mp_spawn
+from multiprocessing import util as mp_util
+from typing import Any
+
+from loguru import logger
+
+from .. import preflight
+from ..errors import ConfigError
+from . import protocol
+
+__all__ = ["SERVER_NAME", "ensure_server", "server_running", "start_early"]
+
+#: The fork server's process name (``/proc/PID/comm``, what ``ps`` and ``top`` show), at most 15 characters.
+SERVER_NAME = "distfn-forksrv"
+
+# How the current fork server came to be: "forked" (a copy of this process, made while forking was safe),
+# "started" (a fresh interpreter that imported distfn), or None (none of ours).
+_server_kind: str | None = None
+_server_lock = threading.Lock()  # two threads launching at once start one server
+
+
+def _forkserver() -> Any:
+    return forkserver._forkserver
+
+
+# Python 3.14's fork server authenticates its clients with a key handed to it at start: there the standard
+# library starts the server (preloading distfn, and so torch), and no copy of this process is made.
+_OWN_SERVER = not hasattr(_forkserver(), "_forkserver_authkey") and hasattr(_forkserver(), "_forkserver_pid")
+
+
+def server_running() -> bool:
+    """True when a fork server (ours or one the standard library started) is alive for this process."""
+    server = _forkserver()
+    pid = server._forkserver_pid
+    if pid is None:
+        return False
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        done = pid
+    if done:  # dead: forget it, the next launch starts another
+        _forget(server)
+        return False
+    return True
+
+
+def _forget(server: Any) -> None:
+    global _server_kind
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    _server_kind = None
+
+
+def server_description() -> str:
+    """Which fork server the workers fork from, for the start-up log line."""
+    if _server_kind == "forked":
+        return "the fork server (a copy of this process made when the function was defined, torch imported) forks them"
+    if _server_kind == "started":
+        return "the fork server (a fresh interpreter that imported torch) forks them"
+    return "the standard library's fork server forks them"
+
+
+def _serve(listener_fd: int, alive_r: int) -> None:
+    """The fork server's life: the standard library's loop, until the launching process is gone."""
+    forkserver.main(listener_fd, alive_r, [])  # preload nothing: torch is imported already
+
+
+def serve(listener_fd: int, alive_r: int, parent_pid: int) -> None:
+    """Entry point of a fork server started as a fresh interpreter (see `start_server`)."""
+    protocol.die_with_parent(parent_pid, SERVER_NAME)
+    _serve(listener_fd, alive_r)
+
+
+def _listen() -> tuple[socket.socket, str, int, int]:
+    listener = socket.socket(socket.AF_UNIX)
+    address = mp_connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    listener.bind(address)
+    if not mp_util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    return listener, address, alive_r, alive_w
+
+
+def _register(kind: str, pid: int, address: str, alive_w: int) -> None:
+    global _server_kind
+    server = _forkserver()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    _server_kind = kind
+
+
+def _forget_user_modules() -> None:
+    """In the forked server: drop the modules of the user's own code (not the standard library's, not installed
+    packages', not distfn's), so that each worker imports them afresh, as under spawn, rather than keeping the
+    version of decoration time (a module edited and reloaded in a notebook since)."""
+    paths = sysconfig.get_paths()
+    installed = tuple({os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name == "distfn" or name.startswith("distfn."):
+            continue
+        if not os.path.realpath(path).startswith(installed):
+            del sys.modules[name]
+
+
+def fork_server() -> None:
+    """Fork the fork server from this process now (the caller checked that forking is safe)."""
+    listener, address, alive_r, alive_w = _listen()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the server's side
+        try:
+            os.close(alive_w)
+            protocol.die_with_parent(parent, SERVER_NAME)
+            # The server's children re-import the user's script, as under spawn (multiprocessing skips that when
+            # __main__ already has the script's file, which this copy of a half-run script has).
+            sys.modules["__main__"] = types.ModuleType("__main__")
+            _forget_user_modules()
+            _serve(listener.fileno(), alive_r)
+        except BaseException:  # noqa: BLE001 - whatever happens, the server must not return into user code
+            pass
+        os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    _register("forked", pid, address, alive_w)
+
+
+def start_server() -> None:
+    """Start the fork server as a fresh interpreter that imports distfn, and so torch (this process is no longer
+    safe to fork). Returns at once; a launch that comes before the server is ready waits for it."""
+    listener, address, alive_r, alive_w = _listen()
+    code = (f"import sys; sys.path[:] = {sys.path!r}; from distfn.launch.forkserver import serve; "
+            f"serve({listener.fileno()}, {alive_r}, {os.getpid()})")
+    exe = mp_spawn.get_executable()
+    try:
+        args = [exe, *mp_util._args_from_interpreter_flags(), "-c", code]  # type: ignore[attr-defined]
+        pid = mp_util.spawnv_passfds(exe, args, [listener.fileno(), alive_r])  # type: ignore[arg-type]
+    except BaseException:
+        os.close(alive_w)
+        raise
+    finally:
+        os.close(alive_r)
+        listener.close()
+    _register("started", pid, address, alive_w)
+
+
+def _start(kind: str) -> None:
+    """Start our fork server (``kind``: "fork" a copy of this process, else a fresh interpreter), unless one runs."""
+    with _server_lock:
+        if server_running():
+            return
+        if kind == "fork":
+            fork_server()
+        else:
+            start_server()
+
+
+def _why_not(exc: OSError) -> str:
+    tmp = os.environ.get("TMPDIR", "")
+    if "too long" in str(exc).lower() or "AF_UNIX" in str(exc):
+        return (f"its Unix socket's path under TMPDIR={tmp!r} ({len(tmp)} characters) is too long ({exc}); set "
+                "TMPDIR to a shorter directory (e.g. /tmp), or use start_method='spawn'")
+    return f"{type(exc).__name__}: {exc} (TMPDIR={tmp!r}); use start_method='spawn' if this persists"
+
+
+def ensure_server() -> str:
+    """Make sure a fork server runs before workers are started with forkserver; returns which server forks them,
+    for the start-up log line.
+
+    Raises:
+        ConfigError: the server cannot start here (e.g. a ``TMPDIR`` too long for a Unix socket), naming why.
+    """
+    try:
+        if not _OWN_SERVER:
+            forkserver.set_forkserver_preload(["distfn"])  # not __main__: the user's script must not run in it
+            forkserver.ensure_running()
+        else:
+            _start("fresh")
+    except OSError as exc:
+        raise ConfigError(f"start_method='forkserver': the fork server cannot start: {_why_not(exc)}") from None
+    return server_description()
+
+
+def start_early() -> None:
+    """At decoration, where the call will start workers with forkserver: get a fork server ready now.
+
+    While forking is safe (no thread started since ``import distfn``, no CUDA driver call), the server is a copy
+    of this process (a fork: about 50 ms, nothing to import). Otherwise a fresh interpreter is started in the
+    background to import torch. Nothing happens when a server runs already. Never raises (this runs at the import
+    of the user's module): a server that cannot start is logged, and the call says why (`ensure_server`).
+    """
+    if not _OWN_SERVER:
+        return
+    try:
+        method, _ = preflight.choose_start_method("auto")
+        _start(method)
+    except OSError as exc:
+        logger.debug("no early fork server: {}", _why_not(exc))

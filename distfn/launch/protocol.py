@@ -1,0 +1,195 @@
+"""What every rank started by a distfn launcher does around the user's function, and how its launcher reads it.
+
+Written once, used by every launcher of this package (local workers, per-node workers, Ray actors), so that a rank
+behaves the same whoever started it:
+
+* **the rank variables**: `export_rank_env` sets torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` /
+  ``LOCAL_WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` (and the restart attempt) for libraries and user code;
+* **the store**: the launcher binds the rendezvous port *before* the ranks start (`bind_listener`: no "pick a
+  free port and hope" race); whoever hosts the store hosts it on that socket (`host_store`), the others join it
+  (`join_store`);
+* **one report per rank** (`run_rank`): ``("ok", value)``, ``("exit", Failure)`` for ``sys.exit(0)`` / ``sys.exit()``
+  (an early exit: no error unless a peer fails, `classify`) or ``("error", Failure)``; a failure is delivered
+  *before* the process group is torn down (NCCL's teardown can wait for the very collective that failed);
+* **the value** (`to_cpu`, `compact_views`): tensors detached, on the CPU, holding only their own bytes;
+* **the verdict** (`root_cause_first`): after the first failure the launcher waits `SETTLE_WINDOW` for the other
+  reports, counts early exits as failures (a rank that left is why its peers lost it), orders the root cause first
+  and explains it (`distfn.failures.diagnose`);
+* **no orphans** (`die_with_parent`): ``PR_SET_PDEATHSIG``, for the local workers and the fork server.
+
+Imports the rank bootstrap (`distfn.worker`), the failure records (`distfn.failures`) and nothing of a launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Literal
+
+import torch
+import torch.distributed as dist
+
+from .. import worker
+from ..failures import Failure, diagnose, order_failures
+from ..options import RESTART_ENV, Options
+from ..topology import Topology
+from ..tree import tree_map
+
+__all__ = [
+    "SETTLE_WINDOW",
+    "Message",
+    "bind_listener",
+    "classify",
+    "compact_views",
+    "die_with_parent",
+    "export_rank_env",
+    "host_store",
+    "join_store",
+    "root_cause_first",
+    "run_rank",
+    "to_cpu",
+]
+
+#: Seconds a launcher gives the other ranks' reports after the first failure, so that the root cause can be told
+#: from its consequences (a rank that raised reports after its peers saw it leave).
+SETTLE_WINDOW: Final = 0.5
+
+Kind = Literal["ok", "exit", "error"]
+#: A rank's one report: ``("ok", value or None)``, ``("exit", Failure)`` or ``("error", Failure)``.
+Message = tuple[Kind, Any]
+
+_PR_SET_PDEATHSIG: Final = 1
+_PR_SET_NAME: Final = 15
+
+
+# -- the rank's environment ----------------------------------------------------------------------------------------
+def export_rank_env(topology: Topology, attempt: int | None = None) -> None:
+    """Make this rank's place visible the way torchrun does (libraries and user code read these variables);
+    ``attempt``: the restart attempt, read back by ``ctx.restart`` (`distfn.options.restart_attempt`)."""
+    os.environ.update(RANK=str(topology.rank), LOCAL_RANK=str(topology.local_rank),
+                      WORLD_SIZE=str(topology.world_size), LOCAL_WORLD_SIZE=str(topology.local_world_size),
+                      MASTER_ADDR=str(topology.master_addr), MASTER_PORT=str(topology.master_port))
+    if attempt is not None:
+        os.environ[RESTART_ENV] = str(attempt)
+
+
+def die_with_parent(parent_pid: int = 0, name: str | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, even by SIGKILL (no orphans); ``name``: the process
+    name ``ps`` shows (at most 15 characters).
+
+    ``parent_pid``: when given and the parent is already another process (it died before ``prctl`` took effect),
+    exit at once.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if name is not None:
+                libc.prctl(_PR_SET_NAME, name.encode())
+        except (OSError, AttributeError):
+            pass
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+# -- the store -----------------------------------------------------------------------------------------------------
+def bind_listener(host: str, backlog: int = 128) -> socket.socket:
+    """A listening TCP socket on a free port of ``host`` (``"127.0.0.1"``: reachable from this machine only; ``""``:
+    from the other nodes), bound before the ranks start so that the port is ours."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(max(128, backlog))
+    return listener
+
+
+def host_store(listener: socket.socket, host: str, world_size: int | None, timeout: datetime.timedelta) -> Any:
+    """Host the rendezvous store on ``listener`` (which the store owns from now on and closes)."""
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                          master_listen_fd=listener.fileno())
+    listener.detach()
+    return store
+
+
+def join_store(host: str, port: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """Join the rendezvous store that another process hosts at ``host:port``."""
+    return dist.TCPStore(host, port, world_size, False, timeout)
+
+
+# -- the value -------------------------------------------------------------------------------------------------------
+def _own_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy when it is a view of a larger storage (pickle sends a tensor's whole storage: a
+    2-element slice of a 400 MB tensor would carry 400 MB)."""
+    if tensor.layout != torch.strided or tensor.is_nested:
+        return tensor
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def compact_views(value: Any) -> Any:
+    """``value`` with every tensor inside that views a larger storage replaced by a copy of just its bytes, for
+    sending to another process (`cfg` under spawn/forkserver)."""
+    return tree_map(lambda v: _own_bytes(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples, namedtuples, dict subclasses) detached, on the
+    CPU and holding only its own bytes; containers keep their types (`distfn.tree.tree_map`)."""
+    return tree_map(lambda v: _own_bytes(v.detach().cpu()) if isinstance(v, torch.Tensor) else v, value)
+
+
+# -- the report ------------------------------------------------------------------------------------------------------
+def classify(rank: int, exc: BaseException) -> Message:
+    """What a rank whose function raised ``exc`` reports: ``sys.exit(0)`` (or no code) is an early exit, anything
+    else a failure."""
+    if isinstance(exc, SystemExit) and exc.code in (None, 0):
+        return "exit", Failure.from_early_exit(rank, exc)
+    return "error", Failure.from_exception(rank, exc)
+
+
+def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology, *, store: Any,
+             deliver: Callable[[Message], None], pack: Callable[[Any], Any]) -> Message:
+    """Run this rank through the bootstrap (`distfn.worker.run`) and deliver its one report.
+
+    ``deliver`` is called exactly once: with the failure as soon as the function failed (before the process group
+    goes), else with ``("ok", pack(value))`` on rank 0 and ``("ok", None)`` elsewhere (only rank 0's value reaches
+    the caller). ``pack`` may raise (a value that cannot be sent): that is this rank's failure. Returns the
+    message delivered.
+    """
+    delivered: list[Message] = []
+
+    def once(message: Message) -> None:
+        if not delivered:
+            delivered.append(message)
+            deliver(message)
+
+    try:
+        result = worker.run(fn, cfg, opts, topology, store=store,
+                            report=lambda exc: once(classify(topology.rank, exc)))
+        once(("ok", pack(result) if topology.rank == 0 else None))
+    except BaseException as exc:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
+        once(classify(topology.rank, exc))
+    return delivered[0]
+
+
+# -- the verdict -----------------------------------------------------------------------------------------------------
+def root_cause_first(failures: Sequence[Failure], early_exits: Sequence[Failure], *, timeout_s: float,
+                     returned: Sequence[int], failed: Sequence[int], forwarded: str | None = None,
+                     stacks: Callable[[Failure], dict[int, str]] | None = None,
+                     elapsed_s: Callable[[Failure], float] | None = None) -> list[Failure]:
+    """The failures of a job, the likely root cause first and explained: a rank that left with ``sys.exit(0)`` is
+    why its peers lost it, so once anything failed it counts as a failure too (`distfn.failures.order_failures`,
+    `distfn.failures.diagnose`). ``stacks`` and ``elapsed_s`` are asked about the root cause: the live ranks'
+    stacks (asked only for a collective timeout) and the seconds from the start of the job to it."""
+    ordered = order_failures([*failures, *early_exits])
+    first = ordered[0]
+    ordered[0] = diagnose(first, timeout_s=timeout_s, forwarded=forwarded, returned=returned, failed=failed,
+                          stacks=(lambda: stacks(first)) if stacks is not None else dict,
+                          elapsed_s=None if elapsed_s is None else elapsed_s(first))
+    return ordered
