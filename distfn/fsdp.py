@@ -133,7 +133,7 @@ def wrap(
     Returns:
         The same module object, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # deferred: it loads torch._dynamo (~1.7 s), fsdp runs only
 
     meta = is_meta(model)
     if init is not None and not meta:

@@ -51,6 +51,8 @@ def _rank() -> int:
 
 
 def _full_options() -> Any:
+    # deferred (here and below): torch.distributed.checkpoint loads torch._dynamo (~1.8-2.8 s measured), which only
+    # a checkpoint call with sharded objects needs
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -86,6 +88,7 @@ def _candidates(found: Sequence[Any], run: Run | None) -> list[nn.Module]:
 def _gather(obj: Any, models: Sequence[nn.Module]) -> Any:
     """``obj`` with every sharded module / optimizer replaced by its full state dict (on CPU, on rank 0; empty
     elsewhere). Collective: every rank walks the same structure in the same order."""
+    # deferred: see _full_options
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     def full(value: Any) -> Any:
@@ -168,6 +171,7 @@ class _ModuleTarget(nn.Module):
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        # deferred: see _full_options
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full: dict[str, Any] = {}
@@ -194,6 +198,7 @@ class _OptimizerTarget(torch.optim.Optimizer):
         self._model = model
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        # deferred: see _full_options
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         named = named_optimizer_state(state_dict, self._optimizer, self._model) if _rank() == 0 else {}
