@@ -25,7 +25,8 @@ calls.
   while the others wait for it.
 
 The run (`distfn.run.Run`) starts one `CheckIn` per multi-rank run and decides which calls check in and which
-timeout applies; `distfn.fsdp` registers `CheckIn.note_progress` as a forward pre-hook.
+timeout applies; `ctx.wrap` in `mode="fsdp"` registers the run's sync point (`Run.sync_point`) as a forward
+pre-hook.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from loguru import logger
 
 from .errors import CheckpointError
 
-__all__ = ["RULES", "Call", "CheckIn", "Rule"]
+__all__ = ["RULES", "Call", "CheckIn", "Rule", "default_store"]
 
 _EXITED: Final = 2**62  # the progress a finished rank posts: "past every checked call"
 
@@ -78,6 +79,15 @@ RULES: Final[dict[str, Rule]] = {
 }
 
 
+def default_store() -> Any | None:
+    """The default process group's key-value store, or ``None`` when it has none (then nothing can be checked)."""
+    try:
+        return dist.distributed_c10d._get_default_store()  # private, but stable since torch 1.x
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        logger.debug("no process-group store: {}", exc)
+        return None
+
+
 @attrs.define
 class CheckIn:
     """This rank's side of the protocol for one run: its key prefix in the store and its counters.
@@ -102,22 +112,14 @@ class CheckIn:
     _finished: bool = attrs.field(default=False, init=False)
 
     @classmethod
-    def start(cls, rank: int, world_size: int, timeout: float, store: Any = None) -> CheckIn | None:
-        """Start this rank's side for a run on the process group's store (``store``: that store, for tests);
-        ``None`` (nothing to check with, and a warning) when the group has no store.
+    def start(cls, rank: int, world_size: int, timeout: float, store: Any) -> CheckIn:
+        """Start this rank's side for a run on ``store`` (the process group's, `default_store`).
 
         No collective: each rank counts the runs it started on this store (`store.add` of its own key), and
         every rank of a job runs the same sequence of them, so the n-th run gets the same prefix on every rank
         without a broadcast (which would be one more collective to get wrong), and a torchrun restart (a new
         store prefix) or a second decorated call on the same store starts with fresh keys.
         """
-        if store is None:
-            try:
-                store = dist.distributed_c10d._get_default_store()  # private, but stable since torch 1.x
-            except (AttributeError, RuntimeError) as exc:
-                logger.warning("no process-group store ({}): a collective checkpoint call made on some ranks only "
-                               "cannot be detected", exc)
-                return None
         number = int(store.add(f"distfn/checkin/runs/rank{rank}", 1))
         checkin = cls(store, f"distfn/checkin/run{number}/", rank, world_size, timeout)
         checkin._post()

@@ -3,7 +3,8 @@
 Schedulers warn a job before they end it: SLURM sends SIGTERM at the time limit or on preemption (then SIGKILL
 after ``KillWait``, 30 s by default), and ``sbatch --signal=USR2@120`` sends SIGUSR2 two minutes earlier. Each
 rank installs a handler for both (in its main thread only: Python runs signal handlers there) that records
-the signal. ``should_stop()`` all-reduces that record with MAX, so every rank sees ``True`` at the same step
+the signal in the run's `StopSignals` (`install`; ``ctx.run.stop``). `StopSignals.should_stop` all-reduces that
+record with MAX, so every rank sees ``True`` at the same step
 boundary even when the signal reached only some of them (the launching process forwards it to its workers,
 and SLURM signals every process of a step), and the loop can save a checkpoint and return together.
 

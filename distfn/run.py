@@ -19,9 +19,10 @@ import weakref
 from typing import Literal
 
 import attrs
+from loguru import logger
 from torch import nn
 
-from .checkin import CheckIn
+from .checkin import CheckIn, default_store
 from .data import LastLoader
 from .fsdp_options import FsdpOptions
 from .options import Mode, shards_state
@@ -61,8 +62,13 @@ class Run:
         In ``mode="fsdp"`` every checkpoint call checks in and waits ``fsdp.save_timeout``; in the other modes only
         ``ctx.save(..., rng=True)`` does, and rank 0 waits `distfn.rng.gather_wait` seconds.
         """
+        store = default_store()
+        if store is None:
+            if shards_state(self.mode):  # elsewhere only rng=True saves check in: not worth a warning every start
+                logger.warning("fsdp: the process group has no store; ctx.save on rank 0 only cannot be detected")
+            return
         timeout = self.fsdp.save_timeout if shards_state(self.mode) else gather_wait()
-        self.checkin = CheckIn.start(rank, world_size, timeout)
+        self.checkin = CheckIn.start(rank, world_size, timeout, store)
 
     def finish(self) -> None:
         """End the run on this rank: ranks still waiting in a check-in learn that this one will never join it."""

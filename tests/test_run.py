@@ -24,8 +24,7 @@ from distfn.run import Run
 
 def _pair(timeout: float = 30.0) -> tuple[CheckIn, CheckIn]:
     store = dist.HashStore()
-    zero, one = (CheckIn.start(rank, 2, timeout, store=store) for rank in (0, 1))
-    assert zero is not None and one is not None
+    zero, one = (CheckIn.start(rank, 2, timeout, store) for rank in (0, 1))
     return zero, one
 
 
@@ -58,8 +57,8 @@ def test_every_rank_checking_in_releases_all_of_them() -> None:
 
 def test_runs_on_one_store_get_their_own_keys_without_a_collective() -> None:
     store = dist.HashStore()
-    first, second = (CheckIn.start(0, 2, 1.0, store=store) for _ in range(2))
-    assert first is not None and second is not None and first.prefix != second.prefix
+    first, second = (CheckIn.start(0, 2, 1.0, store) for _ in range(2))
+    assert first.prefix != second.prefix
 
 
 def test_a_rank_that_finished_is_named_within_seconds_not_after_the_wait() -> None:
@@ -121,7 +120,7 @@ def _ctx(mode: Any, run: Run) -> Context:
 
 def _world_of_one_run(mode: Any) -> Run:
     run = Run(mode=mode)
-    run.checkin = CheckIn.start(0, 1, 5.0, store=dist.HashStore())
+    run.checkin = CheckIn.start(0, 1, 5.0, dist.HashStore())
     return run
 
 
@@ -206,5 +205,9 @@ def test_ctx_wrap_shards_by_the_options_of_the_run_it_belongs_to() -> None:
         units = [sorted(n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")) for model in (a, b)]
         assert units == [["", "0", "1"], [""]]
         assert list(by_class.wrapped) == [a] and list(by_size.wrapped) == [b]
+        by_class.start_check_in(0, 1)  # on the group's store, as the bootstrap does: forwards are sync points
+        a(torch.zeros(1, 4))
+        assert by_class.checkin is not None and by_class.checkin.progress == 1
+        by_class.finish()
     finally:
         dist.destroy_process_group()
