@@ -8,6 +8,15 @@ the run's `distfn.checkin.CheckIn`, ``ctx.accumulate`` and ``ctx.gather_for_metr
 `distfn.data.LastLoader`, ``ctx.should_stop`` asks the run's `distfn.preemption.StopSignals`. Two runs in one
 process (sequential decorated calls, a test) therefore never see each other's state.
 
+Code that runs outside any `Context` finds no run, on purpose, and there is no "current run" slot: the stop
+signal handler is the bound method of the run's `StopSignals` (so the handler reaches its record through
+itself, and `distfn.preemption.install` finds a record installed before the run through `signal.getsignal`);
+a service used from a plain script takes its state as an argument (`distfn.data.gather_for_metrics`' loader,
+`distfn.accumulation.Accumulator`'s ``loaders``, `distfn.fsdp.wrap`'s ``on_forward``) and does without it when
+none is given. What stays module-level is per process, not per run: the loguru configuration
+(`distfn.logs`), the nested-launch guard (`distfn.worker`), the fork server (`distfn.shipping`) and the
+worker's stack pipe (`distfn.spawn`).
+
 Imports: `checkin`, `data`, `fsdp_options`, `options`, `preemption`, `rng` (the types of its parts and the rules
 that pick them); nothing imports it but `context` and `worker` (and, for annotations, the services it is
 passed to).
