@@ -158,6 +158,16 @@ def wrap(
     return model
 
 
+def _forward_hook(note: Callable[[], None]) -> Callable[[nn.Module, Any], None]:
+    """``note`` as a forward pre-hook. It does store I/O: under torch.compile it runs eagerly instead of being
+    traced into (``torch.compiler.disable``; torch._dynamo is loaded by then, `wrap` imported fully_shard)."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        note()
+
+    return torch.compiler.disable(hook)
+
+
 # --------------------------------------------------------------------------------------------------
 # Models built on the meta device
 
@@ -246,13 +256,3 @@ def required_backend(opts: FsdpOptions | None, backend: str) -> str:
     if collective_device(backend, torch.device("cuda")) is None:  # the group already takes CPU tensors
         return backend
     return OFFLOAD_BACKEND
-
-
-def _forward_hook(note: Callable[[], None]) -> Callable[[nn.Module, Any], None]:
-    """``note`` as a forward pre-hook. It does store I/O: under torch.compile it runs eagerly instead of being
-    traced into (``torch.compiler.disable``; torch._dynamo is loaded by then, `wrap` imported fully_shard)."""
-
-    def hook(module: nn.Module, args: Any) -> None:
-        note()
-
-    return torch.compiler.disable(hook)
