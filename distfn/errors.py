@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 
-class Failure(Protocol):
+class FailureRecord(Protocol):
     """One rank's failure as `WorkerError` holds it: the documented fields (docs/failures.md) and the two texts
     its message is made of. `distfn.failures.Failure` is the record distfn makes.
 
@@ -80,7 +80,7 @@ class WorkerError(DistfnError):
     (the last attempt is ``failures``).
     """
 
-    def __init__(self, failures: Sequence[Failure], attempts: Sequence[Failure] | None = None) -> None:
+    def __init__(self, failures: Sequence[FailureRecord], attempts: Sequence[FailureRecord] | None = None) -> None:
         self.failures = list(failures)
         self.attempts = list(attempts or [])
         super().__init__(self._render())
@@ -91,7 +91,7 @@ class WorkerError(DistfnError):
         return type(self), (self.failures, self.attempts), self.__dict__
 
     @property
-    def first(self) -> Failure:
+    def first(self) -> FailureRecord:
         """The failure that happened first (the likely root cause)."""
         return self.failures[0]
 
