@@ -103,11 +103,9 @@ def job(cfg: dict[str, Any], ctx: Any) -> None:
         losses.append(loss.item())
     sync = None
     if cfg["kind"] == "fsdp":  # the bookkeeping alone, per sync point (every rank calls it equally often)
-        from distfn import checkin  # fsdp's check-in protocol (distfn.checkin) since the fsdp.py split
-
         start = time.perf_counter()
         for _ in range(200):
-            checkin.note_progress()
+            ctx.run.sync_point()  # the run's check-in protocol (distfn.checkin), as a forward or collective notes it
         sync = (time.perf_counter() - start) / 200
     held = ctx.gather_object(_held_bytes(model, opt))
     if ctx.is_main:

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from . import data
+from .data import LastLoader
 from .errors import ConfigError
 from .precision import LoopState
 
@@ -64,6 +64,8 @@ class Accumulator:
             ``ctx.step`` steps.
         micro_steps: micro-batches entered so far.
         steps: windows closed so far (optimizer steps due).
+        loaders: the run's `distfn.data.LastLoader` (``ctx.accumulate`` passes it): a window also closes at the last
+            batch of the loader that handed out a batch most recently. ``None``: windows close every ``every``.
     """
 
     model: nn.Module
@@ -72,6 +74,7 @@ class Accumulator:
     sync: bool = True
     micro_steps: int = 0
     steps: int = 0
+    loaders: LastLoader | None = attrs.field(default=None, kw_only=True, repr=False)
     _in_window: int = attrs.field(default=0, init=False)
     _inside: bool = attrs.field(default=False, init=False)
     _left_open: bool = attrs.field(default=False, init=False)  # the last `with acc:` ended mid-window
@@ -88,8 +91,7 @@ class Accumulator:
             raise ConfigError("`with acc:` blocks of one accumulator cannot be nested")
         self.micro_steps += 1
         self._in_window += 1
-        loader = data.current_loader()
-        self.sync = self._in_window >= self.every or (loader is not None and loader.at_last_batch())
+        self.sync = self._in_window >= self.every or (self.loaders is not None and self.loaders.at_last_batch())
         self.state.accumulator = self
         self._inside = True
         if not self.sync:

@@ -2,12 +2,12 @@
 
 Every function here takes the world explicitly through ``torch.distributed``'s default group; when no group
 is initialised (``mode="single"``/``"dp"``, or a world of one) each is an identity, so user code never needs
-an ``if distributed:`` branch.
+an ``if distributed:`` branch. Nothing here keeps state: the run's sync point (``mode="fsdp"``'s check-in
+bookkeeping, `distfn.run.Run.sync_point`) is noted by the `Context` method that calls these.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -18,17 +18,6 @@ from .errors import ConfigError
 T = TypeVar("T")
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
-
-# Called (without arguments) before every collective below. mode="fsdp" registers its ctx.save bookkeeping
-# (distfn.fsdp.note_progress): a rank entering a collective while another rank waits in a save it skipped is
-# caught there instead of both hanging.
-SYNC_HOOKS: list[Callable[[], None]] = []
-
-
-def _sync_point() -> None:
-    for hook in SYNC_HOOKS:
-        hook()
-
 
 def active() -> bool:
     """True when a default process group is initialised in this process."""
@@ -44,7 +33,6 @@ def barrier(device: torch.device | None = None) -> None:
             context there, or fails with "Duplicate GPU" when ranks are not numbered node by node).
     """
     if active():
-        _sync_point()
         if device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend()).lower():
             dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
         else:
@@ -71,7 +59,6 @@ def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None
         if op == "mean" and not (out.is_floating_point() or out.is_complex()):
             out = out.to(torch.float64)
         if active():
-            _sync_point()
             dist.all_reduce(out, op=torch_op)
             if op == "mean":
                 out /= dist.get_world_size()
@@ -92,7 +79,6 @@ def gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj`` as a list indexed by rank, on every rank (objects must be picklable)."""
     if not active():
         return [obj]
-    _sync_point()
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -102,7 +88,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank (other ranks' arguments are ignored)."""
     if not active():
         return obj
-    _sync_point()
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]

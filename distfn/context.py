@@ -1,7 +1,8 @@
 """`Context`: what the user's function gets as `ctx`.
 
-It holds facts about this rank (frozen after start-up) and thin methods that forward to the modules that do the
-work (`collectives`, `data`, `precision`, `accumulation`, `progress`, `wrapping`, `checkpoint`), so each piece
+It holds facts about this rank (frozen after start-up), the run's mutable state (`distfn.run.Run`, ``ctx.run``)
+and thin methods that forward to the modules that do the work (`collectives`, `data`, `precision`,
+`accumulation`, `progress`, `wrapping`, `checkpoint`), handing each the part of the run it needs, so each piece
 can be tested on its own.
 """
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from . import accumulation, checkin, checkpoint, collectives, data, preemption, progress, wrapping
+from . import accumulation, checkpoint, collectives, data, fsdp, progress, wrapping
 from . import precision as amp
 from .accumulation import Accumulator
 from .data import DistributedLoader
@@ -27,6 +28,7 @@ from .errors import CheckpointError, ConfigError
 from .modules import unwrap_module
 from .options import Mode, Precision, runs_one_process, shards_state
 from .progress import Progress
+from .run import Run
 
 
 @attrs.define(eq=False)
@@ -53,6 +55,8 @@ class Context:
             `ctx.backward` and `ctx.step` use.
         restart: which attempt of the job this is: 0, then 1, 2, ... after restarts (`@distributed(max_restarts=)`,
             or torchrun's `--max-restarts`).
+        run: this run's mutable state (its fsdp options, check-in, stop signals, last loader, sharded models),
+            made by the rank bootstrap; the methods below hand it to the services they call.
     """
 
     rank: int
@@ -69,6 +73,7 @@ class Context:
     log: Any = attrs.field(default=None, repr=False)
     precision: Precision = "32"
     restart: int = 0
+    run: Run = attrs.field(factory=Run, repr=False)
     _loop: amp.LoopState | None = attrs.field(default=None, init=False, repr=False)  # made on first use
 
     @property
@@ -94,7 +99,8 @@ class Context:
         also tells distfn that this function stops by itself: SIGTERM then only sets the flag instead of raising
         `distfn.Terminated` in the middle of a step. See docs/failures.md (SLURM `--signal`).
         """
-        stop = preemption.should_stop(self._group_device)
+        self.run.sync_point()
+        stop = self.run.stop.should_stop(self._group_device)
         if stop:
             checkpoint.background.wait()  # a pending asynchronous save completes before the function stops
         return stop
@@ -142,7 +148,7 @@ class Context:
                 defaults to True on CUDA and is dropped on the CPU (where it only makes torch warn).
         """
         return data.dataloader(dataset, batch_size, self.sampler, rank=self.rank, seed=self.seed, device=self.device,
-                               shuffle=shuffle, drop_last=drop_last, **kwargs)
+                               shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders, **kwargs)
 
     def gather_for_metrics(self, value: Any, loader: DistributedLoader | None = None) -> Any:
         """Per-sample `value` from every rank, concatenated in the sampler's order without
@@ -154,6 +160,8 @@ class Context:
             value: a tensor with the batch dimension first, or a dict / list / tuple of such tensors.
             loader: the `ctx.dataloader` the rows come from; defaults to the one iterated last.
         """
+        self.run.sync_point()
+        loader = loader if loader is not None else self.run.loaders.current()
         return data.gather_for_metrics(value, loader, device=self._group_device)
 
     # -- models -------------------------------------------------------------------------------------------
@@ -186,7 +194,7 @@ class Context:
                 mode, overrides of the `fsdp={...}` options for this model (e.g. `module_classes=[Block]`).
         """
         return wrapping.wrap(model, mode=self.mode, device=self.device, is_main=self.is_main,
-                             sync_batchnorm=sync_batchnorm, init=init, **ddp_kwargs)
+                             sync_batchnorm=sync_batchnorm, init=init, run=self.run, **ddp_kwargs)
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
@@ -233,7 +241,7 @@ class Context:
             model: the wrapped model.
             every: micro-batches per optimizer step (a positive int).
         """
-        return accumulation.Accumulator(model, every, self._loop_state())
+        return accumulation.Accumulator(model, every, self._loop_state(), loaders=self.run.loaders)
 
     def autocast(self, *, enabled: bool | None = None, dtype: torch.dtype | None = None) -> Any:
         """`torch.autocast` for `ctx.device` with the run's precision (bf16 works on CPU too); a no-op for
@@ -302,6 +310,7 @@ class Context:
     # -- collectives --------------------------------------------------------------------------------------
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op without a process group)."""
+        self.run.sync_point()
         collectives.barrier(self.device)
 
     def all_reduce(self, value: Any, op: str = "mean") -> Any:
@@ -311,6 +320,7 @@ class Context:
             value: a tensor or a Python number; a number comes back as a number (`float` for `"mean"`).
             op: `"mean"`, `"sum"`, `"max"` or `"min"`.
         """
+        self.run.sync_point()
         device = self._group_device
         if isinstance(value, torch.Tensor) and device is not None and value.device.type != device.type:
             return collectives.all_reduce(value.to(device), op).to(value.device)
@@ -322,6 +332,7 @@ class Context:
         Args:
             obj: any picklable object.
         """
+        self.run.sync_point()
         return collectives.gather_object(obj)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -331,6 +342,7 @@ class Context:
             obj: any picklable object.
             src: the rank whose object everyone gets.
         """
+        self.run.sync_point()
         return collectives.broadcast_object(obj, src=src)
 
     # -- output -------------------------------------------------------------------------------------------
@@ -390,24 +402,21 @@ class Context:
         """
         checkpoint.background.wait()  # the previous (asynchronous) save first; its failure is raised here
         checked_in = False
-        if rng and shards_state(self.mode):
-            checkin.check_in("ctx.save")  # before the RNG gather: a rank-0-only call must fail there, not hang in it
-            checked_in = True
         if rng:
             if not isinstance(obj, Mapping):
                 raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
                                   "{'model': model, 'optimizer': opt, 'step': step}")
-            obj = {**obj, "rng": checkpoint.gather_rng_states()}  # checks in first: a rank-0-only call fails fast
+            # every rank checks in before the RNG gather: a rank-0-only call must fail there, not hang in it
+            checked_in = self.run.check_in("ctx.save", rng=True)
+            obj = {**obj, "rng": checkpoint.gather_rng_states()}
 
         if checkpoint.sharded.wants_sharded(path, self.mode, sharded):
             if not checked_in:
-                checkin.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
+                self.run.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
             return checkpoint.sharded.save(obj, path, metadata=metadata, keep=keep, blocking=blocking)
         if shards_state(self.mode):
-            from . import fsdp  # deferred: only mode='fsdp' needs it (~0.1 s on a busy machine)
-
             return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in,
-                             write=None if blocking else checkpoint.save_in_background)
+                             write=None if blocking else checkpoint.save_in_background, run=self.run)
         if self.is_main:
             write = checkpoint.save if blocking else checkpoint.save_in_background
             return write(obj, path, metadata=metadata, keep=keep)
@@ -440,9 +449,7 @@ class Context:
         if os.path.isdir(path):  # a sharded checkpoint: each rank reads its own slices, any world size and mode
             values = checkpoint.sharded.load_into(path, into, device=self.device, strict=strict)
         elif shards_state(self.mode):
-            from . import fsdp  # deferred: only mode='fsdp' needs it (~0.1 s on a busy machine)
-
-            values = fsdp.load(path, into, device=self.device, strict=strict)
+            values = fsdp.load(path, into, device=self.device, strict=strict, run=self.run)
         else:
             values = checkpoint.load_into(path, into, device=self.device, strict=strict)
         if rng:
@@ -480,7 +487,7 @@ class Context:
         """
         checkpoint.background.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
         last = checkpoint.latest(directory, prefix=prefix) if self.is_main else None
-        last = collectives.broadcast_object(None if last is None else str(last))
+        last = self.broadcast_object(None if last is None else str(last))
         if last is None:
             return 0
         values = self.load(last, into=state, strict=strict)

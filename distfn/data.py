@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import torch
 from loguru import logger
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -39,9 +40,29 @@ def mix_seed(*parts: int) -> int:
     return h & ((1 << 63) - 1)
 
 
-# The DistributedLoader whose batches were handed out most recently in this process: gather_for_metrics uses
-# it when no loader is named. A weak reference, so a finished loader (and its workers) can be freed.
-_current: weakref.ref[DistributedLoader] | None = None
+@attrs.define(eq=False)
+class LastLoader:
+    """Which of a run's loaders handed out a batch most recently (`distfn.run.Run.loaders`).
+
+    ``ctx.gather_for_metrics`` filters the padding of that loader when no loader is named, and ``ctx.accumulate``
+    closes its window at that loader's last batch. A weak reference, so a finished loader (and its workers) can be
+    freed.
+    """
+
+    _last: weakref.ref[DistributedLoader] | None = None
+
+    def note(self, loader: DistributedLoader) -> None:
+        """``loader`` just handed out a batch."""
+        self._last = weakref.ref(loader)
+
+    def current(self) -> DistributedLoader | None:
+        """The loader that handed out a batch most recently (``None``: none yet, or it is gone)."""
+        return self._last() if self._last is not None else None
+
+    def at_last_batch(self) -> bool:
+        """True while the batch just handed out is its loader's last one of the epoch."""
+        loader = self.current()
+        return loader is not None and loader.at_last_batch()
 
 
 class DistributedLoader(DataLoader):
@@ -55,7 +76,8 @@ class DistributedLoader(DataLoader):
     ``set_epoch(e)`` makes the next iteration use epoch ``e`` (for exact resume). When distfn owns the worker
     seeding (no ``generator`` was passed), the DataLoader workers' seeds are re-derived from
     ``(seed, rank, epoch)`` each epoch, so a resumed epoch sees the same random augmentations (with
-    ``persistent_workers=True`` the workers keep their random streams across epochs instead).
+    ``persistent_workers=True`` the workers keep their random streams across epochs instead). ``tracker``: the
+    run's `LastLoader`, told of every batch handed out.
 
     Attributes:
         epoch: the epoch of the current (or last) iteration; ``None`` before the first one.
@@ -65,13 +87,15 @@ class DistributedLoader(DataLoader):
 
     sampler: DistributedSampler  # checked in __init__
 
-    def __init__(self, *args: Any, seed_parts: tuple[int, int] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, seed_parts: tuple[int, int] | None = None, tracker: LastLoader | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, DistributedSampler):
             raise ConfigError("DistributedLoader needs a DistributedSampler; build it with ctx.dataloader")
         self.epoch: int | None = None
         self.next_epoch = 0
         self._seed_parts = seed_parts  # (base seed, rank) when distfn seeds the workers, else None
+        self._tracker = tracker
         self._batch = -1  # index of the batch most recently handed out in this epoch
         self._done = False  # True once this epoch's iteration ran to its end
         self._pending = False  # an iteration started and next_epoch has not moved past it yet
@@ -105,10 +129,10 @@ class DistributedLoader(DataLoader):
         return self._track(super().__iter__(), self._iterations)
 
     def _track(self, batches: Iterator[Any], iteration: int) -> Iterator[Any]:
-        global _current
         for batch in batches:
             self._batch += 1
-            _current = weakref.ref(self)
+            if self._tracker is not None:
+                self._tracker.note(self)
             yield batch
         self._done = True
         if self._pending and iteration == self._iterations:  # not overtaken by a newer iteration or set_epoch
@@ -150,11 +174,6 @@ class DistributedLoader(DataLoader):
         )
 
 
-def current_loader() -> DistributedLoader | None:
-    """The distfn loader that handed out a batch most recently in this process (or ``None``)."""
-    return _current() if _current is not None else None
-
-
 def dataloader(
     dataset: Dataset,
     batch_size: int,
@@ -165,6 +184,7 @@ def dataloader(
     device: torch.device,
     shuffle: bool = True,
     drop_last: bool = False,
+    tracker: LastLoader | None = None,
     **kwargs: Any,
 ) -> DistributedLoader:
     """Build the ``DistributedLoader`` behind ``ctx.dataloader`` (see there).
@@ -174,7 +194,7 @@ def dataloader(
     devices. Unless ``generator`` is
     passed, the workers' base seed comes from a generator seeded with ``(seed, rank, epoch)``: without it,
     identically seeded ranks would give their DataLoader workers identical random streams (the same
-    "random" augmentation on every GPU).
+    "random" augmentation on every GPU). ``tracker``: the run's `LastLoader` (see `DistributedLoader`).
     """
     if isinstance(dataset, IterableDataset):
         raise ConfigError(
@@ -212,7 +232,8 @@ def dataloader(
         seed_parts = (torch.initial_seed() if seed is None else seed, rank)
         kwargs["generator"] = torch.Generator()
     loader = DistributedLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, seed_parts=seed_parts, **kwargs
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, seed_parts=seed_parts, tracker=tracker,
+        **kwargs
     )
     if rank == 0:
         replicas, size = sampler.num_replicas, len(dataset)  # type: ignore[arg-type]
@@ -262,7 +283,8 @@ def gather_for_metrics(
 
     ``value`` is a tensor with the batch dimension first (or a dict / list / tuple of such tensors with the same
     number of rows), holding results for either the current batch of ``loader`` or everything since the start
-    of the epoch. ``loader`` defaults to the distfn loader that handed out a batch most recently. With a loader,
+    of the epoch (``ctx.gather_for_metrics`` passes the run's loader that handed out a batch most recently when
+    none is named: `LastLoader`). With a loader,
     rows whose sampler position is past the end of the dataset (``DistributedSampler``'s padding) are dropped
     and the rest are put in the sampler's order, so with ``shuffle=False`` row ``i`` of the epoch's result is
     ``dataset[i]``. Without a distfn loader the ranks' rows are concatenated in rank order, unfiltered.
@@ -278,7 +300,6 @@ def gather_for_metrics(
     if len(rows) != 1:
         raise ConfigError(f"gather_for_metrics: the tensors have different row counts {sorted(rows)}")
     n = rows.pop()
-    loader = loader if loader is not None else current_loader()
     positions: torch.Tensor | None = None
     if loader is not None:
         positions = loader.positions(n)

@@ -6,10 +6,40 @@ task or a `ProcessPoolExecutor`, which send exceptions back by pickle).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .failures import Failure
+
+class FailureRecord(Protocol):
+    """One rank's failure as `WorkerError` holds it: the documented fields (docs/failures.md) and the two texts
+    its message is made of. `distfn.failures.Failure` is the record distfn makes.
+
+    A protocol, not that class: `distfn.failures` builds its records from these exceptions (which are retryable,
+    which are a stop from outside), so importing it here would tie the two modules in an import cycle.
+    """
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def exc_type(self) -> str: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def traceback(self) -> str: ...
+    @property
+    def signal(self) -> str | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def headline(self) -> str:
+        """One line: the rank, where it ran, and what happened."""
+
+    def details(self) -> str:
+        """The diagnosis, the rank's traceback and the other ranks' stacks, as one text."""
 
 
 class DistfnError(Exception):
@@ -50,7 +80,7 @@ class WorkerError(DistfnError):
     (the last attempt is ``failures``).
     """
 
-    def __init__(self, failures: list[Failure], attempts: list[Failure] | None = None) -> None:
+    def __init__(self, failures: Sequence[FailureRecord], attempts: Sequence[FailureRecord] | None = None) -> None:
         self.failures = list(failures)
         self.attempts = list(attempts or [])
         super().__init__(self._render())
@@ -61,7 +91,7 @@ class WorkerError(DistfnError):
         return type(self), (self.failures, self.attempts), self.__dict__
 
     @property
-    def first(self) -> Failure:
+    def first(self) -> FailureRecord:
         """The failure that happened first (the likely root cause)."""
         return self.failures[0]
 

@@ -10,17 +10,17 @@ What lives here, and who calls it:
   `distfn.fsdp_state`, which gathers and scatters the full state dicts.
 * `is_meta` / `materialize`: models built on the meta device, materialised shard by shard after sharding.
 * `required_backend`: the process-group backend a run needs (``worker.run``).
-* `begin` / `finish`: per-run bookkeeping (``worker.run``): the run's options and the save check-in.
 
-The store-based check-in that turns a rank-0-only `ctx.save` into an error instead of a hang is in
-`distfn.checkin`. Importing this module is cheap (option parsing happens at decoration time); the first
-`wrap` imports `torch.distributed.fsdp`, which pulls in `torch._dynamo` (~1.5 s).
+Nothing here is per-run state: the run's options, its save check-in (`distfn.checkin`, which turns a
+rank-0-only `ctx.save` into an error instead of a hang) and its wrapped models are on `distfn.run.Run`, handed
+in by ``ctx.wrap`` / ``ctx.save`` / ``ctx.load``. Importing this module is cheap (about 5 ms: it loads neither
+``torch.distributed.fsdp`` nor ``torch._dynamo``); the first `wrap` imports `torch.distributed.fsdp`, which pulls
+in `torch._dynamo` (~1.5 s).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -31,14 +31,13 @@ import torch.distributed as dist
 from loguru import logger
 from torch import nn
 
-from . import checkin, fsdp_state
 from .devices import collective_device
 from .errors import ConfigError
 from .fsdp_options import FsdpOptions, MixedPrecision, parse_options
 from .fsdp_state import is_sharded, load, save
 
-__all__ = ["FsdpOptions", "MixedPrecision", "begin", "finish", "is_meta", "is_sharded", "load", "materialize",
-           "options", "parse_options", "plan_units", "required_backend", "save", "wrap"]
+__all__ = ["FsdpOptions", "MixedPrecision", "is_meta", "is_sharded", "load", "materialize", "parse_options",
+           "plan_units", "required_backend", "save", "wrap"]
 
 # --------------------------------------------------------------------------------------------------
 # Wrap policy
@@ -109,7 +108,12 @@ def plan_units(model: nn.Module, options: FsdpOptions) -> list[nn.Module]:
 
 
 def wrap(
-    model: nn.Module, options: FsdpOptions, device: torch.device, *, init: Callable[[nn.Module], None] | None = None
+    model: nn.Module,
+    options: FsdpOptions,
+    device: torch.device,
+    *,
+    init: Callable[[nn.Module], None] | None = None,
+    on_forward: Callable[[], None] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard``: the planned units, then the root.
 
@@ -124,11 +128,12 @@ def wrap(
         device: this rank's device.
         init: for a meta model, initialises the materialised shards in place (called as ``init(model)`` under
             ``torch.no_grad()``); by default every submodule's ``reset_parameters()``. An error otherwise.
+        on_forward: called before every forward of the model (the run's sync point, `distfn.run.Run.sync_point`).
 
     Returns:
         The same module object, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # deferred: it loads torch._dynamo (~1.7 s), fsdp runs only
 
     meta = is_meta(model)
     if init is not None and not meta:
@@ -143,14 +148,24 @@ def wrap(
     fully_shard(model, **kwargs)
     if meta:
         materialize(model, device, init=init, offload=options.cpu_offload)
-    # Runs before FSDP's own pre-forward all-gather (prepend), so a rank that skipped a save is caught before it
-    # blocks in a collective the others will never join.
-    model.register_forward_pre_hook(_forward_hook(), prepend=True)
-    fsdp_state.remember(model)
+    if on_forward is not None:
+        # Runs before FSDP's own pre-forward all-gather (prepend), so a rank that skipped a save is caught before
+        # it blocks in a collective the others will never join.
+        model.register_forward_pre_hook(_forward_hook(on_forward), prepend=True)
     total = sum(p.numel() for p in model.parameters())
     local = sum(_local(p).numel() for p in model.parameters())
     logger.debug("fsdp: {} unit(s) + root; {} of {} parameters held on this rank", len(units), local, total)
     return model
+
+
+def _forward_hook(note: Callable[[], None]) -> Callable[[nn.Module, Any], None]:
+    """``note`` as a forward pre-hook. It does store I/O: under torch.compile it runs eagerly instead of being
+    traced into (``torch.compiler.disable``; torch._dynamo is loaded by then, `wrap` imported fully_shard)."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        note()
+
+    return torch.compiler.disable(hook)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,42 +256,3 @@ def required_backend(opts: FsdpOptions | None, backend: str) -> str:
     if collective_device(backend, torch.device("cuda")) is None:  # the group already takes CPU tensors
         return backend
     return OFFLOAD_BACKEND
-
-
-# --------------------------------------------------------------------------------------------------
-# Per-run state (the save check-in itself is in distfn.checkin)
-
-_OPTIONS: FsdpOptions | None = None  # the current run's fsdp={...} options
-
-
-def options() -> FsdpOptions:
-    """The current run's options (defaults outside a run)."""
-    return _OPTIONS if _OPTIONS is not None else FsdpOptions()
-
-
-def begin(rank: int, world_size: int, opts: FsdpOptions | None) -> None:
-    """Start this rank's fsdp run: remember its options and start the save check-in bookkeeping
-    (`distfn.checkin`). Collective (one broadcast): call on every rank right after the process group is up."""
-    global _OPTIONS
-    _OPTIONS = opts or FsdpOptions()
-    checkin.begin(rank, world_size, _OPTIONS.save_timeout)
-
-
-def finish() -> None:
-    """End this rank's fsdp run; tells ranks waiting in a save that this one will never join it."""
-    global _OPTIONS
-    _OPTIONS = None
-    checkin.finish()
-
-
-def _on_forward(module: nn.Module, args: Any) -> None:
-    checkin.note_progress()
-
-
-@functools.cache
-def _forward_hook() -> Callable[[nn.Module, Any], None]:
-    # Store I/O: under torch.compile run it eagerly instead of tracing into it. Made on first use, not at import:
-    # torch.compiler.disable imports torch._dynamo (~1.5 s), which option parsing at decoration time never needs.
-    return torch.compiler.disable(_on_forward)
-
-

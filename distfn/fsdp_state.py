@@ -2,37 +2,31 @@
 
 The file is the same single safetensors file as in DDP mode, written by `distfn.checkpoint.save` on rank 0, so
 a model trained with FSDP loads into a bare model with `distfn.load`, and a DDP file resumes an FSDP run. Both
-are collectives when the state holds sharded objects: every rank checks in first (`distfn.checkin`), so a
-rank-0-only call is an error instead of a hang. `distfn.fsdp` re-exports `save` and `load`.
+are collectives when the state holds sharded objects: every rank checks in first (the run's check-in,
+`distfn.run.Run.check_in`), so a rank-0-only call is an error instead of a hang. `distfn.fsdp` re-exports `save`
+and `load`.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checkin, checkpoint
+from . import checkpoint
 from .errors import CheckpointError
 from .modules import indexed_optimizer_state, named_optimizer_state
 from .tree import tree_leaves, tree_map
 
-__all__ = ["indexed_optimizer_state", "is_sharded", "load", "named_optimizer_state", "remember", "save"]
+if TYPE_CHECKING:
+    from .run import Run
 
-# Models wrapped by distfn in this process (weakly held): lets ctx.save / ctx.load find the model an optimizer
-# belongs to when only the optimizer is named.
-_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def remember(model: nn.Module) -> None:
-    """Note a model sharded by `distfn.fsdp.wrap`, so an optimizer saved or loaded without it finds its model."""
-    _WRAPPED.add(model)
+__all__ = ["indexed_optimizer_state", "is_sharded", "load", "named_optimizer_state", "save"]
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -57,6 +51,8 @@ def _rank() -> int:
 
 
 def _full_options() -> Any:
+    # deferred (here and below): torch.distributed.checkpoint loads torch._dynamo (~1.8-2.8 s measured), which only
+    # a checkpoint call with sharded objects needs
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -64,7 +60,7 @@ def _full_options() -> Any:
 
 def _owner(optimizer: torch.optim.Optimizer, candidates: Sequence[nn.Module]) -> nn.Module:
     wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for model in [*candidates, *_WRAPPED]:
+    for model in candidates:
         if wanted <= {id(p) for p in model.parameters()}:
             return model
     raise CheckpointError(
@@ -83,9 +79,16 @@ def _state_objects(obj: Any) -> list[Any]:
     return [x for x in tree_leaves(obj, is_leaf=_is_state_object) if _is_state_object(x)]
 
 
+def _candidates(found: Sequence[Any], run: Run | None) -> list[nn.Module]:
+    """Where an optimizer's model may be: the sharded models in the state, then every model the run sharded
+    (an optimizer saved or loaded without its model still finds it)."""
+    return [*(m for m in found if isinstance(m, nn.Module) and is_sharded(m)), *(run.wrapped if run else ())]
+
+
 def _gather(obj: Any, models: Sequence[nn.Module]) -> Any:
     """``obj`` with every sharded module / optimizer replaced by its full state dict (on CPU, on rank 0; empty
     elsewhere). Collective: every rank walks the same structure in the same order."""
+    # deferred: see _full_options
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     def full(value: Any) -> Any:
@@ -108,18 +111,19 @@ def save(
     keep: int | None = None,
     checked_in: bool = False,
     write: Any = None,
+    run: Run | None = None,
 ) -> Path:
     """``ctx.save`` in fsdp mode: gather full state dicts to CPU on rank 0, which writes one safetensors file.
 
-    When ``obj`` holds a sharded module or optimizer this must run on every rank (checked, see the module
-    docstring; ``checked_in=True`` when the caller already did, see `distfn.checkin.check_in`); otherwise it behaves
-    exactly like DDP mode (rank 0 writes, no collective).
+    When ``obj`` holds a sharded module or optimizer this must run on every rank (checked through ``run``, see
+    the module docstring; ``checked_in=True`` when the caller already did, see `distfn.run.Run.check_in`);
+    otherwise it behaves exactly like DDP mode (rank 0 writes, no collective).
     """
     found = _state_objects(obj)
     if any(is_sharded(x) for x in found):
-        if not checked_in:
-            checkin.check_in("ctx.save")
-        obj = _gather(obj, [m for m in found if isinstance(m, nn.Module) and is_sharded(m)])
+        if not checked_in and run is not None:
+            run.check_in("ctx.save")
+        obj = _gather(obj, _candidates(found, run))
     if rank == 0:
         return (write or checkpoint.save)(obj, path, metadata=metadata, keep=keep)  # write: e.g. a background save
     return Path(path)
@@ -167,6 +171,7 @@ class _ModuleTarget(nn.Module):
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        # deferred: see _full_options
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full: dict[str, Any] = {}
@@ -193,6 +198,7 @@ class _OptimizerTarget(torch.optim.Optimizer):
         self._model = model
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        # deferred: see _full_options
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         named = named_optimizer_state(state_dict, self._optimizer, self._model) if _rank() == 0 else {}
@@ -220,16 +226,17 @@ def load(
     *,
     device: torch.device,
     strict: bool = True,
+    run: Run | None = None,
 ) -> dict[str, Any]:
     """``ctx.load`` in fsdp mode: restore sharded modules and optimizers (and everything else) from a full file.
 
     Every rank opens the file (as in DDP mode: header validation, plain values, unsharded objects); the sharded
     tensors are read on rank 0 only and broadcast, each rank keeping its shard. The file may come from DDP or
     fsdp mode, written by any world size. Collective when ``into`` holds sharded objects: call it on every rank.
-    Returns the values not restored in place (``step``, ...), like `distfn.checkpoint.load_into`.
+    ``run``: the run whose check-in and wrapped models to use. Returns the values not restored in place
+    (``step``, ...), like `distfn.checkpoint.load_into`.
     """
     found = _state_objects(into)
-    if any(is_sharded(x) for x in found):
-        checkin.check_in("ctx.load")
-    models = [m for m in found if isinstance(m, nn.Module) and is_sharded(m)]
-    return checkpoint.load_into(path, _targets(into, models, strict), device=device, strict=strict)
+    if any(is_sharded(x) for x in found) and run is not None:
+        run.check_in("ctx.load")
+    return checkpoint.load_into(path, _targets(into, _candidates(found, run), strict), device=device, strict=strict)

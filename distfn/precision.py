@@ -12,7 +12,7 @@ calling one on some ranks only cannot hang the job.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
@@ -24,7 +24,25 @@ from .options import Precision, check_precision
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-    from .accumulation import Accumulator
+
+class Window(Protocol):
+    """What `backward` and `step` ask of the active accumulation window (`distfn.accumulation.Accumulator`).
+
+    A protocol rather than the class itself: `Accumulator` holds a `LoopState`, so naming it here would tie the
+    two modules in an import cycle.
+    """
+
+    @property
+    def every(self) -> int:
+        """Micro-batches per optimizer step (what ``backward`` divides the loss by)."""
+
+    @property
+    def inside(self) -> bool:
+        """True inside ``with acc:``."""
+
+    def holds_step(self) -> bool:
+        """Whether ``ctx.step`` must wait for the window to close."""
+
 
 @attrs.define(eq=False)
 class LoopState:
@@ -32,7 +50,7 @@ class LoopState:
 
     precision: Precision = attrs.field(default="32", converter=check_precision)
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
-    accumulator: Accumulator | None = None
+    accumulator: Window | None = None
     _scaler: Any = attrs.field(default=None, init=False)
 
     @property

@@ -3,7 +3,8 @@
 Schedulers warn a job before they end it: SLURM sends SIGTERM at the time limit or on preemption (then SIGKILL
 after ``KillWait``, 30 s by default), and ``sbatch --signal=USR2@120`` sends SIGUSR2 two minutes earlier. Each
 rank installs a handler for both (in its main thread only: Python runs signal handlers there) that records
-the signal. ``should_stop()`` all-reduces that record with MAX, so every rank sees ``True`` at the same step
+the signal in the run's `StopSignals` (`install`; ``ctx.run.stop``). `StopSignals.should_stop` all-reduces that
+record with MAX, so every rank sees ``True`` at the same step
 boundary even when the signal reached only some of them (the launching process forwards it to its workers,
 and SLURM signals every process of a step), and the loop can save a checkpoint and return together.
 
@@ -38,26 +39,43 @@ from .errors import Terminated
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR2)
 
 
-@attrs.define
-class _State:
+@attrs.define(eq=False)
+class StopSignals:
+    """One run's record of the stop signals this process received; its `on_signal` is the installed handler.
+
+    The run holds it (`distfn.run.Run.stop`) and `ctx.should_stop` asks it. The handler is this object's bound
+    method, so the signal handler reaches the state through the handler itself, with no module global: `install`
+    finds the object of a handler installed earlier (a self-spawned worker installs one first thing, before the
+    run exists) by asking `signal.getsignal` for it.
+    """
+
     signal: str | None = None  # name of the first stop signal received
     polled: bool = False  # the function called should_stop(): SIGTERM no longer raises
     raised: bool = False  # Terminated was raised once; later SIGTERMs must not interrupt the finally blocks
     stopped: bool = False  # should_stop() returned True: the ranks agreed to stop (what requeue= acts on)
 
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """The handler of `STOP_SIGNALS`: record the first, and raise `Terminated` on SIGTERM unless polled."""
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+        if signum == signal.SIGTERM and not self.polled and not self.raised:
+            self.raised = True
+            raise Terminated(
+                "received SIGTERM (a scheduler time limit or preemption, `kill`, or the launcher stopping the job); "
+                "poll ctx.should_stop at step boundaries to save and return instead"
+            )
 
-_state = _State()
+    def should_stop(self, device: Any = None) -> bool:
+        """True on every rank once any rank received SIGTERM or SIGUSR2 (a collective: all ranks must call it).
 
-
-def _on_signal(signum: int, frame: Any) -> None:
-    if _state.signal is None:
-        _state.signal = signal.Signals(signum).name
-    if signum == signal.SIGTERM and not _state.polled and not _state.raised:
-        _state.raised = True
-        raise Terminated(
-            "received SIGTERM (a scheduler time limit or preemption, `kill`, or the launcher stopping the job); "
-            "poll ctx.should_stop at step boundaries to save and return instead"
-        )
+        ``device`` is where the flag travels for the all-reduce (a CUDA device under NCCL; the CPU otherwise).
+        """
+        self.polled = True
+        local = self.signal is not None
+        agreed = local if not collectives.active() else bool(
+            collectives.all_reduce(int(local), op="max", device=device))
+        self.stopped = self.stopped or agreed
+        return agreed
 
 
 def polls(fn: Any) -> bool:
@@ -93,49 +111,35 @@ def restore_handlers(previous: Mapping[int, Any] | None) -> None:
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def install(opt_in: bool = False) -> dict[int, Any] | None:
-    """Reset the state and handle the stop signals in this process; returns the handlers to give back
-    (with `restore_handlers`).
+def install(opt_in: bool = False) -> tuple[StopSignals, dict[int, Any] | None]:
+    """Handle the stop signals in this process with a fresh record; returns the record and the handlers to give
+    back (with `restore_handlers`).
 
     ``opt_in``: the function polls ``should_stop`` (see `polls`), so SIGTERM only sets the flag.
-    Returns ``None`` (and installs nothing) outside the main thread, where Python cannot set handlers, and
-    ``{}`` when they are installed already.
+    When a `StopSignals` handler is installed already (a self-spawned worker installs one first thing), its
+    record is kept, with what arrived since, and ``{}`` comes back as the handlers. Outside the main thread, where
+    Python cannot set handlers, nothing is installed: a fresh record and ``None``.
     """
-    global _state
     if threading.current_thread() is not threading.main_thread():
-        return None
-    if signal.getsignal(signal.SIGTERM) is _on_signal:
-        _state.polled = _state.polled or opt_in
-        return {}  # a self-spawned worker installed them first thing: keep what arrived since
-    _state = _State(polled=opt_in)
-    return set_handlers(dict.fromkeys(STOP_SIGNALS, _on_signal))
+        return StopSignals(polled=opt_in), None
+    current = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if isinstance(current, StopSignals):
+        current.polled = current.polled or opt_in
+        return current, {}
+    stop = StopSignals(polled=opt_in)
+    return stop, set_handlers(dict.fromkeys(STOP_SIGNALS, stop.on_signal))
 
 
-def should_stop(device: Any = None) -> bool:
-    """True on every rank once any rank received SIGTERM or SIGUSR2 (a collective: all ranks must call it).
-
-    ``device`` is where the flag travels for the all-reduce (a CUDA device under NCCL; the CPU otherwise).
-    """
-    _state.polled = True
-    local = _state.signal is not None
-    agreed = local if not collectives.active() else bool(collectives.all_reduce(int(local), op="max", device=device))
-    _state.stopped = _state.stopped or agreed
-    return agreed
-
-
-def stopped() -> bool:
-    """True once `should_stop` returned True in this process: the job is stopping because of a stop signal."""
-    return _state.stopped
-
-
-def requeue(env: Mapping[str, str], run: Callable[..., Any] = subprocess.run) -> bool:
+def requeue(env: Mapping[str, str], run: Callable[..., Any] = subprocess.run, *,
+            signal_name: str | None = None) -> bool:
     """Put this Slurm job back in the queue (``scontrol requeue``); returns whether Slurm accepted it.
 
     Called once, by rank 0, after the function returned because of a stop signal (``requeue=True``). Slurm then
     ends this run at once (the job shows "CANCELLED ... DUE TO JOB REQUEUE") and starts it again later with
     ``SLURM_RESTART_COUNT`` one higher, so it must come after the checkpoint is written. The job must be
     requeueable (``#SBATCH --requeue``, or the cluster's ``JobRequeue=1``). Outside Slurm, or when ``scontrol``
-    fails, a warning says so and nothing else happens.
+    fails, a warning says so and nothing else happens. ``signal_name``: the stop signal this rank received (for
+    the log line), if any.
     """
     job = env.get("SLURM_JOB_ID", "").strip()
     array_job, task = env.get("SLURM_ARRAY_JOB_ID", "").strip(), env.get("SLURM_ARRAY_TASK_ID", "").strip()
@@ -153,6 +157,6 @@ def requeue(env: Mapping[str, str], run: Callable[..., Any] = subprocess.run) ->
         logger.warning("`scontrol requeue {}` failed ({}): {}; is the job requeueable (#SBATCH --requeue)?", job,
                        done.returncode, (done.stderr or done.stdout or "").strip())
         return False
-    logger.info("stopped by {}: job {} requeued (it resumes from its newest checkpoint)", _state.signal or "a "
+    logger.info("stopped by {}: job {} requeued (it resumes from its newest checkpoint)", signal_name or "a "
                 "stop signal on another rank", job)
     return True

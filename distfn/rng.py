@@ -5,35 +5,40 @@ tensors and JSON-able values, so they can be saved in a checkpoint. `RNG` is a s
 process's generators" to put in a training state. For one state per rank, the caller gathers `rng_state` from
 every rank and saves `combine_rng_states` of the list; on load, `rng_state_for_rank` picks a rank's state.
 
-`gather_rng_states` is the one collective here (`Context.save(..., rng=True)` calls it on every rank): it first
-checks in through the process group's store, so a call on rank 0 only (under ``if ctx.is_main:``) fails within
-seconds with a `CheckpointError` naming ``rng=True`` instead of hanging in the gather until the collective
-timeout. Nothing here touches a file: the checkpoint package writes.
+`gather_rng_states` is the one collective here (`Context.save(..., rng=True)` calls it on every rank). Before
+it the run checks every rank in (`distfn.checkin`, the ``"ctx.save(..., rng=True)"`` rule with `gather_wait`),
+so a call on rank 0 only (under ``if ctx.is_main:``) fails within seconds with a `CheckpointError` naming
+``rng=True`` instead of hanging in the gather until the collective timeout. Nothing here touches a file: the
+checkpoint package writes.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
-import torch.distributed as dist
 from loguru import logger
 
 from . import collectives
 from .errors import CheckpointError
 
-__all__ = ["RNG", "combine_rng_states", "gather_rng_states", "rng_state", "rng_state_for_rank", "set_rng_state"]
+__all__ = ["RNG", "combine_rng_states", "gather_rng_states", "gather_wait", "rng_state", "rng_state_for_rank",
+           "set_rng_state"]
 
-#: Seconds rank 0 waits in `gather_rng_states` for the other ranks to arrive before it calls the mistake an error
-#: (``DISTFN_RNG_SAVE_WAIT`` overrides). Ranks leave their last collective together, so a correct program's ranks
-#: arrive within moments of each other; the wait only has to cover work some rank does alone before saving.
+#: Seconds rank 0 waits in ``ctx.save(..., rng=True)`` for the other ranks to arrive before it calls the mistake
+#: an error (``DISTFN_RNG_SAVE_WAIT`` overrides). Ranks leave their last collective together, so a correct
+#: program's ranks arrive within moments of each other; the wait only has to cover work some rank does alone
+#: before saving.
 DEFAULT_GATHER_WAIT: Final = 20.0
-_GATHERS = itertools.count(1)  # this process's rng=True saves: the same sequence on every rank
+
+
+def gather_wait() -> float:
+    """Seconds rank 0 waits for the others in ``ctx.save(..., rng=True)``: ``DISTFN_RNG_SAVE_WAIT`` or
+    `DEFAULT_GATHER_WAIT` (outside ``mode="fsdp"``, whose ``save_timeout`` covers every checkpoint call)."""
+    return float(os.environ.get("DISTFN_RNG_SAVE_WAIT", DEFAULT_GATHER_WAIT))
 
 _PARTS: Final = ("python", "torch", "numpy", "cuda")
 
@@ -42,34 +47,24 @@ def rng_state() -> dict[str, Any]:
     """Capture this process's random number generator states in a pickle-free form.
 
     Returns:
-        ``{"python": [...], "numpy": {...} (if NumPy is installed), "torch": uint8 tensor,
+        ``{"python": [...], "numpy": {...}, "torch": uint8 tensor,
         "cuda": [uint8 tensor per device] (only if CUDA is already initialised)}``: tensors and JSON-able
         values only, so it can be a value of a training state passed to `distfn.checkpoint.save`.
     """
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
-    np = _import_numpy()
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {
-            "kind": str(kind),
-            "keys": [int(k) for k in keys],
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
+    kind, keys, pos, has_gauss, cached = _numpy().random.get_state()
+    state["numpy"] = {
+        "kind": str(kind),
+        "keys": [int(k) for k in keys],
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
     # Never initialise CUDA just to read its state: a process that has not used CUDA has nothing to restore.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
-
-
-def _import_numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
@@ -104,10 +99,18 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             torch.cuda.set_rng_state(cuda_state, index)
 
 
+def _numpy() -> Any:
+    """NumPy, a declared dependency (no fallback without it), imported here rather than at the top only so that
+    ``import distfn`` and checkpoint files keep working where it is missing (a torch CPU wheel does not need it;
+    tests/test_checkpoint.py holds that promise). It costs nothing: torch has imported it already when it is
+    installed."""
+    import numpy
+
+    return numpy
+
+
 def _set_numpy(s: Mapping[str, Any]) -> None:
-    np = _import_numpy()
-    if np is None:  # saved with NumPy, restored without it: nothing to restore into
-        return
+    np = _numpy()
     np.random.set_state(
         (s["kind"], np.asarray(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
     )
@@ -173,51 +176,13 @@ class _RNG:
 RNG: Final = _RNG()
 
 
-def gather_rng_states(what: str = "ctx.save(..., rng=True)", wait: float | None = None) -> dict[str, Any]:
-    """Every rank's `rng_state`, combined (`combine_rng_states`): call it on every rank.
+def gather_rng_states() -> dict[str, Any]:
+    """Every rank's `rng_state`, combined (`combine_rng_states`): a collective, call it on every rank.
 
-    Before the gather (a collective) every rank checks in through the process group's key-value store. Rank 0
-    waits at most ``wait`` seconds for the others (default `DEFAULT_GATHER_WAIT`, or ``DISTFN_RNG_SAVE_WAIT``);
-    if some never arrive, the usual cause is a call under ``if ctx.is_main:``, and it raises `CheckpointError`
-    saying so instead of hanging in the gather for the collective timeout. Without a process group it returns
-    this process's state alone.
-
-    Args:
-        what: the call to name in the error.
-        wait: seconds rank 0 waits for the others.
-
-    Raises:
-        CheckpointError: some rank did not arrive within ``wait`` seconds.
+    Inside a distfn run, ``ctx.save(..., rng=True)`` checks every rank in first (`distfn.checkin`), so that a
+    call on rank 0 only raises `CheckpointError` instead of hanging here for the collective timeout; called
+    directly, this is the gather alone. Without a process group it returns this process's state alone.
     """
     if not collectives.active():
         return combine_rng_states([rng_state()])
-    _check_in(what, float(os.environ.get("DISTFN_RNG_SAVE_WAIT", DEFAULT_GATHER_WAIT)) if wait is None else wait)
     return combine_rng_states(collectives.gather_object(rng_state()))
-
-
-def _check_in(what: str, wait: float) -> None:
-    try:
-        store = dist.distributed_c10d._get_default_store()  # private, but stable since torch 1.x
-    except (AttributeError, RuntimeError):
-        return  # no store to check in with: the gather alone
-    rank, world = dist.get_rank(), dist.get_world_size()
-    key = f"distfn/rng-save/{next(_GATHERS)}"
-    if store.add(key, 1) >= world:
-        store.set(key + "/all", "1")  # the last to arrive releases the others
-        return
-    if rank != 0:  # rank 0 may legitimately arrive late (evaluation, logging); it does the timing out
-        store.wait([key + "/all"])
-        return
-    deadline = time.monotonic() + wait
-    pause = 0.001
-    while not store.check([key + "/all"]):
-        if time.monotonic() >= deadline:
-            missing = world - int(store.add(key, 0))
-            raise CheckpointError(
-                f"{what} must be called on every rank: gathering every rank's random generator states is a "
-                f"collective, and rank 0 waited {wait:g} s for {missing} other rank(s) that never called it. Call "
-                f"it on every rank (not under `if ctx.is_main:`; only rank 0 writes the file), or drop rng=True. "
-                "If some rank legitimately arrives much later, raise DISTFN_RNG_SAVE_WAIT (seconds)."
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.1)

@@ -3,7 +3,8 @@
 Every path ends here: a worker of a distfn launcher (`distfn.launch.local`, `distfn.launch.ray`) and a
 process started by torchrun / srun / mpirun (run
 in place by ``decorator.py``). In order: pick and pin the device, size the CPU thread pool, seed, set up logging,
-start the process group, build the `Context`, call the function, and always destroy the process group.
+start the process group, make the call's `distfn.run.Run` and the `Context` holding it, call the function, and
+always finish the run and destroy the process group.
 
 `in_worker` is the one nested-launch check: true while a decorated function runs in this process, and in a
 distfn worker process from its start (its name begins with `WORKER_NAME`, which multiprocessing sets before
@@ -23,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import devices, failures, logs, preemption, rendezvous, topology
+from . import devices, failures, fsdp, logs, preemption, rendezvous, topology
 from .checkpoint import background
 from .context import Context
 from .errors import LauncherError
 from .options import restart_attempt
+from .run import Run
 
 if TYPE_CHECKING:
     from .options import Options
@@ -85,14 +87,11 @@ def adopt_legacy_local_rank(argv: list[str] | None = None,
 
 
 def seed_everything(seed: int) -> None:
-    """Seed ``random``, NumPy (when installed) and torch (CPU and every CUDA device) with ``seed``."""
+    """Seed ``random``, NumPy and torch (CPU and every CUDA device) with ``seed``."""
     random.seed(seed)
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
-        np.random.seed(seed % 2**32)
+    import numpy as np  # a declared dependency; here, not at the top, for the reason in distfn.rng._numpy
+
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device, lazily
 
 
@@ -111,11 +110,8 @@ def size_thread_pool(local_world_size: int) -> str:
 
 def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any) -> str:
     """Start this rank's process group; returns its backend."""
-    backend = opts.backend or devices.default_backend(device)
-    if opts.shards_state:  # cpu_offload on GPUs needs gloo beside NCCL (fsdp.required_backend)
-        from . import fsdp  # deferred: fsdp imports torch._dynamo (~1.5 s); only fsdp jobs pay for it
-
-        backend = fsdp.required_backend(opts.fsdp, backend)
+    # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept
+    backend = fsdp.required_backend(opts.fsdp, opts.backend or devices.default_backend(device))
     if store is None and topology.launcher == "local" and opts.init_method is None:
         store = dist.HashStore()  # a world of one needs no network at all
     rendezvous.init_process_group(topology, backend, opts.timeout, store=store, init_method=opts.init_method,
@@ -125,11 +121,11 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
 
 def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None:
     """``requeue=True``: the function returned after a stop signal, so rank 0 requeues the Slurm job."""
-    if not (opts.requeue and preemption.stopped()):
+    if not (opts.requeue and ctx.run.stop.stopped):
         return
     ctx.barrier()  # every rank is done (its checkpoint written) before Slurm ends this run for the requeue
     if topology.rank == 0:
-        preemption.requeue(os.environ)
+        preemption.requeue(os.environ, signal_name=ctx.run.stop.signal)
 
 
 def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
@@ -145,7 +141,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     log = logs.setup(topology.rank, topology.world_size)
     started_group = failed = False
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
-    stop_handlers = preemption.install(opt_in=preemption.polls(fn))
+    stop, stop_handlers = preemption.install(opt_in=preemption.polls(fn))
+    run_state = Run(mode=opts.mode, fsdp=opts.fsdp or fsdp.FsdpOptions(), stop=stop)
     try:
         device = devices.select_device(opts.mode, topology, opts.backend)
         if device.type == "cuda":
@@ -157,10 +154,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         if opts.multi_rank:
             backend = _join_group(opts, topology, device, store)
             started_group = True
-            if opts.shards_state:  # sharded like ddp needs the group; plus the ctx.save check-in bookkeeping
-                from . import fsdp  # deferred: see _join_group
-
-                fsdp.begin(topology.rank, topology.world_size, opts.fsdp)
+            run_state.start_check_in(topology.rank, topology.world_size)
         if topology.rank == 0:
             log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}", topology.launcher,
                      topology.reason, topology.world_size, device, backend, threads)
@@ -179,6 +173,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             log=log,
             precision=opts.precision,
             restart=restart_attempt(os.environ),
+            run=run_state,
         )
         result = fn(cfg, ctx)
         background.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
@@ -195,10 +190,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             failures.report_in_place(topology.rank, exc)
         raise
     finally:
-        if opts.shards_state:
-            from . import fsdp  # deferred: see above
-
-            fsdp.finish()  # ranks waiting in an fsdp ctx.save learn that this one will never join it
+        run_state.finish()  # ranks waiting in a check-in (ctx.save, ...) learn that this one will never join it
         if started_group:
             rendezvous.leave_process_group(failed=failed)
         logs.teardown()

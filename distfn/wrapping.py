@@ -1,21 +1,25 @@
 """`ctx.wrap`: move a model to the rank's device and wrap it for the mode (DDP, DataParallel, FSDP2, or nothing).
 
 Also the model conversions that go with wrapping (SyncBatchNorm). The FSDP policy itself lives in
-`distfn.fsdp`, imported only in `mode="fsdp"` (its first `fully_shard` pulls in `torch._dynamo`, ~1.5 s).
+`distfn.fsdp` (cheap to import; its first `fully_shard` pulls in `torch._dynamo`, ~1.5 s, in `mode="fsdp"` only).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from loguru import logger
 from torch import nn
 
+from . import fsdp
 from .errors import ConfigError
 from .options import MULTI_RANK_MODES, Mode, shards_state
+
+if TYPE_CHECKING:
+    from .run import Run
 
 
 def wrap(
@@ -26,6 +30,7 @@ def wrap(
     is_main: bool,
     sync_batchnorm: bool = False,
     init: Callable[[nn.Module], None] | None = None,
+    run: Run | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """`model` on `device`, wrapped for `mode` (see `Context.wrap` for what each mode gets).
@@ -38,6 +43,8 @@ def wrap(
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm first (ddp and fsdp modes).
         init: fsdp mode, a model built on the meta device: initialises the materialised shards (see
             `distfn.fsdp.wrap`).
+        run: fsdp mode, the run whose `fsdp={...}` options are the defaults, whose sync point every forward
+            notes and which remembers the sharded model (`distfn.run.Run`); `None`: the default options alone.
         ddp_kwargs: `DistributedDataParallel` options (ddp), or `fsdp={...}` option overrides (fsdp).
     """
     if not isinstance(model, nn.Module):
@@ -45,14 +52,16 @@ def wrap(
     if ddp_kwargs and mode not in MULTI_RANK_MODES:
         raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={mode!r}")
     if shards_state(mode):
-        from . import fsdp  # deferred: only mode='fsdp' needs it; its first wrap imports torch._dynamo (~1.5 s)
-
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, device, warn=is_main)
         # No model.to(device) first: fully_shard moves each unit to the device and shards it, one unit at a time,
         # so a rank never holds the whole model on its GPU (and cpu_offload keeps the GPU free of it).
-        options = fsdp.parse_options(fsdp.options(), **ddp_kwargs) or fsdp.options()
-        return fsdp.wrap(model, options, device, init=init)
+        defaults = run.fsdp if run is not None else fsdp.FsdpOptions()
+        options = fsdp.parse_options(defaults, **ddp_kwargs) or defaults
+        model = fsdp.wrap(model, options, device, init=init, on_forward=run.sync_point if run is not None else None)
+        if run is not None:
+            run.wrapped.add(model)
+        return model
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         raise ConfigError(
             f"ctx.wrap got a model built on the meta device (no values), but mode={mode!r} keeps the whole model "

@@ -28,7 +28,8 @@ def test_numbers_travel_on_the_gpu_only_when_the_group_is_nccl_alone(
     monkeypatch.setattr(collectives, "all_reduce",
                         lambda value, op="mean", device=None: seen.setdefault("reduce", device))
     monkeypatch.setattr(collectives, "barrier", lambda device=None: seen.setdefault("barrier", device))
-    monkeypatch.setattr(preemption, "should_stop", lambda device=None: seen.setdefault("stop", device))
+    monkeypatch.setattr(preemption.StopSignals, "should_stop",
+                        lambda self, device=None: seen.setdefault("stop", device))
     monkeypatch.setattr(data, "gather_for_metrics", lambda v, loader, device=None: seen.setdefault("gather", device))
     gpu = torch.device("cuda", 1)
     ctx = _ctx(backend, gpu)

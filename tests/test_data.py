@@ -128,14 +128,17 @@ def _shard_loader(n: int, rank: int, batch_size: int, device: str = "cpu", **kwa
 
 def test_padding_rows_are_dropped_per_batch_and_per_epoch() -> None:
     # Rank 1 of 2 over 11 samples holds 1, 3, 5, 7, 9 and a padding copy of sample 0 in its last batch.
-    loader = _shard_loader(11, rank=1, batch_size=4)
+    # The run's LastLoader names the loader that handed out a batch last (what ctx.gather_for_metrics defaults to).
+    last = ddata.LastLoader()
+    loader = _shard_loader(11, rank=1, batch_size=4, tracker=last)
     batches = []
     for (x,) in loader:
         batches.append(x)
-        kept = ddata.gather_for_metrics(x * 10)
+        kept = ddata.gather_for_metrics(x * 10, last.current())
         assert kept.tolist() == [10 * int(i) for i in x if int(i) != 0]
         assert loader.at_last_batch() == (len(batches) == 2)
-    assert ddata.gather_for_metrics(torch.cat(batches)).tolist() == [1, 3, 5, 7, 9]
+        assert last.at_last_batch() == (len(batches) == 2)
+    assert ddata.gather_for_metrics(torch.cat(batches), last.current()).tolist() == [1, 3, 5, 7, 9]
     assert ddata.gather_for_metrics(torch.cat(batches), loader).tolist() == [1, 3, 5, 7, 9]
 
 

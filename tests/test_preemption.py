@@ -65,18 +65,18 @@ def test_polls_finds_should_stop_in_nested_code() -> None:
 
 
 def test_sigterm_raises_unless_the_function_polls() -> None:
-    previous = preemption.install(opt_in=False)
+    stop, previous = preemption.install(opt_in=False)
     try:
         with pytest.raises(Terminated, match=r"poll ctx\.should_stop"):
             os.kill(os.getpid(), signal.SIGTERM)
-        assert preemption.should_stop()  # no process group: this process's own flag
+        assert stop.should_stop()  # no process group: this process's own flag
     finally:
         preemption.restore_handlers(previous)
-    previous = preemption.install(opt_in=True)
+    stop, previous = preemption.install(opt_in=True)
     try:
-        assert not preemption.should_stop()  # a fresh install starts with no signal
+        assert not stop.should_stop()  # a fresh install starts with no signal
         os.kill(os.getpid(), signal.SIGTERM)  # polls: only the flag
-        assert preemption.should_stop()
+        assert stop.should_stop()
     finally:
         preemption.restore_handlers(previous)
 

@@ -100,3 +100,36 @@ def test_rank0_only_save_with_rng_fails_fast_naming_rng(tmp_path: pathlib.Path) 
     assert "if ctx.is_main:" in proc.stderr
     assert elapsed < 90, f"took {elapsed:.0f} s"
     assert not (tmp_path / "ckpt-2.safetensors").exists()
+
+
+_RANK0_ONLY_THEN_RETURN = textwrap.dedent(
+    """
+    import sys
+    from distfn import distributed
+
+    @distributed(mode="ddp", nprocs=2, seed=0)
+    def job(cfg, ctx):
+        if ctx.is_main:  # rank 1 returns at once: it will never call ctx.save
+            ctx.save({"step": 1}, cfg["path"], rng=True)
+        return "finished"
+
+    if __name__ == "__main__":
+        print(job({"path": sys.argv[1]}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_rank0_only_save_with_rng_names_a_rank_that_finished_without_waiting(tmp_path: pathlib.Path) -> None:
+    """Issue 24 item 4 (one check-in protocol): rng=True now checks in like mode='fsdp' does, so a rank that
+    finished is seen at once, instead of rank 0 waiting the whole DISTFN_RNG_SAVE_WAIT (20 s) for it."""
+    script = tmp_path / "rank0_only_return.py"
+    script.write_text(_RANK0_ONLY_THEN_RETURN)
+    start = time.monotonic()
+    proc = run_python([str(script), str(tmp_path / "ckpt-1.safetensors")], env=clean_env(), timeout=150)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout
+    assert "CheckpointError" in proc.stderr and "rank 1 went on without calling it" in proc.stderr, proc.stderr[-3000:]
+    assert "rng=True" in proc.stderr and "if ctx.is_main:" in proc.stderr
+    assert elapsed < 18, f"took {elapsed:.0f} s"
+    assert not (tmp_path / "ckpt-1.safetensors").exists()

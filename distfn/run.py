@@ -1,0 +1,108 @@
+"""`Run`: the mutable state of one decorated call on one rank, in one object instead of module globals.
+
+The rank bootstrap (`distfn.worker.run`) makes a `Run` for each call, starts its check-in once the process
+group is up, hands it to the `Context` (``ctx.run``) and finishes it when the function is over. Every service
+that needs per-run state gets it from the `Context` that calls it, never from a global: ``ctx.wrap`` reads the
+run's ``fsdp={...}`` options and registers the run's progress hook, ``ctx.save`` / ``ctx.load`` check in through
+the run's `distfn.checkin.CheckIn`, ``ctx.accumulate`` and ``ctx.gather_for_metrics`` ask the run's
+`distfn.data.LastLoader`, ``ctx.should_stop`` asks the run's `distfn.preemption.StopSignals`. Two runs in one
+process (sequential decorated calls, a test) therefore never see each other's state.
+
+Code that runs outside any `Context` finds no run, on purpose, and there is no "current run" slot: the stop
+signal handler is the bound method of the run's `StopSignals` (so the handler reaches its record through
+itself, and `distfn.preemption.install` finds a record installed before the run through `signal.getsignal`);
+a service used from a plain script takes its state as an argument (`distfn.data.gather_for_metrics`' loader,
+`distfn.accumulation.Accumulator`'s ``loaders``, `distfn.fsdp.wrap`'s ``on_forward``) and does without it when
+none is given. What stays module-level is per process, not per run: the loguru configuration
+(`distfn.logs`), the nested-launch guard (`distfn.worker`), the fork server (`distfn.shipping`) and the
+worker's stack pipe (`distfn.spawn`).
+
+Imports: `checkin`, `data`, `fsdp_options`, `options`, `preemption`, `rng` (the types of its parts and the rules
+that pick them); nothing imports it but `context` and `worker` (and, for annotations, the services it is
+passed to).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Literal
+
+import attrs
+from loguru import logger
+from torch import nn
+
+from .checkin import CheckIn, default_store
+from .data import LastLoader
+from .fsdp_options import FsdpOptions
+from .options import Mode, shards_state
+from .preemption import StopSignals
+from .rng import gather_wait
+
+
+@attrs.define(eq=False)
+class Run:
+    """One rank's state of one decorated call (``ctx.run``).
+
+    Attributes:
+        mode: the run's mode (what decides which calls check in, and whether progress is tracked).
+        fsdp: the run's ``fsdp={...}`` options (the defaults when none were given): what ``ctx.wrap`` shards by,
+            overridden per call by its keyword arguments.
+        stop: the stop signals this process received (``ctx.should_stop``, ``requeue=``).
+        loaders: which of the run's loaders handed out a batch last (``ctx.gather_for_metrics``,
+            ``ctx.accumulate``).
+        wrapped: the models ``ctx.wrap`` sharded in this run (weakly held), where ``ctx.save`` / ``ctx.load``
+            look for the model an optimizer in the state belongs to.
+        checkin: this rank's side of the "did every rank call this?" protocol, from `start_check_in` (multi-rank
+            runs with a store) to `finish`; ``None`` otherwise.
+    """
+
+    mode: Mode = "single"
+    fsdp: FsdpOptions = attrs.field(factory=FsdpOptions)
+    stop: StopSignals = attrs.field(factory=StopSignals)
+    loaders: LastLoader = attrs.field(factory=LastLoader)
+    wrapped: weakref.WeakSet[nn.Module] = attrs.field(factory=weakref.WeakSet)
+    checkin: CheckIn | None = None
+    # The background checkpoint writer (distfn/checkpoint/background.py, an object held by the Context on another
+    # branch) belongs here too: it is per run, drained by the bootstrap before the process group goes.
+
+    def start_check_in(self, rank: int, world_size: int) -> None:
+        """Start the check-in (call on every rank right after the process group is up; no collective).
+
+        In ``mode="fsdp"`` every checkpoint call checks in and waits ``fsdp.save_timeout``; in the other modes only
+        ``ctx.save(..., rng=True)`` does, and rank 0 waits `distfn.rng.gather_wait` seconds.
+        """
+        store = default_store()
+        if store is None:
+            if shards_state(self.mode):  # elsewhere only rng=True saves check in: not worth a warning every start
+                logger.warning("fsdp: the process group has no store; ctx.save on rank 0 only cannot be detected")
+            return
+        timeout = self.fsdp.save_timeout if shards_state(self.mode) else gather_wait()
+        self.checkin = CheckIn.start(rank, world_size, timeout, store)
+
+    def finish(self) -> None:
+        """End the run on this rank: ranks still waiting in a check-in learn that this one will never join it."""
+        if self.checkin is not None:
+            self.checkin.finish()
+
+    def sync_point(self) -> None:
+        """A point every rank passes equally often (a distfn collective, a forward of a sharded model): in
+        ``mode="fsdp"`` it is noted, and raises when another rank waits in a checkpoint call this rank skipped."""
+        if self.checkin is not None and shards_state(self.mode):
+            self.checkin.note_progress()
+
+    def check_in(self, call: Literal["ctx.save", "ctx.load"], *, rng: bool = False) -> bool:
+        """Check every rank in before the collectives of ``call`` (see `distfn.checkin`); returns whether it did.
+
+        ``mode="fsdp"``: every checkpoint call with sharded objects is a collective. The other modes: only
+        ``ctx.save(..., rng=True)`` (``rng``) is, by its gather of every rank's generator states. Without a process
+        group there is nothing to check.
+        """
+        if self.checkin is None:
+            return False
+        if shards_state(self.mode):
+            self.checkin.check_in(call)
+            return True
+        if rng and call == "ctx.save":
+            self.checkin.check_in("ctx.save(..., rng=True)")
+            return True
+        return False

@@ -1,0 +1,114 @@
+"""The package's shape: no import cycle between distfn's modules, and no module over 750 lines.
+
+Read with `ast` from the source, so nothing is imported and every import counts: top-level ones, function-local
+(deferred) ones and those under ``if TYPE_CHECKING:``. A type-only cycle does not fail at run time, but it is a
+knot all the same: neither module can be read, tested or moved without the other (issue 24, "the picture tells
+the truth").
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "distfn"
+MAX_LINES = 750
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The distfn modules that ``name`` (at ``path``) imports, wherever the import statement stands."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                origin = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                origin = node.module or ""
+            # `from X import n` imports the module X.n when there is one, else a name defined in X
+            for alias in node.names:
+                found.add(f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in known else origin)
+    return {m for m in found if m in known and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def test_the_graph_reader_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """The reader itself: a cycle through a TYPE_CHECKING import and one through a function-local import are
+    both found, and `from . import name` resolves to the submodule."""
+    graph = _graph()
+    assert "distfn.worker" in graph and "distfn.checkpoint" in graph
+    assert "distfn.checkpoint" in graph["distfn"]  # `from . import checkpoint` in the package's __init__
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    source = tmp_path / "distfn"
+    source.mkdir()
+    (source / "one.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .two import X\n")
+    (source / "two.py").write_text("def f():\n    from . import one\n")
+    known = {"distfn.one", "distfn.two"}
+    assert _imports("distfn.one", source / "one.py", known) == {"distfn.two"}
+    assert _imports("distfn.two", source / "two.py", known) == {"distfn.one"}
+
+
+def test_no_import_cycle_not_even_a_type_only_one() -> None:
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles (every import counts, TYPE_CHECKING and function-local ones too):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_no_module_over_750_lines() -> None:
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
