@@ -123,15 +123,13 @@ def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: 
 
 
 def _forkserver_expected(start_method: StartMethod) -> bool:
-    """Whether a launch will use the fork server: asked for by name; or ``"auto"`` where forking is unsafe already,
-    or in an interactive session (a notebook, a REPL), where torch runs in the cells between defining a function
-    and calling it, so forking is unsafe by the call (docs/notebooks.md: the server made at decoration is what
-    makes those calls fast). A script that is safe to fork now is expected to fork: it gets no server."""
-    if start_method == "forkserver":
-        return True
-    if start_method != "auto":
-        return False
-    return shipping.interactive_main() or preflight.choose_start_method("auto")[0] == "forkserver"
+    """Whether a launch may use the fork server: asked for by name, or ``"auto"``. With ``"auto"`` a script that
+    is safe to fork now may not be by the call (a torch op between decoration and call starts OpenMP threads;
+    a notebook runs cells in between), and then only a copy of this process made now, while forking is safe,
+    starts workers at fork speed: a fresh server at the call costs about 1.5x the launch (bench/bench_launch.py,
+    "after a torch op"). The copy costs one fork here and is used or stopped with the process; where it cannot
+    be made (a TMPDIR too long for a socket) the call falls back, never the import."""
+    return start_method in ("auto", "forkserver")
 
 
 def _start_early(opts: Options) -> None:
