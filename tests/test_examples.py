@@ -104,6 +104,10 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path: Path) -> No
     assert all(torch.equal(a[k], b[k]) for k in a)  # model, Adam moments, scheduler: bit-identical
     assert resumed["loss"] == full["loss"]
 
+    # Run again on a finished run: nothing to train, and the loss reported is the checkpoint's (was nan).
+    out, again = run_example("resume.py", "--dir", str(straight), "--epochs", "4", cwd=tmp_path)
+    assert again is not None and again["epochs_run"] == 0 and again["loss"] == full["loss"], out
+
 
 def test_resume_demo_in_the_docstring_crashes_then_resumes(tmp_path: Path) -> None:
     """The commands at the top of examples/resume.py, run as written: the first crashes, the second resumes."""
@@ -128,10 +132,12 @@ def test_argparse_examples_under_the_legacy_launcher(tmp_path: Path) -> None:
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "unrecognized arguments" not in done.stderr and "'epochs_run': 1" in done.stdout
+    assert done.stdout.count("'epochs_run'") == 1, done.stdout  # printed once (rank 0), not by every process
     done = subprocess.run([*legacy, str(EXAMPLES / "quickstart.py")], cwd=tmp_path, env=_env(EPOCHS="1"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert (tmp_path / "quickstart.safetensors").exists() and not list(tmp_path.glob("--local*"))
+    assert done.stdout.count("'world_size': 2") == 1, done.stdout  # one result line, rank 0's
 
 
 def test_dp_loss_in_forward(tmp_path: Path) -> None:
@@ -146,6 +152,9 @@ def test_fsdp_example(tmp_path: Path) -> None:
     out, result = run_example("fsdp.py", str(tmp_path / "fsdp"), cwd=tmp_path)
     assert result is not None and result["step"] == 40
     assert "bare-model loss" in out and distfn.latest(tmp_path / "fsdp") is not None
+    # It says where its checkpoints go (by default a folder in the temporary directory, easy to lose).
+    where = (tmp_path / "fsdp").resolve()
+    assert f"checkpoints go to {where}" in out and result["checkpoints"] == str(where)
 
 
 def test_markdown_examples_name_files_that_exist() -> None:
@@ -163,6 +172,10 @@ def test_train_loop(tmp_path: Path) -> None:
     last = result["history"][-1]
     assert last["test_samples"] == 1001 and last["test_accuracy"] > 0.8  # every test sample exactly once
     assert last["train_loss"] < result["history"][0]["train_loss"]
+    # One loss per epoch, the mean over the ranks (the bar used to add rank 0's own running mean).
+    loss_lines = [line for line in out.splitlines() if "loss" in line and not line.startswith(("{", "done:"))]
+    assert [re.sub(r"loss [\d.]+", "loss L", line.split(", test")[0]) for line in loss_lines] == [
+        "epoch 0: train loss L (mean over 2 ranks)", "epoch 1: train loss L (mean over 2 ranks)"], out[-3000:]
     if importlib.util.find_spec("tensorboard") is not None:
         assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # rank 0's writer, and only one file
         assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
