@@ -25,7 +25,7 @@ import distfn
 from conftest import free_port, requires
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-pytestmark = [pytest.mark.slow, pytest.mark.bare]  # bare: CI runs the examples on a bare install too
+pytestmark = [pytest.mark.slow, pytest.mark.quick]  # quick: the README's quick test command runs the examples too
 
 
 def _env(**extra: str) -> dict[str, str]:

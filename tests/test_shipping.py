@@ -84,6 +84,7 @@ print("two processes", children(), shipping.server_running())
 """
 
 
+@pytest.mark.slow
 def test_the_fork_server_exists_only_where_a_call_will_start_workers() -> None:
     done = run_python(["-c", PROBE], timeout=120)
     assert done.returncode == 0, done.stderr
