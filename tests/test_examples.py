@@ -181,3 +181,22 @@ def test_train_loop(tmp_path: Path) -> None:
         assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
     else:
         assert "training without ctx.writer" in out
+
+
+def test_slurm_batch_scripts_show_the_venv_the_signal_and_requeue() -> None:
+    for script in sorted((EXAMPLES / "slurm").glob("*.sbatch")):
+        text = script.read_text()
+        assert re.search(r'^\s+source "\$\{VENV:-\.venv\}/bin/activate"$', text, re.M), script.name
+        assert re.search(r"^#SBATCH --signal=USR2@\d+$", text, re.M), script.name  # ctx.should_stop before the limit
+        assert "requeue=True" in text and re.search(r"^# export DISTFN_REQUEUE=1$", text, re.M), script.name
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script.name
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_what_the_examples_leave_behind_is_ignored_by_git() -> None:
+    """TensorBoard runs (train_loop.py), Slurm logs (the sbatch files) and checkpoints stay out of `git status`."""
+    leftovers = ["runs/train_loop/events.out.tfevents.1", "distfn-1node-7.out", "quickstart.safetensors"]
+    done = subprocess.run(["git", "check-ignore", *leftovers], cwd=EXAMPLES.parent, capture_output=True, text=True)
+    if done.returncode == 128:
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    assert done.stdout.split() == leftovers
