@@ -121,7 +121,7 @@ class Progress(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         # The bar is advanced by hand (not iterated) so the final postfix lands before it closes.
         logs = self.enabled and not self.visible  # rank 0 off a terminal: log lines instead of the bar
-        self._started = time.monotonic()
+        self._steps, self._started = 0, time.monotonic()
         self._last_line = (self._started, 0)
         for item in self.iterable:
             self._steps += 1
@@ -149,14 +149,15 @@ class Progress(Generic[T]):
         return ", ".join(f"{k}={v:.4g}" for k, v in self.means.items())
 
     def _log_line(self) -> None:
+        """``desc: 1200/5000 (24%) in 1:37, 12.4 it/s, ETA 5:06, mean loss=0.43`` (no % and ETA without a length)."""
         now = time.monotonic()
         self._last_line = (now, self._steps)
         elapsed = now - self._started
-        parts = [f"{self._steps} steps in {_duration(elapsed)}", _rate(self._steps, elapsed)]
-        if self.total:
-            parts[0] = f"{self._steps}/{self.total} ({100 * self._steps / self.total:.0f}%) in {_duration(elapsed)}"
-            rate = self._steps / elapsed if elapsed > 0 else 0.0
-            parts.append(f"ETA {_duration((self.total - self._steps) / rate)}" if rate > 0 else "ETA ?")
+        where = (f"{self._steps}/{self.total} ({100 * self._steps / self.total:.0f}%)" if self.total
+                 else f"{self._steps} steps")
+        parts = [f"{where} in {_duration(elapsed)}", _rate(self._steps, elapsed)]
+        if self.total:  # the rest at the average rate so far (a step has been done: _steps >= 1)
+            parts.append(f"ETA {_duration((self.total - self._steps) * elapsed / self._steps)}")
         if self._sums:
             parts.append(f"mean {self._means_text()}")
         logger.info("{}: {}", self.desc or "progress", ", ".join(parts))
