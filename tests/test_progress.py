@@ -184,3 +184,18 @@ def test_a_terminal_keeps_its_bar_and_no_log_lines(monkeypatch, capsys) -> None:
 def test_bad_cadence_is_refused_naming_the_defaults() -> None:
     with pytest.raises(ValueError, match=r"log_percent > 0 .* defaults are 10 and 60"):
         Progress(range(2), enabled=True, log_percent=0)
+
+
+def test_a_second_pass_counts_its_own_steps(monkeypatch, capsys) -> None:
+    clock = FakeTime()
+    monkeypatch.setattr(progress, "time", clock)
+    logs.setup(0, 2)
+    try:
+        bar = Progress(range(3), enabled=True, desc="train", file=io.StringIO())
+        for _ in range(2):  # e.g. one Progress over an evaluation loader, iterated every epoch
+            for _ in bar:
+                clock.now += 1.0
+    finally:
+        logs.teardown()
+    ends = [line.split("| train: ")[1] for line in capsys.readouterr().err.splitlines() if "| train: " in line]
+    assert ends == ["3 iterations in 0:03 (1 it/s)"] * 2
