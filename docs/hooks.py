@@ -23,7 +23,7 @@ from typing import Any
 # order matters: at one position the first alternative that matches wins.
 _TOKEN = re.compile(
     r"(?P<keep><pre\b.*?</pre>|<a\b[^>]*>.*?</a>)"
-    r"|(?P<guide>(?:<code>)?docs/(?P<page>[a-z_]+)\.md(?P<anchor>#[\w-]+)?(?:</code>)?)"
+    r"|(?P<guide>(?:<code>)?(?<![\w/.-])docs/(?P<page>[a-z_]+)\.md(?P<anchor>#[\w-]+)?(?:</code>)?)"
     r"|<code>(?P<api>(?:distfn|ctx)\.[\w.]+)(?:\(\))?</code>"
     r"|<code>(?P<example>examples/[\w/.-]+)</code>"
     r"|(?P<tag><[^>]+>)",
