@@ -128,7 +128,7 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
           "It is a small machine shared with other work"
           + (f" (load average {load} when the run started)" if load else "")
           + ": absolute times vary from run to run, the ratios (variants interleaved round by round) much less.",
-          "", "| benchmark | target | measured | |", "| --- | --- | ---: | --- |"]
+          "", "| benchmark | target | measured | met? |", "| --- | --- | ---: | --- |"]
     for res in results:
         for tab in res["tables"]:
             for t in tab.get("targets", []):

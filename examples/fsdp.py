@@ -5,7 +5,11 @@
 
 Each rank holds about 1/world of the parameters, gradients and Adam moments. ``ctx.save`` is called on every
 rank (it gathers the full weights to rank 0, which writes one safetensors file), and the file loads into a bare
-model for inference with ``distfn.load``. Run it twice: the second run resumes from the checkpoint.
+model for inference with ``distfn.load``. Run it twice: the second run resumes from the checkpoint and trains
+40 more steps.
+
+The checkpoints go to the directory given as the first argument, by default ``distfn-fsdp-example`` in the
+system's temporary directory (``/tmp`` on Linux); the script prints it first. Delete it to start from scratch.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ def batch(step: int, rank: int, world: int, size: int = 64) -> tuple[torch.Tenso
 # too, e.g. fsdp={"module_classes": [Block], "mixed_precision": "bf16"} on GPUs.
 @distributed(mode="fsdp", seed=0, nprocs=None if torch.cuda.device_count() else 2,
              fsdp={"module_classes": [Block]})
-def train(cfg: dict, ctx) -> dict:
+def train(cfg: dict, ctx) -> dict | None:
     model = ctx.wrap(Model())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
-    ckpt = Path(cfg["dir"])
+    ckpt = Path(cfg["dir"]).resolve()
+    ctx.print(f"checkpoints go to {ckpt} (2 kept; delete the directory to start from scratch)")
     start = 0
     last = distfn.latest(ckpt)
     if last is not None:  # resume: every rank gets its shard of the full tensors in the file
@@ -81,13 +86,14 @@ def train(cfg: dict, ctx) -> dict:
             # Every rank calls it (a collective gather); rank 0 writes. Under `if ctx.is_main:` it would be
             # reported as an error, not hang.
             ctx.save({"model": model, "optimizer": opt, "step": step}, ckpt / f"ckpt-{step}.safetensors", keep=2)
-    return {"step": start + cfg["steps"], "loss": ctx.all_reduce(loss.detach()).item()}
+    result = {"step": start + cfg["steps"], "loss": ctx.all_reduce(loss.detach()).item(), "checkpoints": str(ckpt)}
+    return result if ctx.is_main else None  # one report: under torchrun/srun/mpirun every process returns its own
 
 
 if __name__ == "__main__":
     directory = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.gettempdir(), "distfn-fsdp-example")
     result = train({"lr": 3e-3, "steps": 40, "save_every": 20, "dir": directory})
-    if os.environ.get("RANK", "0") == "0":
+    if result is not None:  # rank 0 (the other ranks get None under an external launcher)
         # Inference without any process group: the full weights load into a bare model.
         bare = Model()
         bare.load_state_dict({k.removeprefix("model."): v for k, v in distfn.load(distfn.latest(directory)).items()

@@ -32,7 +32,7 @@ def make_dataset(n: int = 2048, seed: int = 0) -> TensorDataset:
 # With no GPU, run 2 CPU workers so the example is distributed on a laptop too (DISTFN_NPROCS overrides).
 # device_count() asks NVML, which keeps this process safe to fork; is_available() would make distfn spawn.
 @distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.device_count() else 2)
-def train(cfg: dict, ctx) -> dict:
+def train(cfg: dict, ctx) -> dict | None:
     dataset = make_dataset()
     sampler = ctx.sampler(dataset, shuffle=True)            # this rank's share, reshuffled per epoch
     loader = DataLoader(dataset, batch_size=cfg["batch_size"], sampler=sampler)
@@ -54,7 +54,9 @@ def train(cfg: dict, ctx) -> dict:
 
     path = ctx.save(model, cfg["out"])                       # rank 0 writes; bare keys, CPU tensors
     ctx.print(f"saved {path}")
-    return {"final_loss": mean_loss, "world_size": ctx.world_size, "checkpoint": str(path)}
+    # Rank 0 reports. Under torchrun, srun or mpirun every process gets its own return value, so the other
+    # ranks return None and the result is printed once; a self-spawned run returns rank 0's to the caller.
+    return {"final_loss": mean_loss, "world_size": ctx.world_size, "checkpoint": str(path)} if ctx.is_main else None
 
 
 if __name__ == "__main__":
@@ -65,4 +67,5 @@ if __name__ == "__main__":
         "out": sys.argv[1] if len(sys.argv) > 1 else "quickstart.safetensors",
     }
     result = train(cfg)
-    print(result)
+    if result is not None:  # None on the other ranks under an external launcher
+        print(result)

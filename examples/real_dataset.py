@@ -40,7 +40,7 @@ def load_digits_split(test_fraction: float = 0.25) -> tuple[TensorDataset, Tenso
 # 2 CPU workers without GPUs. device_count() asks NVML, which keeps this process safe to fork; is_available()
 # would initialise the CUDA driver here, and forked workers could not use CUDA (docs: troubleshooting).
 @distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.device_count() else 2)
-def train(cfg: dict, ctx: distfn.Context) -> dict:
+def train(cfg: dict, ctx: distfn.Context) -> dict | None:
     train_set, test_set = load_digits_split()
     ctx.print(f"digits: {len(train_set)} training and {len(test_set)} test images on {ctx.world_size} rank(s)")
     model = ctx.wrap(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10)))
@@ -75,7 +75,8 @@ def train(cfg: dict, ctx: distfn.Context) -> dict:
     ctx.print(f"test accuracy {accuracy:.4f} on {len(true)} images (all {len(test_set)} exactly once)")
     path = ctx.save(model, cfg["out"])  # rank 0 writes; bare keys, loadable with distfn.load for inference
     ctx.print(f"model saved to {path}")
-    return {"accuracy": accuracy, "loss": mean_loss, "test_images": len(true), "checkpoint": str(path)}
+    result = {"accuracy": accuracy, "loss": mean_loss, "test_images": len(true), "checkpoint": str(path)}
+    return result if ctx.is_main else None  # one report: under torchrun/srun/mpirun every process returns its own
 
 
 if __name__ == "__main__":
@@ -85,4 +86,6 @@ if __name__ == "__main__":
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", default="digits.safetensors")
     args = p.parse_args()
-    print(train({"epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "out": args.out}))
+    result = train({"epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "out": args.out})
+    if result is not None:  # None on the other ranks under an external launcher
+        print(result)

@@ -42,21 +42,21 @@ def make_dataset(n: int = 1024) -> TensorDataset:
 # 2 CPU workers without GPUs. device_count() asks NVML, which keeps this process safe to fork; is_available()
 # would initialise the CUDA driver here, and forked workers could not use CUDA (docs: troubleshooting).
 @distributed(mode="ddp", seed=0, nprocs=None if torch.cuda.device_count() else 2)
-def train(cfg: dict, ctx: distfn.Context) -> dict:
+def train(cfg: dict, ctx: distfn.Context) -> dict | None:
     model = ctx.wrap(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     loader = ctx.dataloader(make_dataset(), batch_size=32)  # per-rank batch; reshuffles every epoch
     state = {"model": model, "optimizer": opt, "scheduler": sched}  # what a checkpoint restores in place
 
-    start = 0
+    start, loss_mean = 0, float("nan")
     last = distfn.latest(cfg["dir"])  # newest complete ckpt-<epoch>.safetensors, or None
     if last is not None:
         extra = ctx.load(last, into=state)  # every rank: model, optimizer and scheduler back, on ctx.device
         start = extra["epoch"] + 1  # non-tensor values come back as saved
+        loss_mean = extra["loss"]  # what a run with nothing left to train reports
         ctx.print(f"resumed from {last} (epoch {extra['epoch']} was done, loss {extra['loss']:.4f})")
 
-    loss_mean = float("nan")
     for epoch in range(start, cfg["epochs"]):
         loader.set_epoch(epoch)  # the same shuffle as an uninterrupted run would see
         total, batches = torch.zeros((), device=ctx.device), 0
@@ -78,7 +78,8 @@ def train(cfg: dict, ctx: distfn.Context) -> dict:
         if ctx.should_stop:  # SIGTERM/SIGUSR2 on any rank (preemption, time limit): true on all ranks at once
             ctx.print("stop requested: the checkpoint above is complete; run again to resume")
             break
-    return {"epochs_run": cfg["epochs"] - start, "loss": loss_mean, "checkpoint": str(distfn.latest(cfg["dir"]))}
+    result = {"epochs_run": cfg["epochs"] - start, "loss": loss_mean, "checkpoint": str(distfn.latest(cfg["dir"]))}
+    return result if ctx.is_main else None  # one report: under torchrun/srun/mpirun every process returns its own
 
 
 if __name__ == "__main__":
@@ -87,4 +88,6 @@ if __name__ == "__main__":
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--crash-at", type=int, default=-1, help="make rank 1 crash in this epoch (a demo)")
     args = p.parse_args()
-    print(train({"dir": args.dir, "epochs": args.epochs, "crash_at": args.crash_at}))
+    result = train({"dir": args.dir, "epochs": args.epochs, "crash_at": args.crash_at})
+    if result is not None:  # None on the other ranks under an external launcher
+        print(result)

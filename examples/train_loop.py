@@ -36,7 +36,7 @@ def make_dataset(n: int, seed: int) -> TensorDataset:
     return TensorDataset(centers[labels] + 2.5 * torch.randn(n, 32, generator=g), labels)
 
 
-def train(cfg: dict, ctx) -> dict:
+def train(cfg: dict, ctx) -> dict | None:
     train_loader = ctx.dataloader(make_dataset(4000, seed=1), cfg["batch_size"])   # batch_size is per rank
     test_loader = ctx.dataloader(make_dataset(1001, seed=2), 256, shuffle=False)   # 1001: not divisible
     model = ctx.wrap(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, CLASSES)))
@@ -50,16 +50,17 @@ def train(cfg: dict, ctx) -> dict:
     history = []
     for epoch in range(cfg["epochs"]):            # each pass over train_loader is a new, reshuffled epoch
         model.train()
-        bar = ctx.progress(train_loader, desc=f"epoch {epoch}")   # a tqdm bar on rank 0, nothing elsewhere
+        # A tqdm bar on rank 0, nothing elsewhere (plain log lines in a batch job's log). It shows no loss:
+        # the one loss of an epoch is the mean over all ranks, printed below (bar.log(loss=...) would show
+        # rank 0's own, a different number).
         total, batches = torch.zeros((), device=ctx.device), 0
-        for x, y in bar:
+        for x, y in ctx.progress(train_loader, desc=f"epoch {epoch}"):
             x, y = x.to(ctx.device), y.to(ctx.device)
             with acc:                               # no all-reduce until the window's last micro-batch
                 with ctx.autocast():                # bf16 (also on CPU) or fp16, per precision=
                     loss = F.cross_entropy(model(x), y)
                 ctx.backward(loss)                  # divided by `every`; GradScaler'd for fp16
                 ctx.step(opt)                       # steps and zero_grads when the window closes
-            bar.log(loss=loss)                      # this rank's running mean, as the bar's postfix
             total += loss.detach().float()
             batches += 1
         train_loss = ctx.all_reduce(total / batches).item()   # the mean over all ranks, on every rank
@@ -82,7 +83,8 @@ def train(cfg: dict, ctx) -> dict:
             writer.add_scalar("accuracy/test", accuracy, epoch)
     if writer is not None:
         writer.close()
-    return {"history": history, "optimizer_steps": acc.steps}
+    # One report: under torchrun/srun/mpirun every process returns its own, the other ranks' is None.
+    return {"history": history, "optimizer_steps": acc.steps} if ctx.is_main else None
 
 
 def main() -> None:
@@ -104,6 +106,8 @@ def main() -> None:
     job = distributed(mode="ddp", seed=0, precision=args.precision,
                       nprocs=None if torch.cuda.device_count() else 2)(train)
     result = job(cfg)
+    if result is None:  # another rank under an external launcher: rank 0 prints the result
+        return
     last = result["history"][-1]
     print(f"done: {result['optimizer_steps']} optimizer steps, final train loss {last['train_loss']}, "
           f"test accuracy {last['test_accuracy']} on {last['test_samples']} samples")

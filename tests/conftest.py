@@ -1,4 +1,13 @@
-"""Shared helpers: run a script in a fresh Python process (the way users run distfn) with a timeout."""
+"""Shared helpers: run a script in a fresh Python process (the way users run distfn) with a timeout; and the
+quick selection.
+
+``python -m pytest -m quick`` (the README's quick-start test command, and CI's bare-install pass) runs every test
+that is neither ``slow`` nor ``cluster``, plus the slow tests marked ``quick`` on purpose (the examples: what a
+user runs first). ``pytest_collection_modifyitems`` below adds the ``quick`` marker to the rest of that
+selection. A test that takes more than `SLOW_S` seconds on an idle 2-core machine is marked ``slow``; the run's
+summary names every test outside ``slow`` that took more than `REPORT_SLOW_S` (twice as much: a loaded machine
+is that much slower), so one that grew slow gets its marker.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +17,42 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+#: A test slower than this (seconds, on an idle 2-core machine) is marked ``slow``: out of the quick selection.
+SLOW_S = 5.0
+#: The summary names the tests outside ``slow`` whose call took longer than this.
+REPORT_SLOW_S = 2 * SLOW_S
+_unmarked_slow: list[tuple[str, float]] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the quick selection: every test neither ``slow`` nor ``cluster`` (a slow one marked ``quick`` stays)."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("cluster") is None:
+            item.add_marker(pytest.mark.quick)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.duration > REPORT_SLOW_S and "slow" not in report.keywords:
+        _unmarked_slow.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _unmarked_slow:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        terminalreporter.section(f"tests over {REPORT_SLOW_S:g} s not marked slow (load average {load:.1f} on "
+                                 f"{os.cpu_count()} CPUs)")
+        terminalreporter.write_line(f"One that takes over {SLOW_S:g} s on an idle machine too gets "
+                                    "@pytest.mark.slow (the quick selection is for the fast tests); on a busy "
+                                    "machine every test is slower.")
+        for nodeid, seconds in sorted(_unmarked_slow, key=lambda row: -row[1]):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

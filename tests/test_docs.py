@@ -209,17 +209,143 @@ def test_every_page_has_runnable_snippets_and_markers_are_well_formed() -> None:
     assert len(_blocks()) >= 20
 
 
-@requires("mkdocs", "docs")
-@requires("mkdocstrings", "docs")
-def test_docs_build_strict(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documentation site, built once with ``mkdocs build --strict`` (any warning fails it)."""
+    if _missing("mkdocs") or _missing("mkdocstrings"):
+        pytest.skip("needs mkdocs and mkdocstrings, from the 'docs' extra: pip install -e '.[docs]'")
+    out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    return out
+
+
+def _page(site: Path, name: str) -> str:
+    return (site / name / "index.html").read_text() if name else (site / "index.html").read_text()
+
+
+def _text(html: str) -> str:
+    """The visible text of an HTML fragment, whitespace collapsed."""
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html))
+
+
+@pytest.mark.slow
+@requires("mkdocs", "docs")
+@requires("mkdocstrings", "docs")
+def test_docs_build_strict(site: Path) -> None:
+    api = _page(site, "api")
     assert "a distributed job" in api and "WorkerError" in api  # rendered from the docstrings
-    assert (tmp_path / "site" / "benchmarks" / "index.html").exists()
+    assert (site / "benchmarks" / "index.html").exists()
     # No Sphinx role leaks into the rendered page as literal text (":func:`x`" shows as ":func: x").
     assert not re.search(r":(?:func|class|meth|attr|mod|exc|data):", api), "a Sphinx role in a docstring"
     for page in ("install", "notebooks"):
-        assert (tmp_path / "site" / page / "index.html").exists()
+        assert (site / page / "index.html").exists()
+
+
+@pytest.mark.slow
+def test_api_page_one_return_row_parameters_links_and_only_the_public_api(site: Path) -> None:
+    api = _page(site, "api")
+    # One row per "Returns:" section: a docstring's continuation lines are not more return values, and
+    # "file (read on first use)" is not a value named `file` (griffe's returns_* options in mkdocs.yml).
+    returns = re.findall(r'doc-section-title">Returns:</span></p>\s*<ul>(.*?)</ul>', api, re.S)
+    assert len(returns) >= 5  # ctx.resume, load, latest, save, load_into
+    assert [r.count("<li") for r in returns] == [1] * len(returns), [_text(r)[:120] for r in returns]
+    assert "<b><code>file</code></b>" not in api and "memory map of the file (read on first use)" in _text(api)
+    # distributed(**options)'s "Keyword Args:" are its parameters, under that heading.
+    assert "Other Parameters" not in api
+    section = api[api.index('id="distfn.distributed"'):api.index('id="distfn.Context"')]
+    assert 'doc-section-title">Parameters:' in section and "<b><code>nprocs</code></b>" in section
+    # "see docs/modes.md" in a docstring is a link to that page (docs/hooks.py); none is left as plain text.
+    assert '<a href="../modes/">docs/modes.md</a>' in api
+    outside_links = re.sub(r"<a\b[^>]*>.*?</a>|<pre\b.*?</pre>", "", api, flags=re.S)
+    assert not re.findall(r"docs/\w+\.md", outside_links)
+    assert '<a href="#distfn.WorkerError"><code>distfn.WorkerError</code></a>' in api  # names link to entries
+    # Only the public API: distfn's exports and distfn.checkpoint's functions, no CLI or topology internals.
+    import distfn
+
+    public = {f"distfn.{name}" for name in distfn.__all__} | {"distfn.checkpoint.save", "distfn.checkpoint.load_into"}
+    entries = set(re.findall(r'<h[23] id="(distfn\.[^".]+(?:\.checkpoint\.[^".]+)?)"', api))
+    entries = {e for e in entries if not e.startswith("distfn.Context.")}
+    assert entries and entries <= public, entries - public
+    assert "__main__" not in api and "distfn.topology" not in api
+
+
+@pytest.mark.slow
+def test_code_blocks_wrap_instead_of_being_clipped(site: Path) -> None:
+    """At the site's width a long line (the home page's install line, a two-node torchrun command) wraps."""
+    css = (site / "assets" / "extra.css").read_text()
+    assert re.search(r"\.md-typeset pre > code \{[^}]*white-space: pre-wrap", css)
+    for page in ("", "launching", "checkpoints", "api", "notebooks"):
+        assert "assets/extra.css" in _page(site, page), page
+    assert "pip install -e ." in _text(_page(site, ""))  # the install line's tail is on the page
+
+
+@pytest.mark.slow
+def test_notebooks_what_works_is_a_list_and_the_log_line_is_real(site: Path) -> None:
+    html = _page(site, "notebooks")
+    works = html[html.index('id="what-works"'):]
+    works = works[:works.index("<h2")]
+    items = re.findall(r"<li>(.*?)</li>", works, re.S)
+    assert [i for i in items if "<strong>Errors</strong>" in i or "<strong>Interrupting the kernel</strong>" in i]
+    assert len(items) >= 5 and "- <strong>" not in works, _text(works)[:500]
+    assert re.search(r"\d\d:\d\d:\d\d\.\d{3} \| INFO +\| launcher \| starting 2 workers", _text(works))
+
+
+@pytest.mark.slow
+def test_benchmarks_page_explains_each_missed_target_once(site: Path) -> None:
+    text = _text(_page(site, "benchmarks"))
+    html = _page(site, "benchmarks")
+    assert "<th>met?</th>" in html
+    missed = re.findall(r"<tr>\s*<td>(\w+)</td>\s*<td>[^<]*</td>\s*<td[^>]*>[^<]*</td>\s*<td><strong>missed", html)
+    assert missed, "the summary table lists no missed target"
+    explained = text[text.index("targets are missed in this run"):text.index("All figures below")]
+    for name in missed:
+        assert re.search(rf"\b{name}\b", explained), f"the missed {name} target is not explained"
+    assert "per-round" not in text  # one ratio per target: the summary's
+
+
+@pytest.mark.slow
+def test_the_multinode_checkpoint_rule_and_gpu_only_lines(site: Path) -> None:
+    html = _page(site, "launching")
+    slurm = _text(html[html.index('<h2 id="slurm-srun-and-sbatch"'):html.index('<h2 id="mpi-mpirun"')])
+    assert "a path every node shares" in slurm
+    launching = _text(html)
+    assert "a path every node shares" in _text(_page(site, "checkpoints"))
+    for text in (launching, (REPO / "examples" / "multinode_torchrun.md").read_text()):
+        for line in re.findall(r"[^\n]*--nproc_per_node=gpu[^\n]*", text):
+            assert "GPU machines only" in line, line
+
+
+def test_readme_clone_line_and_ci_runs_the_readmes_test_commands() -> None:
+    readme = (REPO / "README.md").read_text()
+    repo_url = re.search(r"^repo_url: (\S+)", (REPO / "mkdocs.yml").read_text(), re.M).group(1)
+    assert f"git clone {repo_url} && cd {repo_url.rsplit('/', 1)[1]}" in readme
+    ci = (REPO / ".ci" / "run").read_text()
+    commands = re.findall(r"^check \"[^\"]+\" in_venv \S+ (python -m pytest.*)$", ci, re.M)
+    assert commands == ["python -m pytest -m quick", "python -m pytest"]  # the quick selection, then the full suite
+    for command in commands:
+        assert re.search(rf"&& {re.escape(command)}\n|^{re.escape(command)}\n", readme, re.M), command
+    # The quick command says how long it takes, the full suite too.
+    quick = readme[:readme.index("python -m pytest -m quick")]
+    assert re.search(r"the fast tests and every example \(about \d+ minutes on a 2-core machine", quick)
+    assert re.search(r"about \d+ minutes on a 2-core machine\.\n\n```bash\npython -m pytest\n", readme)
+
+
+@pytest.mark.slow
+def test_the_home_pages_first_program_runs_two_ranks_on_a_cpu_and_learns(tmp_path: Path) -> None:
+    """Saved as a file and run with plain ``python`` (no DISTFN_NPROCS): 2 ranks without a GPU, falling loss."""
+    text = (REPO / "docs" / "index.md").read_text()
+    code = re.search(r"<!-- run -->\n```python\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "hero.py").write_text(code)
+    done = subprocess.run([sys.executable, "hero.py"], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    import torch  # here, not at the top: the other tests of this file need no torch
+
+    if not torch.cuda.device_count():
+        assert "world size 2" in done.stderr, done.stderr[-2000:]
+    losses = [float(v) for v in re.findall(r"^epoch \d: loss ([\d.]+) on \d ranks$", done.stdout, re.M)]
+    assert len(losses) == 3 and losses[0] > 10 * losses[-1], done.stdout
+    assert done.stdout.count("{'loss'") == 1

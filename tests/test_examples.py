@@ -25,7 +25,7 @@ import distfn
 from conftest import free_port, requires
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-pytestmark = [pytest.mark.slow, pytest.mark.bare]  # bare: CI runs the examples on a bare install too
+pytestmark = [pytest.mark.slow, pytest.mark.quick]  # quick: the README's quick test command runs the examples too
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -104,6 +104,10 @@ def test_resume_after_a_crash_matches_an_uninterrupted_run(tmp_path: Path) -> No
     assert all(torch.equal(a[k], b[k]) for k in a)  # model, Adam moments, scheduler: bit-identical
     assert resumed["loss"] == full["loss"]
 
+    # Run again on a finished run: nothing to train, and the loss reported is the checkpoint's (was nan).
+    out, again = run_example("resume.py", "--dir", str(straight), "--epochs", "4", cwd=tmp_path)
+    assert again is not None and again["epochs_run"] == 0 and again["loss"] == full["loss"], out
+
 
 def test_resume_demo_in_the_docstring_crashes_then_resumes(tmp_path: Path) -> None:
     """The commands at the top of examples/resume.py, run as written: the first crashes, the second resumes."""
@@ -128,10 +132,12 @@ def test_argparse_examples_under_the_legacy_launcher(tmp_path: Path) -> None:
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "unrecognized arguments" not in done.stderr and "'epochs_run': 1" in done.stdout
+    assert done.stdout.count("'epochs_run'") == 1, done.stdout  # printed once (rank 0), not by every process
     done = subprocess.run([*legacy, str(EXAMPLES / "quickstart.py")], cwd=tmp_path, env=_env(EPOCHS="1"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert (tmp_path / "quickstart.safetensors").exists() and not list(tmp_path.glob("--local*"))
+    assert done.stdout.count("'world_size': 2") == 1, done.stdout  # one result line, rank 0's
 
 
 def test_dp_loss_in_forward(tmp_path: Path) -> None:
@@ -146,6 +152,9 @@ def test_fsdp_example(tmp_path: Path) -> None:
     out, result = run_example("fsdp.py", str(tmp_path / "fsdp"), cwd=tmp_path)
     assert result is not None and result["step"] == 40
     assert "bare-model loss" in out and distfn.latest(tmp_path / "fsdp") is not None
+    # It says where its checkpoints go (by default a folder in the temporary directory, easy to lose).
+    where = (tmp_path / "fsdp").resolve()
+    assert f"checkpoints go to {where}" in out and result["checkpoints"] == str(where)
 
 
 def test_markdown_examples_name_files_that_exist() -> None:
@@ -163,8 +172,31 @@ def test_train_loop(tmp_path: Path) -> None:
     last = result["history"][-1]
     assert last["test_samples"] == 1001 and last["test_accuracy"] > 0.8  # every test sample exactly once
     assert last["train_loss"] < result["history"][0]["train_loss"]
+    # One loss per epoch, the mean over the ranks (the bar used to add rank 0's own running mean).
+    loss_lines = [line for line in out.splitlines() if "loss" in line and not line.startswith(("{", "done:"))]
+    assert [re.sub(r"loss [\d.]+", "loss L", line.split(", test")[0]) for line in loss_lines] == [
+        "epoch 0: train loss L (mean over 2 ranks)", "epoch 1: train loss L (mean over 2 ranks)"], out[-3000:]
     if importlib.util.find_spec("tensorboard") is not None:
         assert list((tmp_path / "tb").glob("events.out.tfevents.*"))  # rank 0's writer, and only one file
         assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
     else:
         assert "training without ctx.writer" in out
+
+
+def test_slurm_batch_scripts_show_the_venv_the_signal_and_requeue() -> None:
+    for script in sorted((EXAMPLES / "slurm").glob("*.sbatch")):
+        text = script.read_text()
+        assert re.search(r'^\s+source "\$\{VENV:-\.venv\}/bin/activate"$', text, re.M), script.name
+        assert re.search(r"^#SBATCH --signal=USR2@\d+$", text, re.M), script.name  # ctx.should_stop before the limit
+        assert "requeue=True" in text and re.search(r"^# export DISTFN_REQUEUE=1$", text, re.M), script.name
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script.name
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_what_the_examples_leave_behind_is_ignored_by_git() -> None:
+    """TensorBoard runs (train_loop.py), Slurm logs (the sbatch files) and checkpoints stay out of `git status`."""
+    leftovers = ["runs/train_loop/events.out.tfevents.1", "distfn-1node-7.out", "quickstart.safetensors"]
+    done = subprocess.run(["git", "check-ignore", *leftovers], cwd=EXAMPLES.parent, capture_output=True, text=True)
+    if done.returncode == 128:
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    assert done.stdout.split() == leftovers

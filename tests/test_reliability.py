@@ -107,6 +107,7 @@ def test_forkserver_reports_crashes_and_leaves_nothing_after_exit(tmp_path: Path
     assert [n for n in os.listdir(tmp_path) if not n.startswith("torchinductor_")] == []
 
 
+@pytest.mark.slow
 def test_collective_timeout_names_timeout_missing_rank_and_stacks() -> None:
     """Rank 1 sleeps while rank 0 waits at a barrier with timeout=10: the job ends well under a minute."""
     t0 = time.monotonic()
@@ -164,6 +165,7 @@ def test_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
     assert not [p for p in pids if alive(p)]
 
 
+@pytest.mark.slow
 def test_three_concurrent_jobs_listen_on_loopback_only_and_stop_together(tmp_path: Path) -> None:
     """Three jobs at once (no fixed port); every socket they listen on is on 127.0.0.1; then SIGUSR2 or
     SIGTERM (to the launching process, or to one rank) makes ctx.should_stop true on all ranks of a job at the

@@ -15,6 +15,7 @@ from distfn.launch import protocol
 from conftest import SCRIPTS, clean_env, run_python
 
 
+@pytest.mark.slow
 def test_two_threads_launch_at_once_without_a_false_nested_launch(tmp_path: Path) -> None:
     """Issue 16 item 3: the launcher marked its whole environment while a worker started, so a second thread's
     launch was refused as nested. The child is marked instead, and it is marked while spawn re-imports the
@@ -49,6 +50,7 @@ def test_to_cpu_keeps_container_types() -> None:
     assert torch.equal(out["p"].x, torch.full((2,), 2.0))
 
 
+@pytest.mark.slow
 def test_views_travel_with_their_own_bytes_only() -> None:
     """Issue 16 item 4: a 2-element slice of a 40 MB tensor, returned by rank 0 or passed in cfg under spawn,
     carried the whole storage (the caller's result owned 40 MB; a 400 MB one took 16-38 s)."""
@@ -78,6 +80,7 @@ def test_an_early_sys_exit_0_leads_the_report() -> None:
     assert "1 other rank(s) failed after it:" in error and "  - rank 0 " in error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_options_per_call_and_from_the_environment(method: str) -> None:
     """Issue 18 item 3: `train.options(precision="bf16")(cfg)` runs with the changed options on every rank, also
@@ -86,6 +89,7 @@ def test_options_per_call_and_from_the_environment(method: str) -> None:
     assert _caller_sees("options", method, DISTFN_PRECISION="16") == {"ranks": [["16", 0], ["16", 1]]}
 
 
+@pytest.mark.slow
 def test_a_rank_aborted_after_the_timeout_gets_the_hang_report() -> None:
     """Issue 20 item 6, on CPU: NCCL's watchdog SIGABRTs a rank whose collective timed out (no Python error), and
     NCCL ranks wait at their next sync point in user code, not inside torch.distributed. The report must be the
@@ -105,6 +109,7 @@ def test_a_failed_attempt_is_restarted_on_fresh_workers() -> None:
     assert [r[:2] for r in ranks] == [[1, 0], [1, 1]]  # ctx.restart == 1 on every rank
 
 
+@pytest.mark.slow
 def test_the_last_failure_lists_every_attempt_and_config_errors_are_not_retried() -> None:
     error = _caller_sees("always", DISTFN_MAX_RESTARTS="2")["error"]
     assert error.splitlines()[0].startswith("rank 1 ") and "ValueError: attempt 2 fails" in error.splitlines()[0]
