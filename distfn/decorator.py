@@ -31,7 +31,7 @@ from loguru import logger
 from . import devices, logs, preflight, rendezvous, topology, worker
 from .context import Context
 from .errors import ConfigError, DistfnError, NestedLaunchError
-from .launch import forkserver, local, pernode, shipping
+from .launch import forkserver, local, pernode
 from .launch import ray as ray_launch
 from .options import DEFAULT_TIMEOUT, MODES, LauncherName, Mode, Options, StartMethod, make_options
 from .plan import CallPlan, plan_call
