@@ -18,14 +18,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from . import accumulation, checkin, checkpoint, collectives, data, preemption, progress, wrapping
+from . import accumulation, collectives, data, preemption, progress, wrapping
 from . import precision as amp
 from .accumulation import Accumulator
+from .checkpoint import background, policy
 from .data import DistributedLoader
 from .devices import collective_device
-from .errors import CheckpointError, ConfigError
 from .modules import unwrap_module
-from .options import Mode, Precision, runs_one_process, shards_state
+from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 
 
@@ -70,6 +70,8 @@ class Context:
     precision: Precision = "32"
     restart: int = 0
     _loop: amp.LoopState | None = attrs.field(default=None, init=False, repr=False)  # made on first use
+    #: This rank's background checkpoint writer (``ctx.save(..., blocking=False)``); the worker bootstrap drains it.
+    saves: background.Saves = attrs.field(factory=background.Saves, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -96,7 +98,7 @@ class Context:
         """
         stop = preemption.should_stop(self._group_device)
         if stop:
-            checkpoint.background.wait()  # a pending asynchronous save completes before the function stops
+            self.saves.wait()  # a pending asynchronous save completes before the function stops
         return stop
 
     # -- data ---------------------------------------------------------------------------------------------
@@ -388,30 +390,8 @@ class Context:
                 in a background thread. The next save, the function's end (return or exception) and a true
                 `ctx.should_stop` wait for it, so nothing is lost (docs/checkpoints.md, "Asynchronous saves").
         """
-        checkpoint.background.wait()  # the previous (asynchronous) save first; its failure is raised here
-        checked_in = False
-        if rng and shards_state(self.mode):
-            checkin.check_in("ctx.save")  # before the RNG gather: a rank-0-only call must fail there, not hang in it
-            checked_in = True
-        if rng:
-            if not isinstance(obj, Mapping):
-                raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
-                                  "{'model': model, 'optimizer': opt, 'step': step}")
-            obj = {**obj, "rng": checkpoint.gather_rng_states()}  # checks in first: a rank-0-only call fails fast
-
-        if checkpoint.sharded.wants_sharded(path, self.mode, sharded):
-            if not checked_in:
-                checkin.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
-            return checkpoint.sharded.save(obj, path, metadata=metadata, keep=keep, blocking=blocking)
-        if shards_state(self.mode):
-            from . import fsdp  # deferred: only mode='fsdp' needs it (~0.1 s on a busy machine)
-
-            return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in,
-                             write=None if blocking else checkpoint.save_in_background)
-        if self.is_main:
-            write = checkpoint.save if blocking else checkpoint.save_in_background
-            return write(obj, path, metadata=metadata, keep=keep)
-        return Path(path)
+        return policy.save_state(obj, path, mode=self.mode, rank=self.rank, saves=self.saves, metadata=metadata,
+                                 keep=keep, rng=rng, sharded=sharded, blocking=blocking)
 
     def load(
         self,
@@ -436,21 +416,8 @@ class Context:
             strict: every tensor of `into` must be in the file and nothing extra (as `load_state_dict`).
             rng: restore this rank's random generator states (the file must hold them).
         """
-        checkpoint.background.wait()  # a pending asynchronous save (perhaps of this very path) lands first
-        if os.path.isdir(path):  # a sharded checkpoint: each rank reads its own slices, any world size and mode
-            values = checkpoint.sharded.load_into(path, into, device=self.device, strict=strict)
-        elif shards_state(self.mode):
-            from . import fsdp  # deferred: only mode='fsdp' needs it (~0.1 s on a busy machine)
-
-            values = fsdp.load(path, into, device=self.device, strict=strict)
-        else:
-            values = checkpoint.load_into(path, into, device=self.device, strict=strict)
-        if rng:
-            saved = values.pop("rng", None)
-            if saved is None:
-                raise CheckpointError(f"{path} holds no RNG states; write it with ctx.save(..., rng=True)")
-            checkpoint.set_rng_state(checkpoint.rng_state_for_rank(saved, self.rank, self.world_size))
-        return values
+        return policy.load_state(path, into, mode=self.mode, rank=self.rank, world_size=self.world_size,
+                                 device=self.device, saves=self.saves, strict=strict, rng=rng)
 
     def resume(
         self,
@@ -478,13 +445,5 @@ class Context:
             The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
             alone). Rank 0 picks the file and every rank loads that same one.
         """
-        checkpoint.background.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
-        last = checkpoint.latest(directory, prefix=prefix) if self.is_main else None
-        last = collectives.broadcast_object(None if last is None else str(last))
-        if last is None:
-            return 0
-        values = self.load(last, into=state, strict=strict)
-        saved = values.pop("rng", None)
-        if saved is not None:
-            checkpoint.set_rng_state(checkpoint.rng_state_for_rank(saved, self.rank, self.world_size))
-        return checkpoint.step_of_path(last) or 0
+        return policy.resume_state(state, directory, mode=self.mode, rank=self.rank, world_size=self.world_size,
+                                   device=self.device, saves=self.saves, prefix=prefix, strict=strict)

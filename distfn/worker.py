@@ -143,6 +143,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     mark_active(True)
     log = logs.setup(topology.rank, topology.world_size)
     started_group = failed = False
+    saves = background.Saves()  # this rank's background checkpoint writer, held by its Context, drained below
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
     stop_handlers = preemption.install(opt_in=preemption.polls(fn))
     try:
@@ -178,15 +179,16 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             log=log,
             precision=opts.precision,
             restart=restart_attempt(os.environ),
+            saves=saves,
         )
         result = fn(cfg, ctx)
-        background.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
+        saves.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
         _requeue_if_stopped(opts, topology, ctx)
         return result
     except BaseException as exc:
         failed = True
         with contextlib.suppress(Exception):
-            background.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
+            saves.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
         if report is not None:
             report(exc)
         elif topology.launcher not in ("spawn", "local"):
