@@ -46,8 +46,13 @@ __all__ = ["load_state", "resume_state", "save_state"]
 _PER_RANK = r"rank[-_=.]?0*{rank}(?!\d)"
 
 
-@functools.cache
+_WARNED: set[str] = set()  # the one-time warnings this process gave
+
+
 def _warn_per_rank(given: str, rank: int) -> None:
+    if "per-rank" in _WARNED:
+        return
+    _WARNED.add("per-rank")
     logger.warning("ctx.save('{}') on rank {}: ctx.save writes one checkpoint for the whole job, from rank 0 (this "
                    "rank only gets the path back), so a per-rank name is never written here. For one file per rank "
                    "call distfn.checkpoint.save(obj, path) on every rank.", given, rank)
@@ -87,7 +92,8 @@ def save_state(
     if not as_directory:  # checks that need no collective fail on every rank alike, before any collective
         check_keep(keep, target, directory=False)
         api.check_file_target(target)
-        if rank != 0 and re.search(_PER_RANK.format(rank=rank), target.given, re.IGNORECASE):
+        # with rng=True the ranks meet in a collective below, where different paths are an error instead
+        if not rng and rank != 0 and re.search(_PER_RANK.format(rank=rank), target.given, re.IGNORECASE):
             _warn_per_rank(target.given, rank)
     checked_in = False
     if rng and shards_state(mode):
