@@ -53,6 +53,8 @@ class Context:
             `ctx.backward` and `ctx.step` use.
         restart: which attempt of the job this is: 0, then 1, 2, ... after restarts (`@distributed(max_restarts=)`,
             or torchrun's `--max-restarts`).
+        saves: this rank's background checkpoint writer (`ctx.save(..., blocking=False)`): `ctx.saves.wait()`
+            waits for the pending write and raises its failure (the next save and the function's end wait too).
     """
 
     rank: int
