@@ -18,14 +18,14 @@ after it (all ranks done, files complete):
 
 Peak extra host memory: before each sample every rank returns free heap to the system (``malloc_trim``), resets
 its peak RSS (``5`` into ``/proc/self/clear_refs``) and reads ``VmRSS``; after the save (for async: after
-``distfn.checkpoint.background.wait()``, i.e. including the background write) it reads ``VmHWM``. The extra is
+``ctx.saves.wait()``, i.e. including the background write) it reads ``VmHWM``. The extra is
 ``VmHWM - VmRSS``, the max over ranks; memory an async save keeps after its first run (reused host buffers) is
 counted in every async sample. Compared with each rank's shard (state / world size).
 
 Training while saving (``--train-ranks``): forward, backward and Adam step of a random batch, ``--steps`` steps,
 three ways in a rotated order per round: no saves; ``ctx.save(state, f"ckpt-{step}", blocking=False, keep=2)``
 every ``--every`` steps; the same blocking. A sample is rank 0's loop time per step, from a barrier to a barrier
-after the final ``background.wait()``, over ``--train-rounds`` rounds (after an untimed warm-up: 3 steps and
+after the final ``ctx.saves.wait()``, over ``--train-rounds`` rounds (after an untimed warm-up: 3 steps and
 one async save). Saves come after steps every, 2*every, ... < steps, so each async write has a full interval
 to overlap. The loop has its own model, ``--train-width``/``--train-layers`` (default 72 MiB of state): one
 step of the save model takes ~5 s on 2 CPU cores (gloo all-gathers of 400 MB per step).
@@ -77,7 +77,6 @@ def _save_variants(ctx: Any, model: Any, opt: Any, root: Path) -> dict[str, Any]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    import distfn
 
     state = {"model": model, "optimizer": opt, "step": 1}
 
@@ -102,7 +101,7 @@ def _save_variants(ctx: Any, model: Any, opt: Any, root: Path) -> dict[str, Any]
         start = time.perf_counter()
         ctx.save(state, root / "async", blocking=False)
         took = time.perf_counter() - start
-        distfn.checkpoint.background.wait()
+        ctx.saves.wait()
         extra = c.peak_extra(base)
         if base is not None and extra is not None:
             if not held:
@@ -123,7 +122,6 @@ def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist
 
-    import distfn
 
     model, opt = _model(ctx, cfg["train_width"], cfg["train_layers"])
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
@@ -141,7 +139,7 @@ def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
             state["step"] = step
             if name != "no saves" and step % every == 0 and step < steps:
                 ctx.save(state, where / f"ckpt-{step}", blocking=name.startswith("blocking"), keep=2)
-        distfn.checkpoint.background.wait()
+        ctx.saves.wait()
         dist.barrier()
         took = (time.perf_counter() - start) / steps
         if ctx.rank == 0:
@@ -154,7 +152,7 @@ def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
         opt.step()
         opt.zero_grad()
     ctx.save(state, root / "train" / "warmup", blocking=False)
-    distfn.checkpoint.background.wait()
+    ctx.saves.wait()
     samples: dict[str, list[float]] = {n: [] for n in TRAIN}
     for r in range(cfg["train_rounds"]):
         for name in TRAIN[r % len(TRAIN):] + TRAIN[:r % len(TRAIN)]:
@@ -242,7 +240,7 @@ def _tables(out: dict[str, Any], args: Any, notes: list[str]) -> dict[str, dict[
                 targets=[{"variant": "distfn sharded", "max_value": shard + 64},
                          {"variant": "distfn async (incl. background write)", "max_value": shard + 64}],
                 notes={"distfn one file (gather)": "rank 0 holds the whole state",
-                       "distfn async (incl. background write)": "until background.wait() returned"})
+                       "distfn async (incl. background write)": "until ctx.saves.wait() returned"})
         else:
             notes.append(f"{w} ranks: peak memory not measured (/proc/self/clear_refs cannot reset VmHWM here)")
     if "train" in out:

@@ -75,19 +75,31 @@ def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None
     )
 
 
-def gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` as a list indexed by rank, on every rank (objects must be picklable)."""
+def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` as a list indexed by rank, on every rank (objects must be picklable).
+
+    Args:
+        obj: this rank's value.
+        group: a process group to run on instead of the default one (e.g. the gloo group of background
+            checkpoint saves), which may run in another thread.
+    """
     if not active():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (other ranks' arguments are ignored)."""
+def broadcast_object(obj: Any, src: int = 0, *, group: Any = None) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (other ranks' arguments are ignored).
+
+    Args:
+        obj: the value (read on ``src`` only).
+        src: the global rank whose value everyone gets.
+        group: as in `gather_object`.
+    """
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

@@ -19,14 +19,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from . import accumulation, checkpoint, collectives, data, fsdp, progress, wrapping
+from . import accumulation, collectives, data, progress, wrapping
 from . import precision as amp
 from .accumulation import Accumulator
+from .checkpoint import policy
+from .checkpoint.background import Saves
 from .data import DistributedLoader
 from .devices import collective_device
-from .errors import CheckpointError, ConfigError
 from .modules import unwrap_module
-from .options import Mode, Precision, runs_one_process, shards_state
+from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 from .run import Run
 
@@ -75,6 +76,11 @@ class Context:
     restart: int = 0
     run: Run = attrs.field(factory=Run, repr=False)
     _loop: amp.LoopState | None = attrs.field(default=None, init=False, repr=False)  # made on first use
+    @property
+    def saves(self) -> Saves:
+        """This rank's background checkpoint writer (``ctx.save(..., blocking=False)``): ``ctx.saves.wait()`` waits
+        for a pending save and raises its error; the bootstrap drains it before the process group goes."""
+        return self.run.saves
 
     @property
     def is_main(self) -> bool:
@@ -102,7 +108,7 @@ class Context:
         self.run.sync_point()
         stop = self.run.stop.should_stop(self._group_device)
         if stop:
-            checkpoint.background.wait()  # a pending asynchronous save completes before the function stops
+            self.saves.wait()  # a pending asynchronous save completes before the function stops
         return stop
 
     # -- data ---------------------------------------------------------------------------------------------
@@ -400,27 +406,8 @@ class Context:
                 in a background thread. The next save, the function's end (return or exception) and a true
                 `ctx.should_stop` wait for it, so nothing is lost (docs/checkpoints.md, "Asynchronous saves").
         """
-        checkpoint.background.wait()  # the previous (asynchronous) save first; its failure is raised here
-        checked_in = False
-        if rng:
-            if not isinstance(obj, Mapping):
-                raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
-                                  "{'model': model, 'optimizer': opt, 'step': step}")
-            # every rank checks in before the RNG gather: a rank-0-only call must fail there, not hang in it
-            checked_in = self.run.check_in("ctx.save", rng=True)
-            obj = {**obj, "rng": checkpoint.gather_rng_states()}
-
-        if checkpoint.sharded.wants_sharded(path, self.mode, sharded):
-            if not checked_in:
-                self.run.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
-            return checkpoint.sharded.save(obj, path, metadata=metadata, keep=keep, blocking=blocking)
-        if shards_state(self.mode):
-            return fsdp.save(obj, path, rank=self.rank, metadata=metadata, keep=keep, checked_in=checked_in,
-                             write=None if blocking else checkpoint.save_in_background, run=self.run)
-        if self.is_main:
-            write = checkpoint.save if blocking else checkpoint.save_in_background
-            return write(obj, path, metadata=metadata, keep=keep)
-        return Path(path)
+        return policy.save_state(obj, path, mode=self.mode, rank=self.rank, run=self.run, metadata=metadata,
+                                 keep=keep, rng=rng, sharded=sharded, blocking=blocking)
 
     def load(
         self,
@@ -445,19 +432,8 @@ class Context:
             strict: every tensor of `into` must be in the file and nothing extra (as `load_state_dict`).
             rng: restore this rank's random generator states (the file must hold them).
         """
-        checkpoint.background.wait()  # a pending asynchronous save (perhaps of this very path) lands first
-        if os.path.isdir(path):  # a sharded checkpoint: each rank reads its own slices, any world size and mode
-            values = checkpoint.sharded.load_into(path, into, device=self.device, strict=strict)
-        elif shards_state(self.mode):
-            values = fsdp.load(path, into, device=self.device, strict=strict, run=self.run)
-        else:
-            values = checkpoint.load_into(path, into, device=self.device, strict=strict)
-        if rng:
-            saved = values.pop("rng", None)
-            if saved is None:
-                raise CheckpointError(f"{path} holds no RNG states; write it with ctx.save(..., rng=True)")
-            checkpoint.set_rng_state(checkpoint.rng_state_for_rank(saved, self.rank, self.world_size))
-        return values
+        return policy.load_state(path, into, mode=self.mode, rank=self.rank, world_size=self.world_size,
+                                 device=self.device, run=self.run, strict=strict, rng=rng)
 
     def resume(
         self,
@@ -485,13 +461,5 @@ class Context:
             The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
             alone). Rank 0 picks the file and every rank loads that same one.
         """
-        checkpoint.background.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
-        last = checkpoint.latest(directory, prefix=prefix) if self.is_main else None
-        last = self.broadcast_object(None if last is None else str(last))
-        if last is None:
-            return 0
-        values = self.load(last, into=state, strict=strict)
-        saved = values.pop("rng", None)
-        if saved is not None:
-            checkpoint.set_rng_state(checkpoint.rng_state_for_rank(saved, self.rank, self.world_size))
-        return checkpoint.step_of_path(last) or 0
+        return policy.resume_state(state, directory, mode=self.mode, rank=self.rank, world_size=self.world_size,
+                                   device=self.device, run=self.run, prefix=prefix, strict=strict)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint
-from .errors import CheckpointError
+from .checkpoint.objects import owner_of
 from .modules import indexed_optimizer_state, named_optimizer_state
 from .tree import tree_leaves, tree_map
 
@@ -59,15 +59,10 @@ def _full_options() -> Any:
 
 
 def _owner(optimizer: torch.optim.Optimizer, candidates: Sequence[nn.Module]) -> nn.Module:
-    wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for model in candidates:
-        if wanted <= {id(p) for p in model.parameters()}:
-            return model
-    raise CheckpointError(
+    return owner_of(optimizer, candidates, missing=(
         "cannot find the sharded model this optimizer belongs to: save/load it together with its model in one "
         "mapping (e.g. {'model': model, 'optimizer': opt}); one optimizer over several separately wrapped models "
-        "is not supported"
-    )
+        "is not supported"))
 
 
 def _is_state_object(value: Any) -> bool:

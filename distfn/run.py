@@ -14,12 +14,12 @@ itself, and `distfn.preemption.install` finds a record installed before the run 
 a service used from a plain script takes its state as an argument (`distfn.data.gather_for_metrics`' loader,
 `distfn.accumulation.Accumulator`'s ``loaders``, `distfn.fsdp.wrap`'s ``on_forward``) and does without it when
 none is given. What stays module-level is per process, not per run: the loguru configuration
-(`distfn.logs`), the nested-launch guard (`distfn.worker`), the fork server (`distfn.shipping`) and the
-worker's stack pipe (`distfn.spawn`).
+(`distfn.logs`), the nested-launch guard (`distfn.worker`), the fork server (`distfn.launch.forkserver`) and the
+worker's stack pipe (`distfn.launch.local`).
 
-Imports: `checkin`, `data`, `fsdp_options`, `options`, `preemption`, `rng` (the types of its parts and the rules
-that pick them); nothing imports it but `context` and `worker` (and, for annotations, the services it is
-passed to).
+Imports: `checkin`, `checkpoint.background`, `data`, `fsdp_options`, `options`, `preemption`, `rng` (the types
+of its parts and the rules that pick them); nothing imports it but `context`, `worker` and
+`checkpoint.policy` (and, for annotations, the services it is passed to).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from loguru import logger
 from torch import nn
 
 from .checkin import CheckIn, default_store
+from .checkpoint.background import Saves
 from .data import LastLoader
 from .fsdp_options import FsdpOptions
 from .options import Mode, shards_state
@@ -54,6 +55,9 @@ class Run:
             look for the model an optimizer in the state belongs to.
         checkin: this rank's side of the "did every rank call this?" protocol, from `start_check_in` (multi-rank
             runs with a store) to `finish`; ``None`` otherwise.
+        saves: this rank's background checkpoint writer (``ctx.save(..., blocking=False)``, ``ctx.saves``), which
+            every later checkpoint call, a true ``ctx.should_stop`` and the bootstrap (before the process group
+            goes) wait for.
     """
 
     mode: Mode = "single"
@@ -62,8 +66,7 @@ class Run:
     loaders: LastLoader = attrs.field(factory=LastLoader)
     wrapped: weakref.WeakSet[nn.Module] = attrs.field(factory=weakref.WeakSet)
     checkin: CheckIn | None = None
-    # The background checkpoint writer (distfn/checkpoint/background.py, an object held by the Context on another
-    # branch) belongs here too: it is per run, drained by the bootstrap before the process group goes.
+    saves: Saves = attrs.field(factory=Saves)
 
     def start_check_in(self, rank: int, world_size: int) -> None:
         """Start the check-in (call on every rank right after the process group is up; no collective).

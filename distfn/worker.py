@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from . import devices, failures, fsdp, logs, preemption, rendezvous, topology
-from .checkpoint import background
 from .context import Context
 from .errors import LauncherError
 from .options import restart_attempt
@@ -176,13 +175,13 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             run=run_state,
         )
         result = fn(cfg, ctx)
-        background.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
+        run_state.saves.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
         _requeue_if_stopped(opts, topology, ctx)
         return result
     except BaseException as exc:
         failed = True
         with contextlib.suppress(Exception):
-            background.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
+            run_state.saves.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
         if report is not None:
             report(exc)
         elif topology.launcher not in ("spawn", "local"):

@@ -1,4 +1,4 @@
-"""distfn.checkpoint.files: keep= rotation and latest()."""
+"""keep= rotation (distfn.checkpoint.layout.rotate) and latest() (distfn.checkpoint.api)."""
 
 from __future__ import annotations
 

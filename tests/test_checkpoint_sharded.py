@@ -21,7 +21,7 @@ from torch import nn
 
 import distfn
 from distfn import CheckpointError
-from distfn.checkpoint import background, consolidate, sharded, storage
+from distfn.checkpoint import background, consolidate, layout, sharded, storage
 
 from conftest import SCRIPTS, run_python
 
@@ -196,11 +196,11 @@ def test_kill_9_mid_save_keeps_the_previous_checkpoint_and_the_partial_is_ignore
 
 # -- one process, no process group -------------------------------------------------------------------------------
 def test_the_default_rule_sharded_in_fsdp_mode_without_the_suffix() -> None:
-    assert sharded.wants_sharded("ckpt/step-1200", "fsdp", None)
-    assert not sharded.wants_sharded("ckpt/step-1200.safetensors", "fsdp", None)
-    assert not sharded.wants_sharded("ckpt/step-1200", "ddp", None)
-    assert sharded.wants_sharded("ckpt/step-1200", "ddp", True)
-    assert not sharded.wants_sharded("ckpt/step-1200", "fsdp", False)
+    assert layout.wants_sharded("ckpt/step-1200", "fsdp", None)
+    assert not layout.wants_sharded("ckpt/step-1200.safetensors", "fsdp", None)
+    assert not layout.wants_sharded("ckpt/step-1200", "ddp", None)
+    assert layout.wants_sharded("ckpt/step-1200", "ddp", True)
+    assert not layout.wants_sharded("ckpt/step-1200", "fsdp", False)
 
 
 def test_latest_and_keep_understand_directories(tmp_path: Path) -> None:
@@ -231,7 +231,7 @@ def test_save_refuses_a_safetensors_name_and_a_failed_save_leaves_the_previous_o
     with torch.no_grad():
         model.inp.weight.add_(1)
     # the disk fills while a shard is written, or while the index is written: both leave the previous one
-    for where in (storage, sharded._ShardJob):
+    for where in (storage, sharded.write._ShardJob):
         with monkeypatch.context() as m:
             m.setattr(where, "write" if where is storage else "_write_index", full_disk)
             with pytest.raises(CheckpointError, match=r"cannot save .*ckpt.*No space left.*previous checkpoint"):
@@ -340,7 +340,7 @@ def test_a_background_save_copies_first_checks_early_and_reports_its_failure(
     distfn.checkpoint.save_in_background({"model": model, "step": 1}, tmp_path / "a.safetensors")
     with torch.no_grad():
         model.inp.weight.add_(1)  # after the call: not in the file
-    background.wait()
+    background.DEFAULT.wait()
     _equal(distfn.load(tmp_path / "a.safetensors", prefix="model"), before)
     with pytest.raises(CheckpointError, match="cannot save the value at"):  # raised in the caller, not later
         distfn.checkpoint.save_in_background({"f": lambda: 0}, tmp_path / "b.safetensors")
@@ -351,8 +351,8 @@ def test_a_background_save_copies_first_checks_early_and_reports_its_failure(
     monkeypatch.setattr(distfn.checkpoint.storage, "write", full_disk)
     distfn.checkpoint.save_in_background({"model": model}, tmp_path / "c.safetensors")
     with pytest.raises(CheckpointError, match=r"background save of .*c\.safetensors failed.*No space left"):
-        background.wait()
-    assert not background.pending() and not (tmp_path / "c.safetensors").exists()
+        background.DEFAULT.wait()
+    assert not background.DEFAULT.pending() and not (tmp_path / "c.safetensors").exists()
 
 
 def test_a_sharded_background_save_in_one_process(tmp_path: Path) -> None:
@@ -361,16 +361,16 @@ def test_a_sharded_background_save_in_one_process(tmp_path: Path) -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     sharded.save({"model": model, "optimizer": opt, "step": 2}, tmp_path / "ckpt-2", blocking=False)
     train(model, opt, 3, 3)
-    background.wait()
+    background.DEFAULT.wait()
     _equal(distfn.load(tmp_path / "ckpt-2", prefix="model"), before)
     # the next save of the same state copies into the same host buffers, and still holds the state of its call
-    first = background.buffers.allocated
+    first = background.DEFAULT.buffers.allocated
     assert first >= sum(v.numel() * v.element_size() for v in before.values())
     after = {k: v.clone() for k, v in model.state_dict().items()}
     sharded.save({"model": model, "optimizer": opt, "step": 3}, tmp_path / "ckpt-3", blocking=False)
-    assert background.buffers.allocated == 0
+    assert background.DEFAULT.buffers.allocated == 0
     train(model, opt, 4, 4)
-    background.wait()
+    background.DEFAULT.wait()
     _equal(distfn.load(tmp_path / "ckpt-3", prefix="model"), after)
     _equal(distfn.load(tmp_path / "ckpt-2", prefix="model"), before)
 
@@ -381,8 +381,8 @@ def test_the_background_writer_yields_the_cpu_to_training() -> None:
     import threading
 
     seen: list[int] = []
-    background.submit("probe", lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-    background.wait()
+    background.DEFAULT.submit("probe", lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    background.DEFAULT.wait()
     main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen == [min(main + 10, 19)]  # the writer only: the training thread keeps its priority
     assert os.getpriority(os.PRIO_PROCESS, 0) == main

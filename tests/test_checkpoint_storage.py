@@ -19,7 +19,8 @@ from ckpt_helpers import Net, equal_state, repo_env
 from safetensors.torch import load_file
 
 from distfn import checkpoint
-from distfn.checkpoint import storage
+from distfn.checkpoint import fs, storage
+from distfn.checkpoint.layout import resolve
 from distfn.errors import CheckpointError
 
 
@@ -77,7 +78,7 @@ def test_failed_write_keeps_old_file_and_leaves_no_temp(tmp_path: pathlib.Path, 
     checkpoint.save({"v": torch.zeros(1 << 20)}, target)
     old = target.read_bytes()
     calls = {"n": 0}
-    real = storage.write_all
+    real = fs.write_all
 
     def failing(fd, data):
         calls["n"] += 1
@@ -85,7 +86,7 @@ def test_failed_write_keeps_old_file_and_leaves_no_temp(tmp_path: pathlib.Path, 
             raise OSError(28, "No space left on device")
         return real(fd, data)
 
-    monkeypatch.setattr(storage, "write_all", failing)
+    monkeypatch.setattr(fs, "write_all", failing)
     with pytest.raises(CheckpointError, match="previous file, if any, is intact"):
         checkpoint.save({"v": torch.ones(1 << 20)}, target)  # header first, then the 4 MiB tensor fails
     assert target.read_bytes() == old
@@ -182,7 +183,7 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: pathlib.Path) ->
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
                           capture_output=True, text=True)
     dead_pid = int(proc.stdout)
-    stale = storage.tmp_name(target).name.split(".")
+    stale = storage.tmp_name(resolve(target)).name.split(".")
     stale_name = ".".join([*stale[:-3], str(dead_pid), *stale[-2:]])
     (tmp_path / stale_name).write_bytes(b"partial")
     unrelated = tmp_path / ".other.safetensors.somehost.1.deadbeef.distfn-tmp"
@@ -217,8 +218,8 @@ def test_misaligned_foreign_file_loads(tmp_path: pathlib.Path) -> None:
 
 def test_many_small_tensors_are_gathered_into_few_writes(tmp_path: pathlib.Path, monkeypatch) -> None:
     calls = []
-    real = storage.write_all
-    monkeypatch.setattr(storage, "write_all", lambda fd, data: (calls.append(len(data)), real(fd, data)))
+    real = fs.write_all
+    monkeypatch.setattr(fs, "write_all", lambda fd, data: (calls.append(len(data)), real(fd, data)))
     state = {f"norm{i}.weight": torch.full((64,), float(i)) for i in range(500)}
     state["big"] = torch.ones(2 << 20)
     path = checkpoint.save(state, tmp_path / "many.safetensors")
@@ -245,12 +246,12 @@ def test_kill_9_during_a_step_named_save_leaves_nothing_after_the_next_save(tmp_
     code = textwrap.dedent(
         """
         import os, signal, sys, torch
-        from distfn.checkpoint import storage
-        real = storage.write_all
+        from distfn.checkpoint import fs
+        real = fs.write_all
         def write_then_die(fd, data):
             real(fd, data)
             os.kill(os.getpid(), signal.SIGKILL)  # kill -9 in the middle of the save
-        storage.write_all = write_then_die
+        fs.write_all = write_then_die
         from distfn import checkpoint
         checkpoint.save({"w": torch.ones(2 << 20)}, sys.argv[1])
         """
@@ -262,7 +263,7 @@ def test_kill_9_during_a_step_named_save_leaves_nothing_after_the_next_save(tmp_
     assert len(leaked) == 1 and leaked[0].name.startswith(".ckpt-7.safetensors.")
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live_tmp = storage.tmp_name(tmp_path / "ckpt-9.safetensors").name.split(".")
+        live_tmp = storage.tmp_name(resolve(tmp_path / "ckpt-9.safetensors")).name.split(".")
         live_tmp = tmp_path / ".".join([*live_tmp[:-3], str(live.pid), *live_tmp[-2:]])
         live_tmp.write_bytes(b"a writer still at work")
         other_host = tmp_path / f".ckpt-6.safetensors.elsewhere.{_dead_pid()}.0123abcd.distfn-tmp"
@@ -279,7 +280,7 @@ def test_a_failed_save_removes_the_directories_it_created(tmp_path: pathlib.Path
     def full_disk(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(storage, "write_all", full_disk)
+    monkeypatch.setattr(fs, "write_all", full_disk)
     with pytest.raises(CheckpointError, match="No space left"):
         checkpoint.save({"w": torch.ones(4)}, tmp_path / "runs" / "exp1" / "ckpt-1.safetensors")
     assert list(tmp_path.iterdir()) == []

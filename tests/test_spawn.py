@@ -1,4 +1,4 @@
-"""The launch of a self-spawned job (distfn.spawn), seen from the caller: what comes back, and what may run
+"""The launch of a self-spawned job (distfn.launch.local), seen from the caller: what comes back, and what may run
 next to it."""
 
 from __future__ import annotations

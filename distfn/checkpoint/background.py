@@ -1,20 +1,24 @@
-"""Asynchronous saves (``ctx.save(..., blocking=False)``): at most one pending write per process, in a thread.
+"""Asynchronous saves (``ctx.save(..., blocking=False)``): at most one pending write per `Saves`, in a thread.
 
-The caller copies the state to host memory first (`snapshot` for one file, `stage` for a sharded save's own
-pieces), then hands the write, ``fsync`` and rename to `submit`. The host copies go into buffers that are kept
-and reused by the next save of the same state (pinned memory when the tensors are on a GPU, so the copy is a
-DMA): allocating and pinning fresh host memory on every save would cost more than the copy itself.
+The caller copies the state to host memory first (`Saves.snapshot` for one file, `Saves.stage` for a sharded
+save's own pieces), then hands the write, ``fsync`` and rename to `Saves.submit`. The host copies go into buffers
+that are kept and reused by the next save of the same state (pinned memory when the tensors are on a GPU, so the
+copy is a DMA): allocating and pinning fresh host memory on every save would cost more than the copy itself.
 
-The next save, the end of the decorated function (return or exception) and a true ``ctx.should_stop`` call `wait`
-first, so nothing is lost when the process group is torn down. The thread is not a daemon: a plain script's
-interpreter also waits for it at exit.
+Every ``Context`` holds one `Saves` (the worker bootstrap drains it: the end of the decorated function, return or
+exception, waits for the pending write, and so do the next save and a true ``ctx.should_stop``), so nothing is
+lost when the process group is torn down. Plain scripts (`distfn.checkpoint.save_in_background`, no Context) use
+the process's `DEFAULT`: the interpreter waits for its write at exit, and a failed one is reported on stderr and
+turns the exit status to 1 instead of being lost.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Final
@@ -22,47 +26,14 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 from loguru import logger
-from torch import nn
 
 from .. import tree
 from ..errors import CheckpointError
-from ..modules import unwrap_module
 from . import format as fmt
-from . import storage
+from .layout import Location, resolve
+from .objects import is_object, state_of
 
-__all__ = ["HostBuffers", "buffers", "cpu_group", "pending", "save_file", "snapshot", "stage", "submit", "wait"]
-
-_lock = threading.Lock()
-_pending: tuple[threading.Thread, str, list[BaseException]] | None = None
-_group: tuple[Any, Any] | None = None  # (the default group it was made for, the gloo group)
-
-
-def pending() -> bool:
-    """Whether a background save is still writing."""
-    return _pending is not None and _pending[0].is_alive()
-
-
-def wait(timeout: float | None = None) -> None:
-    """Wait for the pending background save (if any) and raise its failure as a `CheckpointError`.
-
-    Args:
-        timeout: seconds to wait at most (``None``: until it ends); a write still running after it is left to
-            finish on its own, and nothing is raised.
-    """
-    global _pending
-    with _lock:
-        job = _pending
-        if job is None:
-            return
-        thread, what, errors = job
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.warning("the background save of {} is still running after {} s", what, timeout)
-            return
-        _pending = None
-    if errors:
-        raise CheckpointError(f"the background save of {what} failed: {type(errors[0]).__name__}: "
-                              f"{errors[0]}") from errors[0]
+__all__ = ["DEFAULT", "HostBuffers", "Saves"]
 
 
 #: The background writer's nice value, relative to the training thread (Linux: per thread).
@@ -78,35 +49,6 @@ def _lower_priority() -> None:
     """
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
-
-
-def submit(what: str, write: Callable[[], Any]) -> None:
-    """Run ``write`` in a background thread, after waiting for the previous one (whose failure is raised here)."""
-    global _pending
-    wait()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        _lower_priority()
-        try:
-            write()
-        except BaseException as exc:  # noqa: BLE001 - handed to wait(), raised in the training thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name=f"distfn-save {what}", daemon=False)
-    with _lock:
-        _pending = (thread, what, errors)
-    thread.start()
-
-
-def _is_object(value: Any) -> bool:
-    return isinstance(value, nn.Module) or fmt.is_stateful(value)
-
-
-def _state_of(value: Any) -> Any:
-    if isinstance(value, nn.Module):
-        return unwrap_module(value).state_dict()
-    return value.state_dict() if fmt.is_stateful(value) else value
 
 
 class HostBuffers:
@@ -159,63 +101,134 @@ class HostBuffers:
         self._free = {}
 
 
-#: The process's buffers (one pending save at a time, so one set is enough).
-buffers = HostBuffers()
+
+class Saves:
+    """One pending background save at most, its host buffers, and the gloo group its collectives use.
+
+    Args:
+        report_at_exit: wait for the pending save when the interpreter exits and, when it failed, log the error
+            and exit with status 1 (the process-wide `DEFAULT` of plain scripts; a distfn worker drains its
+            context's instance itself).
+    """
+
+    def __init__(self, *, report_at_exit: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._pending: tuple[threading.Thread, str, list[BaseException]] | None = None
+        self._group: tuple[Any, Any] | None = None  # (the default group it was made for, the gloo group)
+        self._report_at_exit = report_at_exit
+        self._exit_hook = False
+        #: The host buffers of this writer's saves (one pending save at a time, so one set is enough).
+        self.buffers = HostBuffers()
+
+    def pending(self) -> bool:
+        """Whether a background save is still writing."""
+        job = self._pending
+        return job is not None and job[0].is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the pending background save (if any) and raise its failure as a `CheckpointError`.
+
+        Args:
+            timeout: seconds to wait at most (``None``: until it ends); a write still running after it is left to
+                finish on its own, and nothing is raised.
+        """
+        with self._lock:
+            job = self._pending
+            if job is None:
+                return
+            thread, what, errors = job
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("the background save of {} is still running after {} s", what, timeout)
+                return
+            self._pending = None
+        if errors:
+            raise CheckpointError(f"the background save of {what} failed: {type(errors[0]).__name__}: "
+                                  f"{errors[0]}") from errors[0]
+
+    def submit(self, what: str, write: Callable[[], Any]) -> None:
+        """Run ``write`` in a background thread, after waiting for the previous one (whose failure is raised
+        here)."""
+        self.wait()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            _lower_priority()
+            try:
+                write()
+            except BaseException as exc:  # noqa: BLE001 - handed to wait(), raised in the training thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name=f"distfn-save {what}", daemon=False)
+        with self._lock:
+            self._pending = (thread, what, errors)
+            if self._report_at_exit and not self._exit_hook:
+                atexit.register(self._at_exit)
+                self._exit_hook = True
+        thread.start()
+
+    def _at_exit(self) -> None:
+        """At interpreter exit (the thread is not a daemon, so it has ended): a failure is not lost."""
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            # stderr itself: outside a job distfn's logger is disabled (a library is quiet), but this must show
+            sys.stdout.flush()
+            sys.stderr.write(f"distfn: {exc}\n")
+            sys.stderr.flush()
+            os._exit(1)  # atexit cannot change the exit status otherwise; the failed save is the news
+
+    @contextlib.contextmanager
+    def _staging(self) -> Iterator[dict[Any, torch.Tensor]]:
+        """One save's copying into the reused `buffers`; yields the copies made so far (by `fmt.memory_key`)."""
+        self.wait()  # the previous write may still read the buffers this copy reuses
+        self.buffers.begin()
+        try:
+            yield {}
+        finally:
+            self.buffers.end()
+
+    def _copy_once(self, t: torch.Tensor, copies: dict[Any, torch.Tensor]) -> torch.Tensor:
+        key = fmt.memory_key(t)
+        if key not in copies:
+            copies[key] = self.buffers.copy(t)
+        return copies[key]
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of ``tensors`` (views of one memory stay one copy) in the reused `buffers`, once the
+        previous background save has finished with them."""
+        with self._staging() as copies:
+            return {name: self._copy_once(t, copies) for name, t in tensors.items()}
+
+    def snapshot(self, obj: Any) -> Any:
+        """``obj`` with every module and stateful object replaced by its state dict and every tensor copied to
+        host memory (views of one memory, such as tied weights, stay one copy; the copies go into the reused
+        `buffers`): what a background write may read while training goes on."""
+        states = tree.tree_map(state_of, obj, is_leaf=is_object)
+        with self._staging() as copies:
+            return tree.tree_map(lambda t: self._copy_once(t, copies) if isinstance(t, torch.Tensor) else t, states)
+
+    def cpu_group(self) -> Any:
+        """A gloo process group for the collectives of background sharded saves (created once, on first use, by
+        every rank): the training thread's collectives keep the default group to themselves."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        world = dist.group.WORLD
+        if self._group is None or self._group[0] is not world:  # none yet, or made for a group since destroyed
+            self._group = (world, dist.new_group(backend="gloo"))
+        return self._group[1]
+
+    def save_file(self, obj: Any, path: str | os.PathLike[str] | Location, *, save: Callable[..., Any],
+                  metadata: Any = None, keep: int | None = None) -> Location:
+        """``save`` (the single-file writer, passed in by the caller, which imports this module) in the
+        background: copies ``obj`` to host memory (`snapshot`), checks that it can be stored (errors are raised
+        here, before returning), and writes it in a thread. Returns the location."""
+        snap = self.snapshot(obj)
+        fmt.plan(snap, metadata)  # every error about the content is raised now, in the caller
+        target = resolve(path)
+        self.submit(str(target), lambda: save(snap, target, metadata=metadata, keep=keep))
+        return target
 
 
-@contextlib.contextmanager
-def _staging() -> Iterator[dict[Any, torch.Tensor]]:
-    """One save's copying into the reused `buffers`; yields the copies made so far (by `fmt.memory_key`)."""
-    wait()  # the previous write may still read the buffers this copy reuses
-    buffers.begin()
-    try:
-        yield {}
-    finally:
-        buffers.end()
-
-
-def stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies of ``tensors`` (views of one memory stay one copy) in the reused `buffers`, once the previous
-    background save has finished with them."""
-    with _staging() as copies:
-        return {name: _copy_once(t, copies) for name, t in tensors.items()}
-
-
-def _copy_once(t: torch.Tensor, copies: dict[Any, torch.Tensor]) -> torch.Tensor:
-    key = fmt.memory_key(t)
-    if key not in copies:
-        copies[key] = buffers.copy(t)
-    return copies[key]
-
-
-def snapshot(obj: Any) -> Any:
-    """``obj`` with every module and stateful object replaced by its state dict and every tensor copied to host
-    memory (views of one memory, such as tied weights, stay one copy; the copies go into the reused `buffers`):
-    what a background write may read while training goes on."""
-    states = tree.tree_map(_state_of, obj, is_leaf=_is_object)
-    with _staging() as copies:
-        return tree.tree_map(lambda t: _copy_once(t, copies) if isinstance(t, torch.Tensor) else t, states)
-
-
-def cpu_group() -> Any:
-    """A gloo process group for the collectives of background sharded saves (created once, on first use, by
-    every rank): the training thread's collectives keep the default group to themselves."""
-    global _group
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.group.WORLD
-    if _group is None or _group[0] is not world:  # none yet, or made for a process group since destroyed
-        _group = (world, dist.new_group(backend="gloo"))
-    return _group[1]
-
-
-def save_file(obj: Any, path: Any, *, save: Callable[..., Any], metadata: Any = None,
-              keep: int | None = None) -> Any:
-    """``save`` (`distfn.checkpoint.save`, passed in by the package, which imports this module) in the
-    background: copies ``obj`` to host memory (`snapshot`), checks that it can be stored (errors are raised here,
-    before returning), and writes it in a thread. Returns the path."""
-    snap = snapshot(obj)
-    fmt.plan(snap, metadata)  # every error about the content is raised now, in the caller
-    target = storage.local_path(path).absolute()
-    submit(str(target), lambda: save(snap, target, metadata=metadata, keep=keep))
-    return target
+#: The writer of plain scripts (`distfn.checkpoint.save_in_background` outside a distfn run).
+DEFAULT: Final = Saves(report_at_exit=True)

@@ -14,7 +14,7 @@ import json
 import math
 import pathlib
 import sys
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 import attrs
@@ -57,6 +57,7 @@ __all__ = [
     "saved_aliases",
     "saved_metadata",
     "saved_tree",
+    "select",
 ]
 
 FORMAT_VERSION: Final = "1"
@@ -423,6 +424,33 @@ def saved_aliases(header: Header) -> dict[str, str]:
     if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
         raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {KEY_ALIASES} must map names to names")
     return aliases
+
+
+def select(where: object, names: Sequence[str], aliases: Mapping[str, str], prefix: str | None,
+           get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``{name: tensor}`` a load returns, for one file and a sharded directory alike: every stored tensor
+    (read through ``get``) and every tied name pointing at the same tensor; with ``prefix`` (``"model"``) only those
+    under that key path, with it removed.
+
+    Raises:
+        CheckpointError: nothing under ``prefix`` (naming what ``where`` holds), or a tied name without its tensor.
+    """
+    start = "" if prefix is None else prefix.rstrip(".") + "."
+    if prefix is not None:
+        wanted = {n for n in [*names, *aliases] if n.startswith(start)}
+        if not wanted:
+            raise CheckpointError(f"'{where}' has no tensors under '{prefix}' (it holds "
+                                  f"{describe(sorted({n.split('.')[0] for n in names}))})")
+        names = [n for n in names if n in wanted or n in {aliases.get(w) for w in wanted}]
+    stored = {name: get(name) for name in names}
+    out = dict(stored)
+    for alias, target in aliases.items():
+        if target not in stored:
+            if prefix is None:
+                raise CheckpointError(f"'{where}': the tied name '{alias}' refers to a missing tensor '{target}'")
+            continue
+        out[alias] = stored[target]
+    return {n[len(start):]: t for n, t in out.items() if n.startswith(start)}
 
 
 def saved_metadata(header: Header) -> dict[str, Any]:

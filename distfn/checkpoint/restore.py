@@ -19,6 +19,7 @@ from ..errors import CheckpointError
 from ..modules import unwrap_module
 from . import format as fmt
 from . import storage
+from .layout import Location
 
 __all__ = ["load_into"]
 
@@ -276,7 +277,7 @@ def _tied_keys(expected: Mapping[str, Any], file_keys: Mapping[str, Any]) -> set
 
 
 def load_into(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     into: Mapping[str, Any] | nn.Module | torch.optim.Optimizer | Any,
     *,
     device: str | torch.device = "cpu",

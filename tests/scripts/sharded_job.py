@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import distfn
 from distfn import WorkerError, distributed
 
 STEPS, SAVE_AT, BATCH = 10, 5, 16
@@ -134,7 +133,7 @@ def _async(out: Path, ctx) -> dict:
     ctx.save({**state, "step": 5}, d / "ref-5.safetensors")
     ctx.save({**state, "step": 5}, d / "ckpt-5", sharded=True, blocking=False)
     # the host copies of ckpt-5 went into ckpt-4's buffers: nothing new was allocated
-    return {"returned": True, "allocated": distfn.checkpoint.background.buffers.allocated}
+    return {"returned": True, "allocated": ctx.saves.buffers.allocated}
 
 
 @distributed(mode="ddp", nprocs=2, seed=0)
@@ -156,7 +155,7 @@ def async_kill_job(out: Path, ctx):
     model, opt = fresh(ctx, 0)
     train(model, opt, 1, 2, ctx.rank, ctx.world_size)
     ctx.save({"model": model, "optimizer": opt, "step": 2}, out / "ckpt-1", blocking=False)
-    distfn.checkpoint.background.wait()  # ckpt-1 is complete before the writer is booby-trapped
+    ctx.saves.wait()  # ckpt-1 is complete before the writer is booby-trapped
     if ctx.rank == 0:
         write = storage.write
 

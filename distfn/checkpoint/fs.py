@@ -1,0 +1,324 @@
+"""The storage seam: every byte distfn's checkpoints write, rename, list, remove or read goes through a `FileSystem`.
+
+The interface is what a checkpoint needs and nothing more (the shape of torch DCP's ``FileSystemBase`` and
+Fabric's ``CheckpointIO``): open a new file for a streaming write, publish a written file or directory under its
+final name (`FileSystem.commit`: an atomic rename on a local disk; an object store, which has no rename, writes a
+small commit object last instead), list, remove, ask what a path is and how large, and read, by memory map where
+the backend has one and by ranged reads otherwise. `LocalFileSystem` is the first implementation; a remote backend
+(fsspec) is a second one, and everything above this module (the writer, the readers, ``keep=``, `latest`) works
+on it unchanged.
+
+Paths are `pathlib.PurePath` s naming places *in* the file system; turning a user's string into one (``~``, URLs)
+is `distfn.checkpoint.layout`'s job.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import ctypes
+import mmap
+import os
+import pathlib
+import shutil
+import stat
+from typing import IO, Any, Final, Literal
+
+__all__ = ["LOCAL", "FileSystem", "Kind", "LocalFileSystem", "ReadHandle", "WriteStream"]
+
+#: What a path names: a regular file, a directory, nothing, or something else (a socket, a device).
+Kind = Literal["file", "dir", "missing", "other"]
+
+_WRITE_CHUNK: Final = 64 << 20  # bytes per os.write
+
+
+class WriteStream(abc.ABC):
+    """A new file being written front to back; invisible under its final name until `FileSystem.commit`."""
+
+    @abc.abstractmethod
+    def reserve(self, nbytes: int) -> None:
+        """Say how large the file will be (a local disk allocates the blocks now: no ENOSPC half way)."""
+
+    @abc.abstractmethod
+    def write(self, data: memoryview) -> None:
+        """Append every byte of ``data``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Make the written bytes durable (``fsync``) and close; raises ``OSError`` when they are not."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close without making anything durable (the caller removes the file)."""
+
+
+class ReadHandle(abc.ABC):
+    """An open file for reading: its size, ranged reads, and a memory map where the backend has one."""
+
+    size: int
+
+    @abc.abstractmethod
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` bytes from ``offset`` (fewer only at the end of the file)."""
+
+    @abc.abstractmethod
+    def map(self) -> Any:
+        """A private, copy-on-write buffer over the whole file (for zero-copy tensors), or ``None`` when the
+        backend can only serve ranged reads (the reader then copies each tensor into fresh memory)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the handle; a map handed out stays valid."""
+
+
+class FileSystem(abc.ABC):
+    """The operations checkpoints need from a storage backend (see the module docstring)."""
+
+    @abc.abstractmethod
+    def kind(self, path: pathlib.PurePath) -> Kind:
+        """What ``path`` names, following symlinks."""
+
+    @abc.abstractmethod
+    def is_link(self, path: pathlib.PurePath) -> bool:
+        """Whether ``path`` itself is a symlink (replaced, never followed, by a save)."""
+
+    @abc.abstractmethod
+    def inside(self, path: pathlib.PurePath, directory: pathlib.PurePath) -> bool:
+        """Whether ``path``, with every symlink resolved, is still inside ``directory`` (resolved too)."""
+
+    @abc.abstractmethod
+    def size(self, path: pathlib.PurePath) -> int:
+        """The size of the file at ``path`` in bytes."""
+
+    @abc.abstractmethod
+    def listdir(self, directory: pathlib.PurePath) -> list[str]:
+        """The names in ``directory`` (``[]`` when it cannot be listed)."""
+
+    @abc.abstractmethod
+    def make_dirs(self, directory: pathlib.PurePath) -> None:
+        """Create ``directory`` and its missing parents (durably)."""
+
+    @abc.abstractmethod
+    def make_dir(self, directory: pathlib.PurePath) -> None:
+        """Create the one new directory ``directory`` (its parent exists); ``OSError`` if it exists already."""
+
+    @abc.abstractmethod
+    def create(self, path: pathlib.PurePath) -> WriteStream:
+        """A new file at ``path`` (which must not exist), open for a streaming write."""
+
+    @abc.abstractmethod
+    def commit(self, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
+        """Publish the complete file or directory ``written`` as ``target``, atomically and durably: a reader sees
+        the previous ``target`` or the new one, never a mix. A file at ``target`` is replaced; a directory at
+        ``target`` must have been moved away first."""
+
+    @abc.abstractmethod
+    def rename(self, path: pathlib.PurePath, new: pathlib.PurePath) -> None:
+        """Move ``path`` to the free name ``new`` (an older checkpoint moved aside before its replacement is
+        committed; not atomic on object stores, which is why a checkpoint's visibility hangs on `commit` only)."""
+
+    @abc.abstractmethod
+    def remove(self, path: pathlib.PurePath) -> None:
+        """Remove a file (or symlink); a missing one is not an error."""
+
+    @abc.abstractmethod
+    def remove_tree(self, path: pathlib.PurePath) -> None:
+        """Remove a directory and everything in it, as far as possible (never raises)."""
+
+    @abc.abstractmethod
+    def remove_dir(self, path: pathlib.PurePath) -> bool:
+        """Remove ``path`` if it is an empty directory; whether it was removed."""
+
+    @abc.abstractmethod
+    def open(self, path: pathlib.PurePath) -> ReadHandle:
+        """``path`` open for reading (``FileNotFoundError``, ``IsADirectoryError`` as the OS raises them)."""
+
+    def read_capped(self, path: pathlib.PurePath, limit: int) -> bytes:
+        """The whole (small) file ``path``; ``ValueError`` when it holds more than ``limit`` bytes (an index that is
+        a symlink to ``/dev/zero`` must not exhaust memory)."""
+        handle = self.open(path)
+        try:
+            data = handle.read(0, limit + 1)
+        finally:
+            handle.close()
+        if len(data) > limit:
+            raise ValueError(f"larger than the {limit}-byte limit")
+        return data
+
+
+def _libc_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux: the final fsync does all the work
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE: Final = 2
+KICK_BYTES = 32 << 20  # start writeback every this many bytes (0: leave it all to the final fsync)
+FALLOCATE = True  # reserve the file's blocks before writing
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (in pieces of at most 64 MiB)."""
+    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    total = len(view)
+    done = 0
+    while done < total:
+        done += os.write(fd, view[done : done + _WRITE_CHUNK])
+
+
+class _LocalStream(WriteStream):
+    """A local file descriptor. Every ``KICK_BYTES`` written, writeback of that range is started (Linux
+    ``sync_file_range(WRITE)``, which does not wait), so the disk works while the next tensors are copied and the
+    final ``fsync`` has little left to do; dd and save_file instead leave everything to the final sync."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._kick = KICK_BYTES if _SYNC_FILE_RANGE is not None else 0
+        self._offset = 0
+        self._kicked = 0
+
+    def reserve(self, nbytes: int) -> None:
+        if FALLOCATE and nbytes >= (64 << 20) and hasattr(os, "posix_fallocate"):
+            # One extent allocation instead of many, and ENOSPC before any data.
+            try:
+                os.posix_fallocate(self._fd, 0, nbytes)
+            except OSError as exc:
+                if exc.errno == 28:  # ENOSPC; other errors (a file system without fallocate) are harmless
+                    raise
+
+    def write(self, data: memoryview) -> None:
+        step = self._kick or len(data) or 1
+        for start in range(0, len(data), step):
+            piece = data[start : start + step]
+            write_all(self._fd, piece)
+            self._offset += len(piece)
+            if self._kick and self._offset - self._kicked >= self._kick:
+                assert _SYNC_FILE_RANGE is not None
+                _SYNC_FILE_RANGE(self._fd, self._kicked, self._offset - self._kicked, _SYNC_FILE_RANGE_WRITE)
+                self._kicked = self._offset  # a failed kick (an odd file system) is harmless: fsync still follows
+
+    def close(self) -> None:
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+class _LocalHandle(ReadHandle):
+    def __init__(self, path: pathlib.PurePath) -> None:
+        self._file: IO[bytes] = open(path, "rb", buffering=0)  # closed by close()
+        try:
+            st = os.fstat(self._file.fileno())
+        except BaseException:
+            self._file.close()
+            raise
+        # A character device (/dev/zero) has size 0 but endless bytes: ranged reads stay bounded by `nbytes`.
+        self.size = st.st_size
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        self._file.seek(offset)
+        return self._file.read(nbytes) or b""
+
+    def map(self) -> Any:
+        if self.size == 0:
+            return None
+        return mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def fsync_dir(directory: pathlib.PurePath) -> None:
+    """``fsync`` a directory, so that renames in it are durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # e.g. platforms that cannot open directories; the rename itself already happened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class LocalFileSystem(FileSystem):
+    """The local (or mounted) file system: ``O_EXCL`` files, ``fsync``, ``rename``, directory ``fsync``, mmap."""
+
+    def kind(self, path: pathlib.PurePath) -> Kind:
+        try:
+            mode = os.stat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return "missing"
+        except OSError:
+            return "other"
+        if stat.S_ISREG(mode):
+            return "file"
+        return "dir" if stat.S_ISDIR(mode) else "other"
+
+    def is_link(self, path: pathlib.PurePath) -> bool:
+        return os.path.islink(path)
+
+    def inside(self, path: pathlib.PurePath, directory: pathlib.PurePath) -> bool:
+        real, root = os.path.realpath(path), os.path.realpath(directory)
+        return os.path.dirname(real) == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+    def size(self, path: pathlib.PurePath) -> int:
+        return os.stat(path).st_size
+
+    def listdir(self, directory: pathlib.PurePath) -> list[str]:
+        try:
+            return os.listdir(directory)
+        except OSError:
+            return []
+
+    def make_dirs(self, directory: pathlib.PurePath) -> None:
+        existing = pathlib.Path(directory)
+        while not existing.is_dir() and existing != existing.parent:
+            existing = existing.parent
+        os.makedirs(directory, exist_ok=True)
+        fsync_dir(existing)
+
+    def make_dir(self, directory: pathlib.PurePath) -> None:
+        os.mkdir(directory)
+
+    def create(self, path: pathlib.PurePath) -> WriteStream:
+        # 0o666 & ~umask, exactly like open(..., "w"); mkstemp / NamedTemporaryFile would force 0o600.
+        return _LocalStream(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666))
+
+    def commit(self, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
+        os.replace(written, target)
+        fsync_dir(target.parent)
+
+    def rename(self, path: pathlib.PurePath, new: pathlib.PurePath) -> None:
+        os.rename(path, new)
+
+    def remove(self, path: pathlib.PurePath) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def remove_tree(self, path: pathlib.PurePath) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def remove_dir(self, path: pathlib.PurePath) -> bool:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return False
+        return True
+
+    def open(self, path: pathlib.PurePath) -> ReadHandle:
+        return _LocalHandle(path)
+
+
+#: The one local file system (it holds no state).
+LOCAL: Final = LocalFileSystem()

@@ -1,0 +1,173 @@
+"""What a checkpoint path names, decided once: `resolve` turns what the user passed into a `Location`.
+
+A `Location` is a file system (`distfn.checkpoint.fs`) and an absolute path in it, with ``~`` expanded *before*
+anything looks at the disk (``ctx.save(state, "~/ck/ckpt-1")`` and ``distfn.load("~/ck/ckpt-1")`` mean the same
+directory). `Location.layout` says what is there: one ``.safetensors`` file, a sharded checkpoint directory (it
+holds `INDEX`), another directory, or nothing. The names of step-numbered families live here too, for both
+layouts: ``<prefix><step>.safetensors`` files and ``<prefix><step>`` directories (`step_of`).
+
+URLs (``s3://``, any ``scheme://``) are refused with a clear error until a remote `distfn.checkpoint.fs` backend
+exists; that backend plugs in here, in `resolve`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+from typing import Final, Literal
+
+import attrs
+from loguru import logger
+
+from ..errors import CheckpointError
+from ..options import Mode, shards_state
+from . import fs
+
+__all__ = [
+    "INDEX",
+    "SUFFIX",
+    "Layout",
+    "Location",
+    "check_keep",
+    "resolve",
+    "rotate",
+    "step_of",
+    "step_of_path",
+    "wants_sharded",
+]
+
+#: A sharded checkpoint's index file (the Hugging Face name, so `transformers` and `safetensors` tooling find it).
+INDEX: Final = "model.safetensors.index.json"
+SUFFIX: Final = ".safetensors"
+_URL: Final = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_STEP_FILE: Final = re.compile(r"^(?P<prefix>.*?)(?P<step>\d+)\.safetensors$")
+_STEP_DIR: Final = re.compile(r"^(?P<prefix>.*?)(?P<step>\d+)$")
+
+#: What a location holds: one file, a sharded checkpoint directory, another directory, nothing, or something
+#: that is not a checkpoint at all (a device, a socket).
+Layout = Literal["file", "sharded", "dir", "missing", "other"]
+
+
+@attrs.frozen
+class Location:
+    """A checkpoint path resolved: the file system, the absolute path in it, and the text the user gave."""
+
+    fs: fs.FileSystem
+    path: pathlib.Path
+    given: str
+    #: The text ended in a separator (``"out/"``): the user named a directory.
+    names_directory: bool = False
+
+    @property
+    def name(self) -> str:
+        """The last component (``ckpt-1200.safetensors``)."""
+        return self.path.name
+
+    @property
+    def parent(self) -> Location:
+        """The directory holding this location."""
+        return Location(self.fs, self.path.parent, str(self.path.parent))
+
+    def child(self, name: str) -> Location:
+        """The entry ``name`` of this directory."""
+        return Location(self.fs, self.path / name, str(self.path / name))
+
+    def sibling(self, name: str) -> Location:
+        """The entry ``name`` next to this one."""
+        return Location(self.fs, self.path.with_name(name), str(self.path.with_name(name)))
+
+    def layout(self) -> Layout:
+        """What is at this location now (a directory counts as sharded once it holds `INDEX`)."""
+        kind = self.fs.kind(self.path)
+        if kind == "dir":
+            return "sharded" if self.fs.kind(self.path / INDEX) != "missing" else "dir"
+        return kind
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def resolve(path: str | os.PathLike[str] | Location) -> Location:
+    """The `Location` ``path`` names: ``~`` expanded, made absolute; a URL is a `CheckpointError` (never a local
+    directory named ``s3:``)."""
+    if isinstance(path, Location):
+        return path
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if _URL.match(text):
+        raise CheckpointError(
+            f"'{text}' is a URL; distfn reads and writes checkpoints on a local or mounted file system only. Save "
+            "to a local path (or a mounted bucket) and copy it with your storage tool."
+        )
+    if not text:
+        raise CheckpointError("the checkpoint path is empty")
+    trailing = text.endswith(("/", os.sep)) and text.strip("/" + os.sep) != ""
+    return Location(fs.LOCAL, pathlib.Path(text).expanduser().absolute(), text, trailing)
+
+
+def step_of(name: str, *, directory: bool = False) -> tuple[str, int] | None:
+    """``(prefix, step)`` of a step-numbered name, or ``None`` (hidden names never count: writers' temporaries).
+
+    Args:
+        name: a file name (``ckpt-1200.safetensors``) or, with ``directory=True``, a sharded checkpoint
+            directory's name (``ckpt-1200``).
+        directory: which of the two layouts' names to parse.
+    """
+    m = (_STEP_DIR if directory else _STEP_FILE).match(name)
+    if m is None or name.startswith("."):
+        return None
+    return m.group("prefix"), int(m.group("step"))
+
+
+def check_keep(keep: int | None, target: Location, *, directory: bool) -> None:
+    """Refuse a ``keep=`` that is not a positive int, or one given with a name that has no step number."""
+    if keep is None:
+        return
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise CheckpointError(f"keep= must be a positive int or None, got {keep!r}")
+    if step_of(target.name, directory=directory) is None:
+        example = "ckpt-1200" if directory else "ckpt-1200.safetensors"
+        what = "directory" if directory else "file"
+        raise CheckpointError(f"keep= needs a step-numbered {what} name such as '{example}', got '{target.name}'")
+
+
+def wants_sharded(path: str | os.PathLike[str], mode: Mode, sharded: bool | None) -> bool:
+    """The rule of ``ctx.save``: ``sharded=`` when given, else sharded in ``mode="fsdp"`` exactly when the path
+    does not end in ``.safetensors`` (``ckpt/step-1200`` is a directory, ``ckpt-1200.safetensors`` one file)."""
+    if sharded is not None:
+        return bool(sharded)
+    return shards_state(mode) and not os.fspath(path).endswith(SUFFIX)
+
+
+def step_of_path(path: str | os.PathLike[str]) -> int | None:
+    """The step number in a checkpoint's name (``ckpt-1200.safetensors`` or a sharded ``ckpt-1200`` directory)."""
+    name = pathlib.Path(os.fspath(path)).name
+    parsed = step_of(name) or step_of(name, directory=True)
+    return None if parsed is None else parsed[1]
+
+
+def rotate(target: Location, keep: int) -> None:
+    """Keep ``target`` and the ``keep - 1`` newest other checkpoints of its family; delete the rest.
+
+    The family is the entries of ``target``'s directory with its layout (files for a file, sharded checkpoint
+    directories for a directory) and its prefix (``ckpt-`` in ``ckpt-1200``), ordered by step number.
+    """
+    directory = target.layout() == "sharded"
+    parsed = step_of(target.name, directory=directory)
+    if parsed is None:
+        check_keep(keep, target, directory=directory)  # raises: no step number
+        return
+    found = []
+    for name in target.fs.listdir(target.path.parent):
+        s = step_of(name, directory=directory)
+        entry = target.sibling(name)
+        if s is not None and s[0] == parsed[0] and name != target.name and entry.layout() == target.layout():
+            found.append((s[1], name, entry))
+    for _, _, entry in sorted(found, reverse=True)[keep - 1:]:
+        if directory:
+            target.fs.remove_tree(entry.path)
+        else:
+            target.fs.remove(entry.path)
+        logger.debug("keep={}: removed {}", keep, entry)

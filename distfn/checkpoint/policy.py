@@ -1,0 +1,175 @@
+"""What ``ctx.save`` / ``ctx.load`` / ``ctx.resume`` do, decided here; ``Context``'s methods only forward.
+
+The decisions, each made once:
+
+- **which layout**: a sharded directory (`distfn.checkpoint.layout.wants_sharded`: ``sharded=``, else
+  ``mode="fsdp"`` and no ``.safetensors`` suffix), FSDP full state dicts gathered into one file
+  (`distfn.fsdp_state`), or one file written by rank 0; a load asks what the path *is*
+  (`distfn.checkpoint.layout.Location.layout`), after ``~`` is expanded;
+- **the collectives' order**: every rank checks in (the run's `distfn.checkin.CheckIn`) *before* the RNG gather, so a
+  rank-0-only call fails there instead of hanging in it;
+- **blocking or background**: ``blocking=False`` hands the write to the run's `background.Saves`, whose
+  pending save every later call waits for first.
+
+Every rank gets the same resolved path back. Paths that differ across ranks are an error wherever the ranks meet
+in a collective anyway (sharded saves, ``rng=True``), and a one-time warning where they do not.
+
+This module sits above `distfn.fsdp_state` (which itself uses the package's plain functions); the package's
+``__init__`` does not import it, so there is no cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from loguru import logger
+from torch import nn
+
+from .. import collectives, fsdp_state
+from ..errors import CheckpointError, ConfigError
+from ..options import Mode, shards_state
+from ..rng import gather_rng_states, rng_state_for_rank, set_rng_state
+from ..run import Run
+from . import api, restore
+from . import sharded as directories
+from .layout import Location, check_keep, resolve, step_of_path, wants_sharded
+
+__all__ = ["load_state", "resume_state", "save_state"]
+
+
+_PER_RANK = r"rank[-_=.]?0*{rank}(?!\d)"
+
+
+_WARNED: set[str] = set()  # the one-time warnings this process gave
+
+
+def _warn_per_rank(given: str, rank: int) -> None:
+    if "per-rank" in _WARNED:
+        return
+    _WARNED.add("per-rank")
+    logger.warning("ctx.save('{}') on rank {}: ctx.save writes one checkpoint for the whole job, from rank 0 (this "
+                   "rank only gets the path back), so a per-rank name is never written here. For one file per rank "
+                   "call distfn.checkpoint.save(obj, path) on every rank.", given, rank)
+
+
+def _same_path_everywhere(target: Location) -> None:
+    """Raise on every rank when the ranks resolved different paths (a collective: call it where one runs anyway)."""
+    paths = collectives.gather_object(str(target))
+    if len(set(paths)) > 1:
+        shown = ", ".join(f"rank {r}: '{p}'" for r, p in enumerate(paths[:4])) + (" ..." if len(paths) > 4 else "")
+        raise CheckpointError(f"ctx.save got different paths on different ranks ({shown}); it writes one checkpoint "
+                              "for the whole job. Pass the same path on every rank, or call "
+                              "distfn.checkpoint.save(obj, path) on every rank for one file per rank.")
+
+
+def save_state(
+    obj: nn.Module | Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    mode: Mode,
+    rank: int,
+    run: Run,
+    metadata: Mapping[str, Any] | None = None,
+    keep: int | None = None,
+    rng: bool = False,
+    sharded: bool | None = None,
+    blocking: bool = True,
+) -> pathlib.Path:
+    """``ctx.save``: see its docstring for the contract; the module docstring for the decisions.
+
+    Returns:
+        The resolved absolute path, the same on every rank.
+    """
+    run.saves.wait()  # the previous (asynchronous) save first; its failure is raised here
+    target = resolve(path)
+    as_directory = wants_sharded(path, mode, sharded)
+    if not as_directory:  # checks that need no collective fail on every rank alike, before any collective
+        check_keep(keep, target, directory=False)
+        api.check_file_target(target)
+        # with rng=True the ranks meet in a collective below, where different paths are an error instead
+        if not rng and rank != 0 and re.search(_PER_RANK.format(rank=rank), target.given, re.IGNORECASE):
+            _warn_per_rank(target.given, rank)
+    checked_in = False
+    if rng:
+        if not isinstance(obj, Mapping):
+            raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
+                              "{'model': model, 'optimizer': opt, 'step': step}")
+        # every rank checks in before the RNG gather: a rank-0-only call must fail there, not hang in it
+        checked_in = run.check_in("ctx.save", rng=True)
+        obj = {**obj, "rng": gather_rng_states()}
+        _same_path_everywhere(target)  # every rank is in a collective here anyway
+    if as_directory:
+        if not checked_in:
+            run.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
+        return directories.save(obj, target, saves=run.saves, metadata=metadata, keep=keep, blocking=blocking)
+    write = api.save if blocking else functools.partial(run.saves.save_file, save=api.save)
+    if shards_state(mode):
+        fsdp_state.save(obj, target.path, rank=rank, metadata=metadata, keep=keep, checked_in=checked_in, write=write,
+                        run=run)
+    elif rank == 0:
+        write(obj, target, metadata=metadata, keep=keep)
+    return target.path
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    into: nn.Module | Mapping[str, Any],
+    *,
+    mode: Mode,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    run: Run,
+    strict: bool = True,
+    rng: bool = False,
+) -> dict[str, Any]:
+    """``ctx.load``: the reader is chosen by what ``path`` is (a sharded directory: every rank reads its own
+    slices, any world size and mode; a file: FSDP scatter in fsdp mode, else a plain restore)."""
+    run.saves.wait()  # a pending asynchronous save (perhaps of this very path) lands first
+    loc = resolve(path)
+    if loc.layout() in ("sharded", "dir"):  # a directory is read as a sharded checkpoint (or says why it is not)
+        values = directories.load_into(loc, into, device=device, strict=strict)
+    elif shards_state(mode):
+        values = fsdp_state.load(loc.path, into, device=device, strict=strict, run=run)
+    else:
+        values = restore.load_into(loc, into, device=device, strict=strict)
+    if rng:
+        saved = values.pop("rng", None)
+        if saved is None:
+            raise CheckpointError(f"{loc} holds no RNG states; write it with ctx.save(..., rng=True)")
+        set_rng_state(rng_state_for_rank(saved, rank, world_size))
+    return values
+
+
+def resume_state(
+    state: nn.Module | Mapping[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    mode: Mode,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    run: Run,
+    prefix: str = "ckpt-",
+    strict: bool = True,
+) -> int:
+    """``ctx.resume``: rank 0 picks the newest complete checkpoint (`distfn.checkpoint.latest`), every rank loads
+    that one and restores its RNG states when they were saved; returns its step (0: none, ``state`` untouched)."""
+    run.saves.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
+    last = api.latest(directory, prefix=prefix) if rank == 0 else None
+    run.sync_point()  # the broadcast below is a collective every rank makes
+    last = collectives.broadcast_object(None if last is None else str(last))
+    if last is None:
+        return 0
+    values = load_state(last, state, mode=mode, rank=rank, world_size=world_size, device=device, run=run,
+                        strict=strict)
+    saved = values.pop("rng", None)
+    if saved is not None:
+        set_rng_state(rng_state_for_rank(saved, rank, world_size))
+    return step_of_path(last) or 0
