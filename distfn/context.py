@@ -293,13 +293,15 @@ class Context:
         self, iterable: Any, desc: str | None = None, total: int | None = None, **tqdm_kwargs: Any
     ) -> Progress[Any]:
         """Iterate `iterable` with a tqdm bar on rank 0 only; `bar.log(loss=...)` shows running means.
-        Silent when the output is not a terminal (one summary line is logged at the end instead).
+        When the output is not a terminal (a batch job's log), rank 0 logs a plain line instead, every 10 % of the
+        loop or 60 s, whichever comes first (step, rate, ETA, the running means), and one at the end.
 
         Args:
             iterable: what to iterate.
             desc: the bar's label.
             total: the number of items when `iterable` has no `len()`.
-            tqdm_kwargs: passed to `tqdm` (`file`, `disable`, `mininterval`, ...).
+            tqdm_kwargs: ``log_percent=`` / ``log_seconds=`` set that cadence (defaults 10 and 60); the rest go to
+                `tqdm` (`file`, `disable`, `mininterval`, ...).
         """
         return progress.Progress(iterable, enabled=self.is_main, desc=desc, total=total, **tqdm_kwargs)
 
