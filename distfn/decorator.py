@@ -9,8 +9,9 @@
                 └─ spawn       → start nprocs local workers, return rank 0's value (distfn.launch.local)
 
 Decoration judges no environment variable and resolves no host: whatever is wrong with the environment is an
-error of the call. The one thing decoration may start is the fork server, where the plan says the call will launch
-workers here and the start method may be forkserver (`distfn.launch.forkserver`); that never fails the decoration. The arguments themselves
+error of the call. The one thing decoration may start is the fork server, where the plan says the call will
+launch workers here and the start method may be forkserver (`distfn.launch.forkserver`); that never fails the
+decoration. The arguments themselves
 (their validation, the process-count rule) are `distfn.options`; the checks before a launch are
 `distfn.preflight`; every rank runs `distfn.worker.run`.
 """
