@@ -165,7 +165,7 @@ def test_import_and_decoration_stay_light() -> None:
         "from distfn import distributed\n"
         "@distributed(mode='ddp', nprocs=2, seed=0)\n"
         "def train(cfg, ctx): pass\n"
-        "heavy = ('torch._dynamo', 'torch._inductor', 'distfn.fsdp', 'torch.distributed.fsdp', 'tqdm', "
+        "heavy = ('torch._dynamo', 'torch._inductor', 'torch.distributed.fsdp', 'tqdm', "
         "'tensorboard', 'torch.utils.tensorboard', 'mpi4py', 'matplotlib', 'sklearn', 'safetensors')\n"
         "print(sorted(m for m in heavy if m in sys.modules and m not in before))\n"
     )
