@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loguru import logger
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -91,3 +92,14 @@ def requires(module: str, extra: str) -> pytest.MarkDecorator:
 @pytest.fixture
 def run_script():
     return run_python
+
+
+@pytest.fixture
+def warnings_seen():
+    """The messages of distfn's WARNING (and worse) log lines during the test, in order."""
+    seen: list[str] = []
+    handle = logger.add(lambda m: seen.append(str(m)), level="WARNING", format="{message}")
+    logger.enable("distfn")  # a library is quiet outside a job unless asked
+    yield seen
+    logger.disable("distfn")
+    logger.remove(handle)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from loguru import logger
 from safetensors.torch import load_file, save_file
 
 import distfn
@@ -64,16 +63,6 @@ def _every_reader_refuses(d: Path, match: str, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=match):
         consolidate(d, out)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
-
-
-@pytest.fixture
-def warnings_seen():
-    seen: list[str] = []
-    handle = logger.add(lambda m: seen.append(str(m)), level="WARNING", format="{message}")
-    logger.enable("distfn")  # a library is quiet outside a job unless asked
-    yield seen
-    logger.disable("distfn")
-    logger.remove(handle)
 
 
 def test_the_hand_made_two_shard_directory_is_a_good_checkpoint(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_helpers import Net
-from loguru import logger
 
 import distfn
 from distfn import CheckpointError
@@ -35,16 +34,6 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
     return tmp_path / "home"
-
-
-@pytest.fixture
-def warnings_seen():
-    seen: list[str] = []
-    handle = logger.add(lambda m: seen.append(str(m)), level="WARNING", format="{message}")
-    logger.enable("distfn")  # a library is quiet outside a job unless asked
-    yield seen
-    logger.disable("distfn")
-    logger.remove(handle)
 
 
 def test_a_sharded_directory_saved_under_tilde_loads_under_tilde(home: Path) -> None:

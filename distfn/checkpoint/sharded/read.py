@@ -64,14 +64,21 @@ def _bad(where: Location, what: str) -> CheckpointError:
     return CheckpointError(f"'{where}' is not a valid sharded checkpoint: {what}")
 
 
+def _member(d: Location, name: str, missing: str, what: str) -> Location:
+    """``d``'s member ``name``, checked to be a regular file inside ``d`` (no symlink leaving it); ``missing`` is
+    the error when it does not exist, ``what`` names it in the error when it is something else."""
+    at = d.child(name)
+    kind = d.fs.kind(at.path)
+    if kind == "missing":
+        raise CheckpointError(missing)
+    if kind != "file" or not d.fs.inside(at.path, d.path):
+        raise _bad(d, f"{what} is not a regular file inside the directory")
+    return at
+
+
 def _read_index(d: Location) -> dict[str, Any]:
     """The index's JSON, read with a size cap; only its outer structure is checked here."""
-    index_at = d.child(INDEX)
-    kind = d.fs.kind(index_at.path)
-    if kind == "missing":
-        raise CheckpointError(f"'{d}' is not a complete sharded checkpoint: it has no {INDEX}")
-    if kind != "file" or not d.fs.inside(index_at.path, d.path):
-        raise _bad(d, f"its {INDEX} is not a regular file inside the directory")
+    index_at = _member(d, INDEX, f"'{d}' is not a complete sharded checkpoint: it has no {INDEX}", f"its {INDEX}")
     try:
         index = json.loads(d.fs.read_capped(index_at.path, MAX_INDEX))
     except (OSError, ValueError) as exc:  # ValueError: over the cap, not UTF-8, not JSON
@@ -122,12 +129,7 @@ def _shard_files(d: Location, weight_map: Mapping[Any, Any]) -> tuple[str, ...]:
     listed = {n for n in d.fs.listdir(d.path) if n.endswith(SUFFIX) and not n.startswith(".")}
     files = sorted({*weight_map.values(), *listed})
     for file in files:
-        at = d.child(file)
-        kind = d.fs.kind(at.path)
-        if kind == "missing":
-            raise CheckpointError(f"'{d}' is incomplete: {file} (named by its index) is missing")
-        if kind != "file" or not d.fs.inside(at.path, d.path):
-            raise _bad(d, f"{file} is not a regular file inside the directory")
+        _member(d, file, f"'{d}' is incomplete: {file} (named by its index) is missing", file)
     return tuple(files)
 
 
