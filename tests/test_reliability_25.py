@@ -3,11 +3,15 @@ iterates its iterable once; ``ctx.load(..., rng="if-present")``; a cfg nested de
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from distfn import ConfigError, distributed
+from distfn.progress import Progress
 
 
 # -- 25.6: a real layer next to a meta-device head -------------------------------------------------------------------
@@ -53,3 +57,59 @@ def test_a_partly_meta_model_keeps_its_real_values_in_fsdp_wrap() -> None:
                 assert torch.isfinite(head).all() and head.abs().max() <= bound and head.std() > 0, (case, kind)
         assert r0[case] == r1[case]
     assert "'0'" in r0["mixed"] and "meta device" in r0["mixed"] and "wholly" in r0["mixed"]
+
+
+# -- 25.7: the bar iterates nothing itself ---------------------------------------------------------------------------
+class Counting:
+    def __init__(self, n: int) -> None:
+        self.n, self.iters = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self.iters += 1
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("kwargs", [{"disable": False}, {}])  # a drawn bar, and log lines off a terminal
+def test_progress_iterates_its_iterable_once(kwargs) -> None:
+    import io
+
+    items = Counting(4)
+    bar = Progress(items, enabled=True, desc="d", file=io.StringIO(), mininterval=0, **kwargs)
+    assert items.iters == 0
+    assert list(bar) == [0, 1, 2, 3] and items.iters == 1
+    assert bar.total == 4
+
+
+class _Items(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _note_start(path: str):
+    def init(worker_id: int) -> None:
+        with open(path, "a") as f:
+            f.write("start\n")
+    return init
+
+
+def test_progress_over_a_dataloader_starts_its_workers_once_and_leaves_the_rng_alone(tmp_path: Path) -> None:
+    import io
+
+    starts = tmp_path / "starts"
+    loader = DataLoader(_Items(), batch_size=2, num_workers=1, worker_init_fn=_note_start(str(starts)))
+    for _ in range(2):  # two epochs
+        assert [b.tolist() for b in Progress(loader, enabled=True, file=io.StringIO())] == [[0, 1], [2, 3]]
+    assert starts.read_text().count("start") == 2
+
+    plain = DataLoader(_Items(), batch_size=2, shuffle=True)
+    torch.manual_seed(0)
+    through_bar = [b.tolist() for b in Progress(plain, enabled=True, file=io.StringIO())], torch.rand(3)
+    torch.manual_seed(0)
+    bare = [b.tolist() for b in plain], torch.rand(3)
+    assert through_bar[0] == bare[0] and torch.equal(through_bar[1], bare[1])
