@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from distfn import ConfigError, distributed
+from distfn import CheckpointError, ConfigError, distributed
 from distfn.progress import Progress
 
 
@@ -113,3 +113,35 @@ def test_progress_over_a_dataloader_starts_its_workers_once_and_leaves_the_rng_a
     torch.manual_seed(0)
     bare = [b.tolist() for b in plain], torch.rand(3)
     assert through_bar[0] == bare[0] and torch.equal(through_bar[1], bare[1])
+
+
+# -- 25.8: ctx.load(..., rng="if-present") ---------------------------------------------------------------------------
+@distributed(nprocs=1, seed=0)
+def _load_rng_job(cfg, ctx):
+    out = {}
+    model = nn.Linear(2, 2)
+    ctx.save({"model": model, "step": 1}, f"{cfg}/plain.safetensors")
+    ctx.save({"model": model, "step": 2}, f"{cfg}/rng.safetensors", rng=True)
+    after_save = torch.rand(3)
+    try:
+        ctx.load(f"{cfg}/plain.safetensors", into={"model": model}, rng=True)
+    except CheckpointError as exc:
+        out["strict"] = str(exc)
+    state = torch.get_rng_state()
+    out["plain"] = ctx.load(f"{cfg}/plain.safetensors", into={"model": model}, rng="if-present")
+    out["untouched"] = torch.equal(state, torch.get_rng_state())
+    out["saved"] = ctx.load(f"{cfg}/rng.safetensors", into={"model": model}, rng="if-present")
+    out["restored"] = torch.equal(torch.rand(3), after_save)
+    try:
+        ctx.load(f"{cfg}/rng.safetensors", into={"model": model}, rng="if_present")
+    except ConfigError as exc:
+        out["typo"] = str(exc)
+    return out
+
+
+def test_load_restores_rng_states_if_present_and_stays_strict_with_true(tmp_path: Path) -> None:
+    out = _load_rng_job(str(tmp_path))
+    assert "holds no RNG states" in out["strict"] and "rng='if-present'" in out["strict"]
+    assert out["plain"] == {"step": 1} and out["untouched"]
+    assert out["saved"] == {"step": 2} and out["restored"]
+    assert "'if_present'" in out["typo"] and "'if-present'" in out["typo"]
