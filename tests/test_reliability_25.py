@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from distfn import CheckpointError, ConfigError, distributed
 from distfn.progress import Progress
+from distfn.tree import tree_leaves, tree_map
 
 
 # -- 25.6: a real layer next to a meta-device head -------------------------------------------------------------------
@@ -145,3 +146,43 @@ def test_load_restores_rng_states_if_present_and_stays_strict_with_true(tmp_path
     assert out["plain"] == {"step": 1} and out["untouched"]
     assert out["saved"] == {"step": 2} and out["restored"]
     assert "'if_present'" in out["typo"] and "'if-present'" in out["typo"]
+
+
+# -- 25.13: a cfg deeper than Python's recursion limit ---------------------------------------------------------------
+def _nested(depth: int, leaf):
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _depth(value) -> int:
+    n = 0
+    while isinstance(value, list):
+        value, n = value[0], n + 1
+    return n
+
+
+def test_the_tree_walk_takes_any_depth_and_refuses_a_cycle() -> None:
+    deep = _nested(5000, torch.ones(2))
+    mapped = tree_map(lambda t: t * 2, deep)
+    assert _depth(mapped) == 5000 and tree_leaves(mapped)[0].tolist() == [2.0, 2.0]
+    assert tree_leaves({"a": [1, (2, {"b": 3})], "c": 4}) == [1, 2, 3, 4]
+    shared = [1]
+    assert tree_map(lambda v: v + 1, [shared, shared]) == [[2], [2]]  # the same list twice is not a cycle
+    cyclic: list = [1]
+    cyclic.append(cyclic)
+    with pytest.raises(ValueError, match="contains itself"):
+        tree_map(lambda v: v, cyclic)
+    with pytest.raises(ValueError, match="contains itself"):
+        tree_leaves({"x": cyclic})
+
+
+@distributed(nprocs=2, start_method="forkserver")
+def _deep_cfg_job(cfg, ctx):
+    return ctx.gather_object(_depth(cfg))
+
+
+@pytest.mark.slow
+def test_a_deep_cfg_reaches_the_ranks_under_the_fork_server() -> None:
+    assert _deep_cfg_job(_nested(400, torch.ones(2)[:1])) == [400, 400]
