@@ -417,13 +417,15 @@ class Context:
         into: nn.Module | Mapping[str, Any],
         *,
         strict: bool = True,
-        rng: bool = False,
+        rng: policy.RngRestore = False,
     ) -> dict[str, Any]:
         """Restore ``into`` (a module, or a mapping of modules/optimizers/schedulers/...) in place from ``path``
         on every rank, onto ``ctx.device``; returns the non-tensor values saved with it (``step``, ...).
 
         ``rng=True`` restores this rank's random generator states saved by ``ctx.save(..., rng=True)`` (no
-        collective); a file without them is an error.
+        collective); a file without them is an error, since a run that must continue bit-for-bit should not go on
+        silently with fresh generators. ``rng="if-present"`` restores them when the file holds them and goes on
+        without them otherwise, as `ctx.resume` does: for code that loads checkpoints written either way.
 
         In ``mode="fsdp"`` sharded models and optimizers get their shard of the full tensors in the file (written
         in fsdp or ddp mode); call it on every rank (calling it on rank 0 only is detected and raises).
@@ -432,7 +434,8 @@ class Context:
             path: the file written by `ctx.save` (or `distfn.save`).
             into: a module, or a mapping of modules / optimizers / schedulers / ... restored in place.
             strict: every tensor of `into` must be in the file and nothing extra (as `load_state_dict`).
-            rng: restore this rank's random generator states (the file must hold them).
+            rng: restore this rank's random generator states: True (the file must hold them), ``"if-present"``
+                (when it holds them) or False (leave them alone; a saved ``"rng"`` entry is then returned).
         """
         return policy.load_state(path, into, mode=self.mode, rank=self.rank, world_size=self.world_size,
                                  device=self.device, run=self.run, strict=strict, rng=rng)

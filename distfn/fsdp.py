@@ -177,10 +177,42 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
+def _has_real(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule holds a parameter or buffer that is not on the meta device."""
+    return any(not t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def _own_meta(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters or buffers (children not counted) include one on the meta device."""
+    return any(t is not None and t.is_meta for t in itertools.chain(module._parameters.values(),
+                                                                     module._buffers.values()))
+
+
+def _resettable(model: nn.Module) -> list[nn.Module]:
+    """The modules whose ``reset_parameters()`` initialises a materialised model: those holding nothing real.
+
+    For a model wholly on the meta device that is every module with the method; in a partly meta one (a real
+    backbone next to a meta-built head) the modules holding real values are left alone, so the values stay. A
+    module with its own tensors on meta and something real inside it is refused: initialising it would overwrite
+    the real values, and skipping it would leave uninitialised memory.
+    """
+    for name, module in model.named_modules():
+        if _own_meta(module) and _has_real(module):
+            raise ConfigError(
+                f"ctx.wrap got module {name or type(model).__name__!r}, whose own parameters or buffers are on the "
+                "meta device while it also holds real values: its reset_parameters() would overwrite those. Build each "
+                "module either wholly under `with torch.device('meta'):` or wholly with its values (a real backbone "
+                "next to a meta-built head is fine), or pass ctx.wrap(model, init=fn) to initialise it yourself."
+            )
+    return [m for m in model.modules() if callable(getattr(m, "reset_parameters", None)) and not _has_real(m)]
+
+
 def _check_resettable(model: nn.Module) -> None:
-    """Refuse, before any work, a meta model that ``reset_parameters()`` cannot fully initialise."""
+    """Refuse, before any work, a meta model that ``reset_parameters()`` cannot fully initialise (only the modules
+    on the meta device count: the others keep their values)."""
+    _resettable(model)  # refuses a module mixing meta and real tensors
     missing = [name or type(model).__name__ for name, module in model.named_modules()
-               if (module._parameters or module._buffers) and not callable(getattr(module, "reset_parameters", None))]
+               if _own_meta(module) and not callable(getattr(module, "reset_parameters", None))]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ConfigError(
@@ -210,18 +242,27 @@ def materialize(model: nn.Module, device: torch.device, *, init: Callable[[nn.Mo
                 offload: bool = False) -> None:
     """Give the (sharded) meta tensors of ``model`` real memory and initialise them, in place.
 
-    ``to_empty`` allocates each rank's shards only (on the CPU when offloading, where FSDP keeps them; buffers go
-    to ``device``), then ``init(model)``, or every submodule's ``reset_parameters()``, fills them.
+    Only what is on the meta device is touched: a model that is partly real (a loaded backbone next to a head built
+    under ``torch.device("meta")``) keeps the real values. Each meta tensor gets empty memory for this rank's shard
+    (on the CPU when offloading, where FSDP keeps them; buffers go to ``device``), then ``init(model)``, or the
+    ``reset_parameters()`` of each module holding nothing real (see `_resettable`), fills them.
     """
-    model.to_empty(device=torch.device("cpu") if offload else device)
+    to_reset = _resettable(model) if init is None else []
+    target = torch.device("cpu") if offload else device
+
+    def allocate(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, device=target) if t.is_meta else t
+
+    # What Module.to_empty does, but for the meta tensors only (to_empty would replace the real ones with empty
+    # memory too). _apply on the root: FSDP2's FSDPModule._apply then re-registers its sharded parameters, as it
+    # does after to_empty.
+    model._apply(allocate)
     with torch.no_grad(), _shard_rng(device):
         if init is not None:
             init(model)
         else:
-            for module in model.modules():
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+            for module in to_reset:
+                module.reset_parameters()  # type: ignore[operator]  # callable: _resettable checked
     if offload and device.type != "cpu":
         for module in model.modules():
             for name, buffer in module._buffers.items():

@@ -102,11 +102,14 @@ class Progress(Generic[T]):
         self._counts: dict[str, int] = {}
         self._last_refresh = 0.0
         self._steps = 0
-        self.bar: Any = _make_bar(iterable, desc=desc, total=total, **tqdm_kwargs) if enabled else None
+        #: The loop's length for the bar and the log lines' percentage and ETA (None: unknown, time cadence only).
+        self.total: int | None = total if total is not None else _length(iterable)
+        # tqdm gets the length, never the iterable: its constructor calls iter(iterable), which for a DataLoader
+        # starts the worker processes (or draws a sampler seed from the global RNG) once more, on rank 0 only.
+        # The bar is advanced by hand in __iter__, so the one loop over `iterable` is ours.
+        self.bar: Any = _make_bar(None, desc=desc, total=self.total, **tqdm_kwargs) if enabled else None
         #: True when a bar is drawn: rank 0, and the output is a terminal (or disable=False).
         self.visible: bool = self.bar is not None and not self.bar.disable
-        #: The loop's length for the log lines' percentage and ETA (None: unknown, time cadence only).
-        self.total: int | None = total if total is not None else _length(iterable)
         self._started = 0.0  # time.monotonic() when the iteration began
         self._last_line = (0.0, 0)  # (time, steps) of the last log line, or of the start
 

@@ -71,28 +71,73 @@ def rebuild(value: Any, items: Iterable[Any]) -> Any:
     raise TypeError(f"rebuild() needs a container, got {type(value).__name__}")
 
 
+def _descends(value: Any, is_leaf: Leaf) -> bool:
+    return is_container(value) and not is_leaf(value)
+
+
+def _cycle(value: Any) -> ValueError:
+    return ValueError(f"a {type(value).__name__} inside the value contains itself (a cycle): distfn walks nested "
+                      "dicts, lists and tuples, which must form a tree; break the cycle (or wrap that part in an "
+                      "object of your own, which is passed as one value)")
+
+
 def tree_map(fn: Callable[[Any], Any], value: Any, *, is_leaf: Leaf = _never) -> Any:
     """``value`` with ``fn`` applied to every leaf, containers rebuilt with their own types.
 
     ``is_leaf(x)`` can stop the descent at a container (for example to treat a whole ``nn.Module`` state or a
-    specific mapping type as one value).
+    specific mapping type as one value). The walk keeps its own stack instead of recursing, so a value nested
+    deeper than Python's recursion limit (which pickle can still send: a `cfg` of 400 nested lists) is fine; a
+    container that contains itself is a ``ValueError``.
     """
-    if is_leaf(value) or not is_container(value):
+    if not _descends(value, is_leaf):
         return fn(value)
-    return rebuild(value, (tree_map(fn, child, is_leaf=is_leaf) for _, child in children(value)))
+    # One frame per open container: (the container, its remaining children, the results of those done).
+    stack: list[tuple[Any, Iterator[tuple[Any, Any]], list[Any]]] = [(value, iter(children(value)), [])]
+    open_ids = {id(value)}
+    while True:
+        node, pending, done = stack[-1]
+        for _, child in pending:
+            if not _descends(child, is_leaf):
+                done.append(fn(child))
+            elif id(child) in open_ids:
+                raise _cycle(child)
+            else:  # descend: the child's frame is finished first, then this one resumes where it was
+                stack.append((child, iter(children(child)), []))
+                open_ids.add(id(child))
+                break
+        else:
+            stack.pop()
+            open_ids.discard(id(node))
+            built = rebuild(node, done)
+            if not stack:
+                return built
+            stack[-1][2].append(built)
 
 
 def tree_leaves(value: Any, *, is_leaf: Leaf = _never) -> list[Any]:
-    """Every leaf of ``value`` in a fixed, depth-first order (mapping insertion order, then sequence order)."""
-    return list(_iter_leaves(value, is_leaf))
+    """Every leaf of ``value`` in a fixed, depth-first order (mapping insertion order, then sequence order).
 
-
-def _iter_leaves(value: Any, is_leaf: Leaf) -> Iterator[Any]:
-    if is_leaf(value) or not is_container(value):
-        yield value
-        return
-    for _, child in children(value):
-        yield from _iter_leaves(child, is_leaf)
+    Iterative like `tree_map`: any depth; a container that contains itself is a ``ValueError``."""
+    if not _descends(value, is_leaf):
+        return [value]
+    leaves: list[Any] = []
+    stack: list[tuple[Any, Iterator[tuple[Any, Any]]]] = [(value, iter(children(value)))]
+    open_ids = {id(value)}
+    while stack:
+        node, pending = stack[-1]
+        for _, child in pending:
+            if not _descends(child, is_leaf):
+                leaves.append(child)
+            elif id(child) in open_ids:
+                raise _cycle(child)
+            else:
+                stack.append((child, iter(children(child))))
+                open_ids.add(id(child))
+                break
+        else:
+            stack.pop()
+            open_ids.discard(id(node))
+    return leaves
 
 
 def tree_unflatten(template: Any, leaves: Iterable[Any], *, is_leaf: Leaf = _never) -> Any:

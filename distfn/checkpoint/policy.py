@@ -25,7 +25,7 @@ import os
 import pathlib
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import torch
 from loguru import logger
@@ -40,7 +40,12 @@ from . import api, restore
 from . import sharded as directories
 from .layout import Location, check_keep, resolve, step_of_path, wants_sharded
 
-__all__ = ["load_state", "resume_state", "save_state"]
+__all__ = ["IF_PRESENT", "RngRestore", "load_state", "resume_state", "save_state"]
+
+#: ``ctx.load(..., rng=IF_PRESENT)``: restore the RNG states when the checkpoint holds them, go on without them when
+#: it does not (what ``ctx.resume`` does). ``rng=True`` stays strict: a checkpoint without them is an error there.
+IF_PRESENT: Literal["if-present"] = "if-present"
+RngRestore: TypeAlias = bool | Literal["if-present"]
 
 
 _PER_RANK = r"rank[-_=.]?0*{rank}(?!\d)"
@@ -129,10 +134,18 @@ def load_state(
     device: torch.device,
     run: Run,
     strict: bool = True,
-    rng: bool = False,
+    rng: RngRestore = False,
 ) -> dict[str, Any]:
     """``ctx.load``: the reader is chosen by what ``path`` is (a sharded directory: every rank reads its own
-    slices, any world size and mode; a file: FSDP scatter in fsdp mode, else a plain restore)."""
+    slices, any world size and mode; a file: FSDP scatter in fsdp mode, else a plain restore).
+
+    ``rng``: False leaves the RNG states alone (a saved ``"rng"`` entry is returned with the other values); True
+    restores them and refuses a checkpoint without them; `IF_PRESENT` restores them when saved and goes on
+    without them otherwise (a debug log says so). Another string is refused before anything is read.
+    """
+    if isinstance(rng, str) and rng != IF_PRESENT:  # a misspelt mode would otherwise be truthy, i.e. strict
+        raise ConfigError(f"ctx.load(..., rng={rng!r}): rng takes True (restore the saved RNG states, an error when "
+                          f"the checkpoint has none), {IF_PRESENT!r} (restore them when saved) or False")
     run.saves.wait()  # a pending asynchronous save (perhaps of this very path) lands first
     loc = resolve(path)
     if loc.layout() in ("sharded", "dir"):  # a directory is read as a sharded checkpoint (or says why it is not)
@@ -143,9 +156,13 @@ def load_state(
         values = restore.load_into(loc, into, device=device, strict=strict)
     if rng:
         saved = values.pop("rng", None)
-        if saved is None:
-            raise CheckpointError(f"{loc} holds no RNG states; write it with ctx.save(..., rng=True)")
-        set_rng_state(rng_state_for_rank(saved, rank, world_size))
+        if saved is not None:
+            set_rng_state(rng_state_for_rank(saved, rank, world_size))
+        elif rng != IF_PRESENT:
+            raise CheckpointError(f"{loc} holds no RNG states; write it with ctx.save(..., rng=True), or load it with "
+                                  f"rng={IF_PRESENT!r} to restore them only when saved")
+        else:
+            logger.debug("ctx.load: {} holds no RNG states; the generators are left as they are", loc)
     return values
 
 
@@ -169,9 +186,6 @@ def resume_state(
     last = collectives.broadcast_object(None if last is None else str(last))
     if last is None:
         return 0
-    values = load_state(last, state, mode=mode, rank=rank, world_size=world_size, device=device, run=run,
-                        strict=strict)
-    saved = values.pop("rng", None)
-    if saved is not None:
-        set_rng_state(rng_state_for_rank(saved, rank, world_size))
+    load_state(last, state, mode=mode, rank=rank, world_size=world_size, device=device, run=run, strict=strict,
+               rng=IF_PRESENT)
     return step_of_path(last) or 0
