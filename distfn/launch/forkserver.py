@@ -16,6 +16,7 @@ where it is a `ConfigError` naming the cause.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -26,7 +27,7 @@ from multiprocessing import connection as mp_connection
 from multiprocessing import forkserver
 from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
-from typing import Any
+from typing import Any, Final
 
 from loguru import logger
 
@@ -35,6 +36,10 @@ from ..errors import ConfigError
 from . import protocol
 
 __all__ = ["SERVER_NAME", "ensure_server", "server_running", "start_early"]
+
+#: What a fresh fork server imports before it forks any worker, so that no worker imports it again: torch and the
+#: modules a worker runs (``import distfn`` alone imports neither: the package is lazy, for an instant CLI).
+PRELOAD: Final = ("distfn.decorator", "distfn.checkpoint")
 
 #: The fork server's process name (``/proc/PID/comm``, what ``ps`` and ``top`` show), at most 15 characters.
 SERVER_NAME = "distfn-forksrv"
@@ -95,6 +100,8 @@ def _serve(listener_fd: int, alive_r: int) -> None:
 def serve(listener_fd: int, alive_r: int, parent_pid: int) -> None:
     """Entry point of a fork server started as a fresh interpreter (see `start_server`)."""
     protocol.die_with_parent(parent_pid, SERVER_NAME)
+    for name in PRELOAD:
+        importlib.import_module(name)
     _serve(listener_fd, alive_r)
 
 
@@ -199,7 +206,7 @@ def ensure_server() -> str:
     """
     try:
         if not _OWN_SERVER:
-            forkserver.set_forkserver_preload(["distfn"])  # not __main__: the user's script must not run in it
+            forkserver.set_forkserver_preload(list(PRELOAD))  # not __main__: the user's script must not run in it
             forkserver.ensure_running()
         else:
             _start("fresh")
