@@ -197,8 +197,8 @@ def _plan(plan: CallPlan | None, error: str | None, cuda: Mapping[str, Any],
         return out
     out.update(kind=plan.kind, reason=plan.reason, nprocs=plan.nprocs, nprocs_source=plan.source,
                world_size=plan.world_size, notes=[note.text for note in plan.notes])
-    if plan.kind in ("one-process", "spawn", "pernode"):  # a launcher's world size is fixed; these are not
-        out["notes"].insert(0, COUNT_NOTE)
+    if plan.kind in ("one-process", "spawn", "pernode") and "DISTFN_NPROCS" not in plan.source:
+        out["notes"].insert(0, COUNT_NOTE)  # a launcher's world size, or DISTFN_NPROCS, is what the call gets
     if plan.layout is not None:
         out.update(num_nodes=plan.layout.num_nodes, node_rank=plan.layout.node_rank,
                    workers_per_node=plan.layout.local_world_size,

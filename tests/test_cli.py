@@ -237,3 +237,4 @@ def test_env_says_what_changes_the_count_and_lists_extras_and_the_install() -> N
                                         "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                         "MASTER_PORT": "29555"})
     assert envreport.COUNT_NOTE not in under_torchrun["plan"]["notes"]  # the launcher's world size wins
+    assert envreport.COUNT_NOTE not in envreport.collect({"DISTFN_NPROCS": "2"})["plan"]["notes"]  # it is set
