@@ -13,7 +13,8 @@
 ``python script.py`` starts one worker per device; under ``torchrun``, ``srun`` and ``mpirun`` the same file
 runs in place, one rank per process.
 
-The package is lazy: ``import distfn`` loads only the error classes, and each public name (`distributed`,
+The package is lazy: ``import distfn`` loads only the error classes and `distfn.logs` (whose import silences
+distfn's log lines outside a job, loguru's rule for libraries), and each public name (`distributed`,
 `load`, `checkpoint`, ...) imports its module, and with it torch (3-5 s), on first use. So ``distfn --help``
 and ``distfn version``, which need no torch, answer at once, while ``from distfn import distributed`` works
 as ever.
@@ -25,6 +26,7 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+from . import logs as _logs  # noqa: F401 - its import is the rule "quiet outside a job" (logger.disable), ~0.1 s
 from .errors import CheckpointError, ConfigError, DistfnError, LauncherError, NestedLaunchError, Terminated, WorkerError
 
 if TYPE_CHECKING:  # what type checkers and the API docs see; at run time `__getattr__` imports them
