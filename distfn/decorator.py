@@ -34,7 +34,7 @@ from .context import Context
 from .errors import ConfigError, DistfnError, NestedLaunchError
 from .launch import forkserver, local, pernode
 from .launch import ray as ray_launch
-from .options import DEFAULT_TIMEOUT, MODES, LauncherName, Mode, Options, StartMethod, make_options
+from .options import DEFAULT_TIMEOUT, MODES, LauncherName, Mode, Options, StartMethod, closest, make_options
 from .plan import CallPlan, plan_call
 
 __all__ = ["DEFAULT_TIMEOUT", "MODES", "Options", "distributed"]
@@ -43,6 +43,12 @@ R = TypeVar("R")
 
 
 def _check_signature(fn: Callable[..., Any]) -> None:
+    if isinstance(fn, str):
+        # `@distributed("ddp")`: options are keyword-only, so the string arrives where the function goes.
+        mode = closest(fn, MODES)
+        fix = f"write @distributed(mode={mode!r})" if mode is not None else \
+            f"options are keywords, e.g. @distributed(mode='ddp'); valid modes are: {', '.join(map(repr, MODES))}"
+        raise ConfigError(f"@distributed decorates a function, got the string {fn!r}: {fix}")
     if not callable(fn):
         raise ConfigError(f"@distributed decorates a function, got {fn!r}")
     try:

@@ -42,6 +42,11 @@ _PEER_LOSS = re.compile(r"connection closed by peer|connection reset by peer|bro
 
 _TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|deadline exceeded", re.IGNORECASE)
 
+# A traceback frame (or faulthandler line) inside a collective: torch.distributed itself, DDP's reducer, or
+# distfn's own collectives (which call torch.distributed, but a crash stack may stop above it).
+_COLLECTIVE_FRAME = re.compile(r'File "[^"]*(?:torch[/\\]distributed[/\\][^"]*|torch[/\\]nn[/\\]parallel[/\\]'
+                               r'distributed\.py|distfn[/\\](?:collectives|checkin)\.py)"')
+
 
 def exception_text(exc: BaseException) -> str:
     """``str(exc)``, or a placeholder naming the type when the exception's own ``__str__`` raises (the report
@@ -251,6 +256,16 @@ def hang_kind(first: Failure, *, timeout_s: float, elapsed_s: float | None = Non
     return None
 
 
+def in_collective(failure: Failure) -> bool:
+    """Whether ``failure`` happened inside a collective: its traceback (or crash stack) has a torch.distributed,
+    DDP or distfn collective frame, or its message is a peer's loss (gloo's "Connection closed by peer").
+
+    Only then can ranks that had returned be the cause; an error only rank 0 can have (a `ctx.save` error, a
+    return value that cannot be pickled) involves no collective, and a hint about one would mislead.
+    """
+    return bool(_COLLECTIVE_FRAME.search(failure.traceback) or _PEER_LOSS.search(failure.message))
+
+
 def _position(first: Failure) -> str | None:
     """Where in the user's code the first failing rank was (its traceback, or the stack of its crash)."""
     crash = first.signal is not None
@@ -331,7 +346,7 @@ def diagnose(
             text = "\n\n".join(
                 [f"Python stacks of the other ranks when rank {first.rank} timed out (most recent call first):"]
                 + [f"rank {r}:\n{s}" for r, s in sorted(dumps.items())])
-    if returned:
+    if returned and (kind is not None or in_collective(first)):
         notes.append(f"{_ranks(list(returned)).capitalize()} had already returned from the function: a collective "
                      "that only some ranks call (e.g. under `if ctx.is_main:`) makes the others fail or wait.")
     if not notes:

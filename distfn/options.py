@@ -11,6 +11,7 @@ process group (`Options.multi_rank`) and how many processes to start (`requested
 from __future__ import annotations
 
 import datetime
+import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal, TypeVar, get_args
@@ -81,12 +82,31 @@ RESTART_ENV: Final = "DISTFN_RESTART"
 
 
 # -- argument conversion (each raises ConfigError naming the argument and how to fix it) ------------------------
+def closest(value: Any, choices: Sequence[str]) -> str | None:
+    """The choice ``value`` was most likely meant to be, or ``None``: the same letters in another case first
+    (``'DDP'`` -> ``'ddp'``), then a near spelling (``'dpp'`` -> ``'ddp'``, ``'nproc'`` -> ``'nprocs'``)."""
+    if not isinstance(value, str):
+        return None
+    folded = {choice.casefold(): choice for choice in choices}
+    if value.strip().casefold() in folded:
+        return folded[value.strip().casefold()]
+    near = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.7)
+    return near[0] if near else None
+
+
+def _did_you_mean(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``" (did you mean mode='ddp'?)"`` when `closest` finds one, else ``""``: appended to a bad value's error."""
+    guess = closest(value, choices)
+    return f" (did you mean {name}={guess!r}?)" if guess is not None else ""
+
+
 def check_mode(mode: Any) -> Mode:
     """``mode`` unchanged when it is one of `MODES`."""
     for known in MODES:
         if mode == known:
             return known
-    raise ConfigError(f"mode={mode!r} is not a distfn mode; valid modes are: {', '.join(map(repr, MODES))}")
+    raise ConfigError(f"mode={mode!r} is not a distfn mode; valid modes are: {', '.join(map(repr, MODES))}"
+                      + _did_you_mean("mode", mode, MODES))
 
 
 def runs_one_process(mode: Mode) -> bool:
@@ -217,7 +237,8 @@ def _check_choice(name: str, value: Any, choices: Sequence[_C]) -> _C:
     for choice in choices:
         if value == choice:
             return choice
-    raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, choices))}")
+    raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(map(repr, choices))}"
+                      + _did_you_mean(name, value, choices))
 
 
 def check_start_method(value: Any) -> StartMethod:
@@ -273,7 +294,8 @@ def check_precision(value: Any) -> Precision:
         if name == known:
             return known
     raise ConfigError(f"precision={value!r} is not valid; use one of {', '.join(map(repr, PRECISIONS))} "
-                      "(full float32, bfloat16 autocast, float16 autocast with a GradScaler)")
+                      "(full float32, bfloat16 autocast, float16 autocast with a GradScaler)"
+                      + _did_you_mean("precision", value, (*PRECISIONS, *map(str, _PRECISION_ALIASES))))
 
 
 def check_fsdp(value: Any) -> Any:
@@ -340,8 +362,11 @@ def make_options(given: Mapping[str, Any], base: Options | None = None) -> Optio
     """`Options` from keyword arguments (on top of ``base``), an unknown name being a `ConfigError`."""
     unknown = sorted(k for k in given if k not in PARAMETERS)
     if unknown:
-        raise ConfigError(f"{', '.join(map(repr, unknown))} is not an option of @distributed; valid options are: "
-                          f"{', '.join(PARAMETERS)}")
+        verb = "is not an option" if len(unknown) == 1 else "are not options"
+        guesses = [f"{guess}= for {name}=" for name in unknown if (guess := closest(name, PARAMETERS)) is not None]
+        hint = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+        raise ConfigError(f"{', '.join(map(repr, unknown))} {verb} of @distributed; valid options are: "
+                          f"{', '.join(PARAMETERS)}{hint}")
     return Options(**given) if base is None else attrs.evolve(base, **given)
 
 

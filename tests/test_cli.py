@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from distfn import __main__ as cli
+from distfn import envreport, smoketest
 
 # A task of `srun -N2 --ntasks-per-node=2` (rank 3 on the second node), as Slurm sets it.
 SLURM_TASK = {
@@ -70,7 +71,7 @@ def test_env_under_torchrun_variables_and_inconsistent_ones() -> None:
 
 
 def test_collect_slurm_task_in_process() -> None:
-    info = cli.collect(SLURM_TASK)
+    info = envreport.collect(SLURM_TASK)
     det = info["launcher"]
     assert det["launcher"] == "slurm" and det["error"] is None
     topo = det["topology"]
@@ -78,12 +79,12 @@ def test_collect_slurm_task_in_process() -> None:
     assert (topo["node_rank"], topo["num_nodes"]) == (1, 2)
     assert topo["master_addr"] == "node01"
     assert info["variables"]["SLURM_STEP_NODELIST"] == "node[01-02]"
-    text = cli.render(info)
+    text = envreport.render(info)
     assert re.search(r"\n  rank\s+3 of 4\n", text) and re.search(r"node\s+1 of 2", text) and "node01:" in text
 
 
 def test_forced_launcher_and_bad_option(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.collect({}, launcher="mpi")["launcher"]["error"]  # forced MPI without MPI variables
+    assert envreport.collect({}, launcher="mpi")["launcher"]["error"]  # forced MPI without MPI variables
     with pytest.raises(SystemExit):
         cli.main(["env", "--launcher", "nonsense"])
     assert "--launcher must be one of" in capsys.readouterr().err
@@ -97,13 +98,14 @@ def test_visible_devices_mapping_per_rank(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Fake GPU {i}")
     env = {"CUDA_VISIBLE_DEVICES": "0,5", "DISTFN_NPROCS": "2"}
-    info = cli.collect(env)
+    info = envreport.collect(env)
     assert info["launcher"]["launcher"] == "spawn" and info["plan"]["backend"] == "nccl"
     assert [(d["device"], d["physical_gpu"]) for d in info["plan"]["devices"]] == [("cuda:0", "0"), ("cuda:1", "5")]
-    assert re.search(r"cuda:1\s+physical GPU 5  Fake GPU 1", cli.render(info))
+    assert re.search(r"cuda:1\s+physical GPU 5  Fake GPU 1", envreport.render(info))
     torchrun = {**env, "TORCHELASTIC_RUN_ID": "x", "RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4",
                 "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
-    assert cli.collect(torchrun)["plan"]["devices"] == [{"local_rank": 3, "device": "cuda:1", "physical_gpu": "5"}]
+    assert envreport.collect(torchrun)["plan"]["devices"] == [
+        {"local_rank": 3, "device": "cuda:1", "physical_gpu": "5"}]
 
 
 def test_env_says_local_for_one_process_with_cpu_memory_and_versions() -> None:
@@ -170,7 +172,7 @@ def test_distfn_test_fails_with_a_non_zero_status() -> None:
     result = {"world_size": 2, "launcher": "spawn", "backend": "gloo", "device": "cpu", "checks": [
         {"name": "all-reduce", "ok": False, "seconds": 0.002, "detail": "sum of 1..2 over the ranks = 4"},
         {"name": "barrier", "ok": True, "seconds": 0.001, "detail": "every rank arrived"}]}
-    text, status = cli.report(result, 1.5)
+    text, status = smoketest.report(result, 1.5)
     assert status == 1
     assert "  FAIL  all-reduce" in text and "  PASS  barrier" in text
     assert text.endswith("1 of 2 checks FAILED: all-reduce in 1.50 s")
@@ -189,3 +191,50 @@ def test_env_prints_a_value_that_is_not_utf8() -> None:
     text = _run("env", env={"DISTFN_NOTE": bad, "CUDA_VISIBLE_DEVICES": ""})
     assert text.returncode == 0, text.stderr
     assert "DISTFN_NOTE" in text.stdout and "caf" in text.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["version"], ["consolidate", "--help"], ["env", "--help"]])
+def test_help_and_version_are_instant_they_import_no_torch(args: list[str]) -> None:
+    """Issue 31 item 6: torch's import (3-5 s) is for the commands that use it; --help and version answer at
+    once (measured: 0.05-0.2 s, the interpreter and loguru)."""
+    code = ("import sys, time; t = time.perf_counter(); from distfn.__main__ import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+            "print('TORCH', 'torch' in sys.modules, time.perf_counter() - t)")
+    done = subprocess.run([sys.executable, "-c", code], env=_clean(), capture_output=True, text=True, timeout=120)
+    _, imported, seconds = done.stdout.strip().splitlines()[-1].split()
+    assert imported == "False", done.stdout
+    assert float(seconds) < 1.0  # 0.01 s here on an idle machine; generous for a loaded one
+
+
+def test_import_distfn_is_lazy_and_its_names_still_work() -> None:
+    code = ("import sys, distfn; print('torch' in sys.modules); from distfn import distributed, load, Context\n"
+            "print('torch' in sys.modules, callable(distributed), distfn.checkpoint.__name__, distfn.failures.__name__)"
+            "\nimport pytest\nwith pytest.raises(AttributeError): distfn.no_such_name")
+    done = subprocess.run([sys.executable, "-c", code], env=_clean(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "distfn.checkpoint", "distfn.failures"]
+
+
+def test_env_help_lists_every_launcher() -> None:
+    from distfn.options import LAUNCHERS
+
+    text = _run("env", "--help").stdout
+    assert all(name in text for name in LAUNCHERS), text
+
+
+def test_env_says_what_changes_the_count_and_lists_extras_and_the_install() -> None:
+    """Issue 31 item 6: the script's nprocs= / DISTFN_NPROCS, the optional extras, where distfn is and its
+    commit (this tree is a git checkout)."""
+    info = envreport.collect({})
+    assert envreport.COUNT_NOTE in info["plan"]["notes"]
+    assert {"tensorboard", "mpi", "ray"} <= set(info["extras"]) and "mpi4py" in info["extras"]["mpi"]
+    assert info["install"]["location"] == os.path.dirname(cli.__file__)
+    assert re.fullmatch(r"[0-9a-f]{12}( \+ local changes)?", info["install"]["commit"] or "")
+    text = envreport.render(info)
+    assert "changes this count" in text and "\nextras\n" in text and "\ninstall\n" in text
+    assert f"location             {os.path.dirname(cli.__file__)}" in text
+    under_torchrun = envreport.collect({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0",
+                                        "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                        "MASTER_PORT": "29555"})
+    assert envreport.COUNT_NOTE not in under_torchrun["plan"]["notes"]  # the launcher's world size wins
+    assert envreport.COUNT_NOTE not in envreport.collect({"DISTFN_NPROCS": "2"})["plan"]["notes"]  # it is set

@@ -236,3 +236,10 @@ def test_max_restarts_in_place_says_it_has_no_effect() -> None:
     finally:
         logger.remove(sink)
     assert any("max_restarts=2 has no effect here: one process runs in place" in line for line in lines)
+
+
+def test_a_mode_passed_as_the_function_says_how_to_write_it() -> None:
+    with pytest.raises(ConfigError, match=r"got the string 'ddp': write @distributed\(mode='ddp'\)"):
+        distributed("ddp")  # type: ignore[call-overload]
+    with pytest.raises(ConfigError, match=r"options are keywords, e\.g\. @distributed\(mode='ddp'\)"):
+        distributed("fast")  # type: ignore[call-overload]

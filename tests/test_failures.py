@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 import distfn
 from distfn import Terminated, failures, worker
 from distfn.launch import local
+
+from conftest import run_python
 
 HOST = socket.gethostname()
 
@@ -120,3 +123,73 @@ def test_nccl_timeout_texts_are_recognised() -> None:
     f = failures.Failure(0, HOST, 1, "DistBackendError", text)
     assert failures.hang_kind(f, timeout_s=20) == "timeout"
     assert failures.hang_kind(failures.Failure(0, HOST, 1, "ValueError", "boom"), timeout_s=20) is None
+
+
+def _failure(message: str, frames: Sequence[str] = (), exc_type: str = "CheckpointError") -> failures.Failure:
+    tb = "Traceback (most recent call last):\n" + "".join(f'  File "{f}", line 3, in f\n    x()\n' for f in frames)
+    return failures.Failure(0, HOST, 1, exc_type, message, traceback=tb + f"{exc_type}: {message}\n")
+
+
+HINT = "Rank 1 had already returned from the function"
+
+
+@pytest.mark.parametrize(
+    ("failure", "hinted"),
+    [
+        # only rank 0 can have these, no collective involved: no hint (issue 31 item 3)
+        (_failure("cannot create the directory '/t/afile'", ["/home/u/train.py", "/x/distfn/checkpoint/files.py"]),
+         False),
+        (_failure("return value['fn'] (a lambda defined at ...) cannot be pickled", ["/x/distfn/launch/shipping.py"],
+                  exc_type="ConfigError"), False),
+        # inside a collective: torch.distributed, DDP, distfn's collectives, a peer's loss, a timeout
+        (_failure("boom", ["/home/u/train.py", "/v/torch/distributed/distributed_c10d.py"], "RuntimeError"), True),
+        (_failure("boom", ["/home/u/train.py", "/v/torch/nn/parallel/distributed.py"], "RuntimeError"), True),
+        (_failure("boom", ["/home/u/train.py", "/x/distfn/collectives.py"], "RuntimeError"), True),
+        (_failure("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:123", [],
+                  "DistBackendError"), True),
+        (_failure("Socket Timeout", ["/home/u/train.py"], "DistStoreError"), True),
+    ],
+)
+def test_returned_ranks_are_blamed_only_for_a_failure_inside_a_collective(failure: failures.Failure,
+                                                                         hinted: bool) -> None:
+    got = failures.diagnose(failure, timeout_s=60, returned=[1])
+    assert (HINT in got.diagnosis) is hinted, got.diagnosis
+    assert failures.in_collective(failure) is hinted or "Timeout" in failure.message
+
+
+_RANK0_ONLY_JOB = """
+import sys
+from pathlib import Path
+import distfn
+
+@distributed(mode="ddp", nprocs=2, timeout=30)
+def job(case, ctx):
+    if case == "save" and ctx.is_main:
+        Path("afile").write_text("")
+        ctx.save({"step": 1}, "afile/m.safetensors")
+    if case == "unpicklable" and ctx.is_main:
+        return {"fn": lambda x: x}
+    if case == "collective" and ctx.is_main:
+        return ctx.all_reduce(1.0)
+    return None
+
+if __name__ == "__main__":
+    for case in sys.argv[1:]:
+        try:
+            job(case)
+        except distfn.WorkerError as exc:
+            print(f"=== {case}: {exc}", flush=True)
+""".replace("@distributed", "@distfn.distributed")
+
+
+@pytest.mark.slow
+def test_rank_0_only_failures_get_no_collective_hint_but_a_lone_collective_does(tmp_path: Path) -> None:
+    """Issue 31 item 3, end to end: a `ctx.save` error and an unpicklable return value on rank 0 (rank 1 had
+    returned) do not mention collectives; `if ctx.is_main: ctx.all_reduce(...)` still does."""
+    (tmp_path / "job.py").write_text(_RANK0_ONLY_JOB)
+    done = run_python([str(tmp_path / "job.py"), "save", "unpicklable", "collective"], cwd=tmp_path, timeout=300)
+    reports = {part.split(":", 1)[0]: part for part in done.stdout.split("=== ")[1:]}
+    assert set(reports) == {"save", "unpicklable", "collective"}, done.stdout + done.stderr[-3000:]
+    assert "afile" in reports["save"] and HINT not in reports["save"]
+    assert "cannot be pickled" in reports["unpicklable"] and HINT not in reports["unpicklable"]
+    assert HINT in reports["collective"]

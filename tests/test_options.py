@@ -121,3 +121,28 @@ def test_max_restarts_and_the_attempt_number() -> None:
     assert restart_attempt({}) == 0
     assert restart_attempt({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2  # torchrun --max-restarts
     assert restart_attempt({"DISTFN_RESTART": "1", "TORCHELASTIC_RESTART_COUNT": "2"}) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "hint"),
+    [
+        ({"mode": "DDP"}, "(did you mean mode='ddp'?)"),
+        ({"mode": "FSDP"}, "(did you mean mode='fsdp'?)"),
+        ({"start_method": "Fork"}, "(did you mean start_method='fork'?)"),
+        ({"launcher": "slrum"}, "(did you mean launcher='slurm'?)"),
+        ({"precision": "BF16"}, "(did you mean precision='bf16'?)"),
+        ({"nproc": 2}, "(did you mean nprocs= for nproc=?)"),
+        ({"mdoe": "ddp", "nproc": 2}, "are not options of @distributed; valid options are: mode"),
+        ({"mdoe": "ddp", "nproc": 2}, "(did you mean mode= for mdoe=, nprocs= for nproc=?)"),
+    ],
+)
+def test_a_near_miss_gets_a_did_you_mean(kwargs: dict[str, object], hint: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_options(kwargs)
+    assert hint in str(info.value)
+
+
+def test_no_guess_when_nothing_is_close() -> None:
+    with pytest.raises(ConfigError) as info:
+        make_options({"mode": "teleport"})
+    assert "did you mean" not in str(info.value)

@@ -21,8 +21,8 @@ import pytest
 from loguru import logger
 from test_pernode import SRUN_N2_PERNODE1_TASK0_RECORDED, SRUN_N2_PERNODE1_TASK1_RECORDED
 
-from distfn import __main__ as cli
 from distfn import distributed
+from distfn import envreport as cli
 from distfn.errors import ConfigError, LauncherError, WorkerError
 from distfn.failures import Failure
 from distfn.launch import protocol

@@ -93,7 +93,7 @@ def test_missing_ray_is_a_config_error_naming_the_extra(monkeypatch: pytest.Monk
 
 
 def test_distfn_env_reports_the_ray_launcher_and_its_address() -> None:
-    from distfn import __main__ as cli
+    from distfn import envreport as cli
 
     info = cli.collect({"DISTFN_LAUNCHER": "ray", "RAY_ADDRESS": "10.0.0.1:6379"})
     assert info["launcher"]["launcher"] == "ray" and info["launcher"]["error"] is None

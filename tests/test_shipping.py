@@ -161,9 +161,13 @@ if __name__ == "__main__":
 
 
 def test_server_and_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """... and the server's socket (TMPDIR/pymp-*/listener-*) goes with it (issue 25 item 10)."""
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=clean_env(OMP_NUM_THREADS="2"),
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)],
+                            env=clean_env(OMP_NUM_THREADS="2", TMPDIR=str(tmp)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -179,6 +183,7 @@ def test_server_and_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
         while any(_alive(pid) for pid in [*servers, *workers]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in [*servers, *workers])
+        assert [str(p.relative_to(tmp)) for p in tmp.rglob("*") if "pymp-" in str(p)] == []
     finally:
         if proc.poll() is None:
             proc.kill()

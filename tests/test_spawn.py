@@ -118,3 +118,47 @@ def test_the_last_failure_lists_every_attempt_and_config_errors_are_not_retried(
     assert "  - attempt 1: rank 1 (pid " in error and "ValueError: attempt 1 fails" in error
     error = _caller_sees("config", DISTFN_MAX_RESTARTS="2")["error"]
     assert "ConfigError: attempt 0 fails" in error and "The job was started" not in error
+
+
+_CHILDREN_JOB = """
+import json, subprocess, sys
+import distfn
+
+@distfn.distributed(mode="ddp", nprocs=2, start_method=sys.argv[1])
+def job(cfg, ctx):
+    pid = subprocess.Popen(["sleep", "303"]).pid  # started and forgotten by the user's function
+    return ctx.gather_object(pid)
+
+if __name__ == "__main__":
+    print(json.dumps(job(None)))
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_children_of_the_function_do_not_survive_a_successful_job(tmp_path: Path, method: str) -> None:
+    """Issue 25 item 12: each rank starts `sleep 303`; on failure they were killed, on success both outlived the
+    job. Now the worker's process group is ended on both paths."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "job.py").write_text(_CHILDREN_JOB)
+    done = run_python([str(tmp_path / "job.py"), method], timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(pids) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, waiting for init to reap it
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 5
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in pids if alive(pid)]
+    for pid in survivors:  # do not leave them behind on the base code either
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == []

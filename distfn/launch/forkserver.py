@@ -16,7 +16,9 @@ where it is a `ConfigError` naming the cause.
 
 from __future__ import annotations
 
+import importlib
 import os
+import signal
 import socket
 import sys
 import sysconfig
@@ -26,7 +28,7 @@ from multiprocessing import connection as mp_connection
 from multiprocessing import forkserver
 from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
-from typing import Any
+from typing import Any, Final
 
 from loguru import logger
 
@@ -35,6 +37,10 @@ from ..errors import ConfigError
 from . import protocol
 
 __all__ = ["SERVER_NAME", "ensure_server", "server_running", "start_early"]
+
+#: What a fresh fork server imports before it forks any worker, so that no worker imports it again: torch and the
+#: modules a worker runs (``import distfn`` alone imports neither: the package is lazy, for an instant CLI).
+PRELOAD: Final = ("distfn.decorator", "distfn.checkpoint")
 
 #: The fork server's process name (``/proc/PID/comm``, what ``ps`` and ``top`` show), at most 15 characters.
 SERVER_NAME = "distfn-forksrv"
@@ -87,15 +93,50 @@ def server_description() -> str:
     return "the standard library's fork server forks them"
 
 
-def _serve(listener_fd: int, alive_r: int) -> None:
-    """The fork server's life: the standard library's loop, until the launching process is gone."""
-    forkserver.main(listener_fd, alive_r, [])  # preload nothing: torch is imported already
+def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int) -> None:
+    """The fork server's life: the standard library's loop, until the launching process is gone; then its socket
+    (``TMPDIR/pymp-*/listener-*``) is removed, and the directory with it when nothing else is in it.
+
+    The launching process may die by SIGKILL, when none of its own clean-up runs: the server then gets SIGTERM
+    from the kernel (``PR_SET_PDEATHSIG``), and the standard library's loop ends anyway when the "alive" pipe
+    closes. Either way the loop ends with ``SystemExit`` here, and the socket goes.
+    """
+    server = os.getpid()
+
+    def parent_died(signum: int, frame: Any) -> None:
+        if os.getpid() != server:  # a worker just forked, before it set its own handler: die as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        signal.signal(signum, signal.SIG_IGN)  # once: the clean-up below must not be interrupted
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, parent_died)
+    protocol.die_with_parent(parent_pid, SERVER_NAME, sig=signal.SIGTERM)
+    try:
+        forkserver.main(listener_fd, alive_r, [])  # preload nothing: torch is imported already
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _remove_socket(address)
 
 
-def serve(listener_fd: int, alive_r: int, parent_pid: int) -> None:
+def _remove_socket(address: str) -> None:
+    if mp_util.is_abstract_socket_namespace(address):
+        return
+    for remove in (os.unlink, os.rmdir):  # rmdir: only an empty directory (multiprocessing's pymp-*)
+        try:
+            remove(address)
+        except OSError:
+            return
+        address = os.path.dirname(address)
+
+
+def serve(listener_fd: int, alive_r: int, parent_pid: int, address: str) -> None:
     """Entry point of a fork server started as a fresh interpreter (see `start_server`)."""
-    protocol.die_with_parent(parent_pid, SERVER_NAME)
-    _serve(listener_fd, alive_r)
+    protocol.die_with_parent(parent_pid, SERVER_NAME)  # SIGKILL while it imports torch: nothing to remove yet
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _serve(listener_fd, alive_r, address, parent_pid)
 
 
 def _listen() -> tuple[socket.socket, str, int, int]:
@@ -138,12 +179,11 @@ def fork_server() -> None:
     if pid == 0:  # pragma: no cover - the server's side
         try:
             os.close(alive_w)
-            protocol.die_with_parent(parent, SERVER_NAME)
             # The server's children re-import the user's script, as under spawn (multiprocessing skips that when
             # __main__ already has the script's file, which this copy of a half-run script has).
             sys.modules["__main__"] = types.ModuleType("__main__")
             _forget_user_modules()
-            _serve(listener.fileno(), alive_r)
+            _serve(listener.fileno(), alive_r, address, parent)
         except BaseException:  # noqa: BLE001 - whatever happens, the server must not return into user code
             pass
         os._exit(0)
@@ -157,7 +197,7 @@ def start_server() -> None:
     safe to fork). Returns at once; a launch that comes before the server is ready waits for it."""
     listener, address, alive_r, alive_w = _listen()
     code = (f"import sys; sys.path[:] = {sys.path!r}; from distfn.launch.forkserver import serve; "
-            f"serve({listener.fileno()}, {alive_r}, {os.getpid()})")
+            f"serve({listener.fileno()}, {alive_r}, {os.getpid()}, {address!r})")
     exe = mp_spawn.get_executable()
     try:
         args = [exe, *mp_util._args_from_interpreter_flags(), "-c", code]  # type: ignore[attr-defined]
@@ -199,7 +239,7 @@ def ensure_server() -> str:
     """
     try:
         if not _OWN_SERVER:
-            forkserver.set_forkserver_preload(["distfn"])  # not __main__: the user's script must not run in it
+            forkserver.set_forkserver_preload(list(PRELOAD))  # not __main__: the user's script must not run in it
             forkserver.ensure_running()
         else:
             _start("fresh")

@@ -261,9 +261,9 @@ def _signal_live(workers: list[_Worker], sig: int) -> None:
 def _kill_group(pgid: int) -> None:
     """SIGKILL process group ``pgid`` (a worker made itself its leader with setpgid).
 
-    Used while the leader is alive or after it failed, when its children may outlive it: Linux does not reuse
-    a pid while a live process still has it as its process group id, so this reaches exactly the worker's
-    leftovers (DataLoader workers notice a dead parent only every 5 s).
+    Used while the leader is alive or after it ended (failed or returned), when its children may outlive it:
+    Linux does not reuse a pid while a live process still has it as its process group id, so this reaches
+    exactly the worker's leftovers (DataLoader workers notice a dead parent only every 5 s).
     """
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -498,8 +498,9 @@ class WorkerGroup:
             if w.stacks is not None:
                 w.stacks.close()
             w.process.join(1)
-            if not w.ok:
-                _kill_group(w.process.pid)
+            # What the rank started and left running (a `sleep` from subprocess, a server it forgot to stop) is
+            # ended on success as on failure: a job leaves nothing behind either way.
+            _kill_group(w.process.pid)
         self.failures.extend(f for f in self.stopped
                              if self.forwarder.received or f.exc_type != Terminated.__qualname__)
         self.forwarder.restore()

@@ -78,9 +78,10 @@ def export_rank_env(topology: Topology, attempt: int | None = None) -> None:
         os.environ[RESTART_ENV] = str(attempt)
 
 
-def die_with_parent(parent_pid: int = 0, name: str | None = None) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, even by SIGKILL (no orphans); ``name``: the process
-    name ``ps`` shows (at most 15 characters).
+def die_with_parent(parent_pid: int = 0, name: str | None = None, sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send ``sig`` (SIGKILL: no orphans) to this process when its parent dies, even by SIGKILL;
+    ``name``: the process name ``ps`` shows (at most 15 characters). The fork server asks for SIGTERM, which it
+    handles by removing its socket before it exits.
 
     ``parent_pid``: when given and the parent is already another process (it died before ``prctl`` took effect),
     exit at once.
@@ -88,7 +89,7 @@ def die_with_parent(parent_pid: int = 0, name: str | None = None) -> None:
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc.prctl(_PR_SET_PDEATHSIG, sig)
             if name is not None:
                 libc.prctl(_PR_SET_NAME, name.encode())
         except (OSError, AttributeError):
