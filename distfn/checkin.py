@@ -144,15 +144,35 @@ class CheckIn:
             out[rank] = (int(calls), int(progress))
         return out
 
-    def finish(self) -> None:
-        """End this rank's side; tells ranks waiting in a checked call that this one will never join it."""
+    def finish(self, *, wait_for_peers: float = 0.0) -> None:
+        """End this rank's side; tells ranks waiting in a checked call that this one will never join it.
+
+        Args:
+            wait_for_peers: after a normal end, wait up to this many seconds until every rank has started its side
+                (`start` runs right after the rank's process group is up). A rank whose function returns at once
+                would otherwise tear its group down while a peer is still connecting, and gloo's mesh set-up on
+                that peer fails with "connectFullMesh failed ... Connection closed by peer". Normally every rank
+                has long started: one store round trip.
+        """
         if self._finished:
             return
         self._finished = True
         try:
+            if wait_for_peers > 0:
+                self._wait_started(wait_for_peers)
             self._post(progress=_EXITED)
         except Exception as exc:  # noqa: BLE001 - the store may be gone when the job is being torn down
             logger.trace("check-in: could not post exit: {}", exc)
+
+    def _wait_started(self, seconds: float) -> None:
+        keys = [self._key("rank", r) for r in range(self.world_size)]
+        deadline, pause = time.monotonic() + seconds, 0.001
+        while not self.store.check(keys):
+            if time.monotonic() >= deadline:
+                logger.debug("check-in: not every rank started within {:g} s; leaving anyway", seconds)
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def note_progress(self) -> None:
         """A sync point, which every rank reaches equally often in a correct program: post it, then raise if

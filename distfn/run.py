@@ -25,7 +25,7 @@ of its parts and the rules that pick them); nothing imports it but `context`, `w
 from __future__ import annotations
 
 import weakref
-from typing import Literal
+from typing import Final, Literal
 
 import attrs
 from loguru import logger
@@ -38,6 +38,9 @@ from .fsdp_options import FsdpOptions
 from .options import Mode, shards_state
 from .preemption import StopSignals
 from .rng import gather_wait
+
+#: Seconds a rank whose function ended normally waits for peers that have not yet started their process group.
+PEER_START_WAIT: Final = 60.0
 
 
 @attrs.define(eq=False)
@@ -82,10 +85,12 @@ class Run:
         timeout = self.fsdp.save_timeout if shards_state(self.mode) else gather_wait()
         self.checkin = CheckIn.start(rank, world_size, timeout, store)
 
-    def finish(self) -> None:
-        """End the run on this rank: ranks still waiting in a check-in learn that this one will never join it."""
+    def finish(self, *, failed: bool = False) -> None:
+        """End the run on this rank: ranks still waiting in a check-in learn that this one will never join it.
+        After a normal end it first waits (at most `PEER_START_WAIT` s) until every rank's process group is up, so
+        an immediate return cannot break a peer's group set-up (see `distfn.checkin.CheckIn.finish`)."""
         if self.checkin is not None:
-            self.checkin.finish()
+            self.checkin.finish(wait_for_peers=0.0 if failed else PEER_START_WAIT)
 
     def sync_point(self) -> None:
         """A point every rank passes equally often (a distfn collective, a forward of a sharded model): in

@@ -189,7 +189,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             failures.report_in_place(topology.rank, exc)
         raise
     finally:
-        run_state.finish()  # ranks waiting in a check-in (ctx.save, ...) learn that this one will never join it
+        run_state.finish(failed=failed)  # peers waiting in a check-in learn that this rank will never join it
         if started_group:
             rendezvous.leave_process_group(failed=failed)
         logs.teardown()

@@ -211,3 +211,25 @@ def test_ctx_wrap_shards_by_the_options_of_the_run_it_belongs_to() -> None:
         by_class.finish()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rank_that_ends_at_once_waits_until_every_peer_has_its_group_up() -> None:
+    """A function that returns at once must not tear its process group down while a peer is still setting its up
+    (gloo: "connectFullMesh failed ... Connection closed by peer" on the peer, seen about once in 20 runs)."""
+    store = dist.HashStore()
+    zero = CheckIn.start(0, 2, 5.0, store)
+    done = threading.Event()
+    ender = threading.Thread(target=lambda: (zero.finish(wait_for_peers=30.0), done.set()))
+    ender.start()
+    assert not done.wait(0.5)  # rank 1 has not started: rank 0 does not leave
+    CheckIn.start(1, 2, 5.0, store)  # rank 1's group is up
+    assert done.wait(5.0)
+    ender.join()
+
+
+def test_a_failed_rank_or_a_peer_that_never_starts_does_not_hold_the_end() -> None:
+    store = dist.HashStore()
+    start = time.monotonic()
+    CheckIn.start(0, 2, 5.0, store).finish()  # after a failure: no wait at all
+    CheckIn.start(0, 2, 5.0, store).finish(wait_for_peers=0.3)  # a peer that died before its group was up
+    assert time.monotonic() - start < 5.0
