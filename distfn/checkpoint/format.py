@@ -47,6 +47,7 @@ __all__ = [
     "describe",
     "entry",
     "is_stateful",
+    "json_entry",
     "kind",
     "layout",
     "memory_key",
@@ -398,29 +399,31 @@ def _natural(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def json_entry(header: Header, key: str, default: Any) -> Any:
+    """The JSON value stored under ``key`` in ``header``'s string metadata, or ``default`` when the key is absent;
+    text that is not JSON is a `CheckpointError` naming the file and the key (its structure is the caller's check)."""
+    raw = header.metadata.get(key)
+    if raw is None:
+        return default
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {key} is not JSON ({exc})") from None
+
+
 def saved_tree(header: Header) -> Any:
     """The saved object's JSON tree, checked (`check_tree`); a foreign file (no distfn metadata) reads as a flat
     name -> tensor map."""
-    raw = header.metadata.get(KEY_TREE)
-    if raw is None:
+    if KEY_TREE not in header.metadata:
         return {name: {"__tensor__": name} for name in header.tensors}
-    try:
-        node = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {exc}") from None
+    node = json_entry(header, KEY_TREE, None)
     check_tree(node, header.tensors, header.path)
     return node
 
 
 def saved_aliases(header: Header) -> dict[str, str]:
     """The tied names of a file: ``{alias: stored name}`` (checked: strings naming stored tensors)."""
-    raw = header.metadata.get(KEY_ALIASES)
-    if raw is None:
-        return {}
-    try:
-        aliases = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {exc}") from None
+    aliases = json_entry(header, KEY_ALIASES, {})
     if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
         raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {KEY_ALIASES} must map names to names")
     return aliases
@@ -455,13 +458,9 @@ def select(where: object, names: Sequence[str], aliases: Mapping[str, str], pref
 
 def saved_metadata(header: Header) -> dict[str, Any]:
     """The ``metadata=`` mapping saved with a file (checked), or its raw string metadata for a foreign file."""
-    raw = header.metadata.get(KEY_METADATA)
-    if raw is None:
+    if KEY_METADATA not in header.metadata:
         return dict(header.metadata)
-    try:
-        node = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {exc}") from None
+    node = json_entry(header, KEY_METADATA, None)
     check_tree(node, None, header.path)
     value = decode(node, NoTensors())
     if not isinstance(value, dict):

@@ -134,13 +134,7 @@ def _shard_files(d: Location, weight_map: Mapping[Any, Any]) -> tuple[str, ...]:
 
 
 def _offsets_of(header: fmt.Header) -> dict[str, Any]:
-    raw = header.metadata.get(SHARDING_INFO)
-    if raw is None:
-        return {}
-    try:
-        info = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"'{header.path}': corrupt {SHARDING_INFO}: {exc}") from None
+    info = fmt.json_entry(header, SHARDING_INFO, {})
     if not isinstance(info, dict):
         raise CheckpointError(f"'{header.path}': corrupt {SHARDING_INFO} (not a mapping)")
     return info
