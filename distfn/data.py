@@ -23,7 +23,8 @@ from loguru import logger
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from . import collectives
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
+from .loader_state import GLOBAL_BATCH_CHANGES, GlobalBatchChange, LoaderState, ResumableSampler, per_rank_batch
 from .tree import tree_leaves, tree_unflatten
 
 _MASK64 = (1 << 64) - 1
@@ -79,6 +80,13 @@ class DistributedLoader(DataLoader):
     ``persistent_workers=True`` the workers keep their random streams across epochs instead). ``tracker``: the
     run's `LastLoader`, told of every batch handed out.
 
+    The loader is state (`state_dict` / `load_state_dict`, so ``ctx.save({"loader": loader, ...})`` and
+    ``ctx.resume`` keep it): its epoch, the global position reached in that epoch, the shuffle seed and the global
+    batch. A restored loader starts its next iteration at that position through its `ResumableSampler`, without
+    loading the skipped batches, on the same or another number of ranks (`distfn.loader_state`).
+    ``global_batch_change``: what `load_state_dict` does when the saved global batch does not divide over this
+    job's ranks (`distfn.loader_state.per_rank_batch`).
+
     Attributes:
         epoch: the epoch of the current (or last) iteration; ``None`` before the first one.
         next_epoch: the epoch the next iteration will use.
@@ -88,10 +96,14 @@ class DistributedLoader(DataLoader):
     sampler: DistributedSampler  # checked in __init__
 
     def __init__(self, *args: Any, seed_parts: tuple[int, int] | None = None, tracker: LastLoader | None = None,
-                 **kwargs: Any) -> None:
+                 global_batch_change: GlobalBatchChange = "refuse", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, DistributedSampler):
             raise ConfigError("DistributedLoader needs a DistributedSampler; build it with ctx.dataloader")
+        if global_batch_change not in GLOBAL_BATCH_CHANGES:
+            raise ConfigError(f"global_batch_change must be one of {GLOBAL_BATCH_CHANGES}, got {global_batch_change!r}")
+        self._on_change: GlobalBatchChange = global_batch_change
+        self._start = 0  # global position of the current iteration's first batch (non-zero in a resumed epoch)
         self.epoch: int | None = None
         self.next_epoch = 0
         self._seed_parts = seed_parts  # (base seed, rank) when distfn seeds the workers, else None
@@ -112,6 +124,8 @@ class DistributedLoader(DataLoader):
             raise ConfigError(f"set_epoch expects a non-negative int, got {epoch!r}")
         self.next_epoch = epoch
         self._pending = False
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.clear()  # an explicit epoch starts at its beginning, whatever was restored
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # An iteration left with `break` after more than one batch counts as an epoch; a peek does not.
@@ -124,6 +138,7 @@ class DistributedLoader(DataLoader):
         if self._seed_parts is not None and self.generator is not None:
             self.generator.manual_seed(mix_seed(*self._seed_parts, epoch))
         self.epoch = epoch
+        self._start = self._start_of(epoch)[0]
         self._batch, self._done, self._pending = -1, False, True
         self._iterations += 1
         return self._track(super().__iter__(), self._iterations)
@@ -137,6 +152,88 @@ class DistributedLoader(DataLoader):
         self._done = True
         if self._pending and iteration == self._iterations:  # not overtaken by a newer iteration or set_epoch
             self.next_epoch, self._pending = self.next_epoch + 1, False
+
+    # -- the loader as state (exact resume, distfn/loader_state.py) --------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is, for ``ctx.save``: JSON-able ints and bools, the same on every rank.
+
+        The position counts the batches this iteration has handed out (a batch is consumed once the loop got it),
+        so a save after the step on batch ``k`` resumes at batch ``k + 1``; after the epoch's last batch it is
+        the next epoch's start.
+        """
+        epoch, position, epoch_world = self._next_position()
+        global_batch = self.global_batch_size
+        return LoaderState(
+            epoch=epoch, position=position, batches=position // global_batch, seed=int(self.sampler.seed),
+            shuffle=bool(self.sampler.shuffle), drop_last=bool(self.sampler.drop_last), global_batch=global_batch,
+            world_size=self.sampler.num_replicas, epoch_world_size=epoch_world,
+            dataset_len=len(self.dataset),  # type: ignore[arg-type]
+        ).to_dict()
+
+    def _next_position(self) -> tuple[int, int, int]:
+        """``(epoch, global position, epoch world size)`` of the batch the job draws next."""
+        in_epoch = self._pending and not self._done and self.epoch is not None
+        if in_epoch and self._batch + 1 < len(self):
+            epoch = int(self.epoch or 0)
+            world = self._start_of(epoch)[1]
+            return epoch, self._start + (self._batch + 1) * self.global_batch_size, world
+        if in_epoch:  # the epoch's last batch was handed out: the next one opens the next epoch
+            return int(self.epoch or 0) + 1, 0, self.sampler.num_replicas
+        return (self.next_epoch, *self._start_of(self.next_epoch))  # between iterations: a restored position, or 0
+
+    def _start_of(self, epoch: int) -> tuple[int, int]:
+        if isinstance(self.sampler, ResumableSampler):
+            return self.sampler.start_of(epoch)
+        return 0, self.sampler.num_replicas
+
+    def load_state_dict(self, state: Any) -> None:
+        """Continue from a `state_dict` (``ctx.resume`` / ``ctx.load`` call it): the next iteration starts at the
+        saved epoch and position, with the saved seed, on any number of ranks; the per-rank batch becomes the
+        saved global batch over this job's ranks (`distfn.loader_state.per_rank_batch`).
+
+        Raises:
+            CheckpointError: a malformed state, a dataset of another length, another ``shuffle`` / ``drop_last``,
+                or a global batch that does not divide over the ranks with ``global_batch_change="refuse"``.
+        """
+        saved = LoaderState.from_dict(state)
+        n, world = len(self.dataset), self.sampler.num_replicas  # type: ignore[arg-type]
+        if saved.dataset_len != n:
+            raise CheckpointError(
+                f"the checkpoint's data loader ran over a dataset of {saved.dataset_len} samples, this one has {n}: "
+                "its position cannot be continued over other data. Resume with the same dataset, or leave the "
+                "loader out of the state you restore (it then starts at epoch 0)")
+        for name in ("shuffle", "drop_last"):
+            if getattr(saved, name) != bool(getattr(self.sampler, name)):
+                raise CheckpointError(
+                    f"the checkpoint's data loader was built with {name}={getattr(saved, name)}, this one with "
+                    f"{name}={getattr(self.sampler, name)}: the saved position means another order; build it as "
+                    "it was saved")
+        if not isinstance(self.sampler, ResumableSampler):
+            raise CheckpointError("this DistributedLoader has no ResumableSampler to continue from a position; build "
+                                  "it with ctx.dataloader")
+        if saved.position and saved.position >= self.sampler.end_for(saved.epoch_world_size):
+            raise CheckpointError(f"malformed data loader state: position {saved.position} is past the end of "
+                                  f"epoch {saved.epoch}")
+        batch_size = per_rank_batch(saved, world, int(self.batch_size or 0), self._on_change)
+        if batch_size != self.batch_size:
+            logger.info("dataloader resumed on {} rank(s) (saved on {}): {} per rank keeps the global batch {}",
+                        world, saved.world_size, batch_size, saved.global_batch)
+            self._set_batch_size(batch_size)
+        elif batch_size * world != saved.global_batch:
+            logger.warning("dataloader resumed on {} rank(s) (saved on {}): global batch {} instead of the saved {} "
+                           "(it does not divide over {} ranks; global_batch_change='continue'); same sample order",
+                           world, saved.world_size, batch_size * world, saved.global_batch, world)
+        self.sampler.seed = saved.seed
+        self.sampler.resume_at(saved.epoch, saved.position, saved.epoch_world_size)
+        self.next_epoch, self._pending = saved.epoch, False
+        logger.debug("dataloader restored: epoch {}, {} of the epoch's positions consumed", saved.epoch, saved.position)
+
+    def _set_batch_size(self, batch_size: int) -> None:
+        # DataLoader forbids setting batch_size after __init__ because its batch sampler was built from it; both are
+        # changed together here, before any iterator (which reads them when it is made) exists.
+        object.__setattr__(self, "batch_size", batch_size)
+        if self.batch_sampler is not None:
+            self.batch_sampler.batch_size = batch_size  # type: ignore[attr-defined]
 
     # -- positions, for gather_for_metrics -------------------------------------------------------------------
     def _batch_len(self, k: int) -> int:
@@ -166,7 +263,7 @@ class DistributedLoader(DataLoader):
         for start, count in options:
             if rows == count:
                 local = torch.arange(start, start + count, dtype=torch.int64)
-                return local * self.sampler.num_replicas + self.sampler.rank
+                return local * self.sampler.num_replicas + self.sampler.rank + self._start
         raise ConfigError(
             f"gather_for_metrics got {rows} rows, but the current batch of this loader has {batch[1]} samples "
             f"and the epoch so far has {so_far[1]}; pass per-sample results (batch dimension first) for the "
@@ -185,6 +282,7 @@ def dataloader(
     shuffle: bool = True,
     drop_last: bool = False,
     tracker: LastLoader | None = None,
+    global_batch_change: GlobalBatchChange = "refuse",
     **kwargs: Any,
 ) -> DistributedLoader:
     """Build the ``DistributedLoader`` behind ``ctx.dataloader`` (see there).
@@ -195,6 +293,8 @@ def dataloader(
     passed, the workers' base seed comes from a generator seeded with ``(seed, rank, epoch)``: without it,
     identically seeded ranks would give their DataLoader workers identical random streams (the same
     "random" augmentation on every GPU). ``tracker``: the run's `LastLoader` (see `DistributedLoader`).
+    ``global_batch_change``: ``"refuse"`` (default) or ``"continue"``, when a restored global batch does not divide
+    over the ranks (see `DistributedLoader.load_state_dict`).
     """
     if isinstance(dataset, IterableDataset):
         raise ConfigError(
@@ -210,7 +310,8 @@ def dataloader(
                 f"ctx.dataloader makes its own DistributedSampler, so {key}= cannot be passed; use "
                 "ctx.dataloader(dataset, batch_size, shuffle=...) or build a DataLoader with ctx.sampler(dataset)"
             )
-    sampler = make_sampler(dataset, shuffle=shuffle, drop_last=drop_last)
+    # The same order as ctx.sampler's DistributedSampler; resumable from a saved position (distfn/loader_state.py).
+    sampler = ResumableSampler.like(make_sampler(dataset, shuffle=shuffle, drop_last=drop_last))
     if device.type != "cuda" and kwargs.get("pin_memory"):
         # Pinned memory only speeds up copies to a GPU; on a CPU rank torch warns once per rank that it is unused
         # (a script written for GPUs runs on CPUs unchanged, so drop it here instead).
@@ -233,7 +334,7 @@ def dataloader(
         kwargs["generator"] = torch.Generator()
     loader = DistributedLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, seed_parts=seed_parts, tracker=tracker,
-        **kwargs
+        global_batch_change=global_batch_change, **kwargs
     )
     if rank == 0:
         replicas, size = sampler.num_replicas, len(dataset)  # type: ignore[arg-type]

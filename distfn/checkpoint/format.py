@@ -20,6 +20,7 @@ from typing import Any, Final, Protocol
 import attrs
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from .. import tree
 from ..errors import CheckpointError
@@ -184,6 +185,12 @@ class _Encoder:
                     f"cannot save {type(obj).__name__} at '{path_str(path)}': its state_dict() failed: {exc}"
                 ) from exc
             return self.encode(state, path)
+        if isinstance(obj, DataLoader):  # a loader made outside a job: name the one whose position is state
+            raise CheckpointError(
+                f"cannot save the {type(obj).__qualname__} at '{path_str(path)}': a torch DataLoader has no position "
+                "to save. Build it inside the @distributed function with ctx.dataloader(dataset, batch_size, ...): "
+                "that loader is state (its epoch and position are saved and restored). Nothing was written."
+            )
         raise CheckpointError(
             f"cannot save the value at '{path_str(path)}': {type(obj).__qualname__} ({_short_repr(obj)}) is "
             "not a tensor, module, optimizer, scheduler, object with state_dict()/load_state_dict(), or a "
