@@ -18,8 +18,8 @@ from .. import tree
 from ..errors import CheckpointError
 from ..modules import unwrap_module
 from . import format as fmt
-from . import storage
-from .layout import Location
+from . import sharded, storage
+from .layout import Location, resolve
 
 __all__ = ["load_into"]
 
@@ -289,7 +289,9 @@ def load_into(
     leaves all targets untouched.
 
     Args:
-        path: a ``.safetensors`` file (written by `distfn.checkpoint.save` or by other tools).
+        path: a ``.safetensors`` file (written by `distfn.checkpoint.save` or by other tools), or a sharded
+            checkpoint directory (read by `distfn.checkpoint.sharded.load_into`, in any process and world size:
+            ``load_into(directory, {})`` gives its plain values, such as a data loader's saved position).
         into: a module (possibly wrapped) for a module file (or any single object the file was saved from,
             e.g. an optimizer), or a mapping naming the entries of a training state to restore, e.g.
             ``{"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "rng": RNG}``. Values
@@ -313,7 +315,10 @@ def load_into(
             (naming the key and both shapes), an optimizer with another parameter layout.
     """
     dev = torch.device(device)
-    with storage.open_reader(path, dev) as reader:
+    loc = path if isinstance(path, Location) else resolve(path)
+    if loc.layout() in ("sharded", "dir") and isinstance(into, (Mapping, nn.Module)):
+        return sharded.load_into(loc, into, device=dev, strict=strict)
+    with storage.open_reader(loc, dev) as reader:
         tree = fmt.check(reader.header)  # the whole header: a malformed file fails before anything is restored
         restorer = _Restorer(reader, dev, strict)
         if isinstance(into, Mapping):
