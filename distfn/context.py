@@ -142,8 +142,10 @@ class Context:
 
         One step sees `batch_size * world_size` samples (logged once, on rank 0). Each `for batch in loader`
         starts a new epoch of the `DistributedSampler` (no `set_epoch` to forget), while a peek such as
-        `next(iter(loader))` does not use one up; `loader.set_epoch(e)` makes the next one epoch `e` for exact
-        resume. DataLoader workers are seeded per rank, per worker and per epoch.
+        `next(iter(loader))` does not use one up; `loader.set_epoch(e)` makes the next one epoch `e`. The loader
+        is state: in `ctx.save({..., "loader": loader})` / `ctx.resume` it continues at the next batch, also on
+        another number of ranks (docs/data.md, "Exact resume"). DataLoader workers are seeded per rank, per
+        worker and per epoch.
 
         Args:
             dataset: a map-style dataset (an `IterableDataset` must shard itself and is refused).
@@ -152,6 +154,8 @@ class Context:
             drop_last: applies to the sampler (no padding) and to the last incomplete batch.
             kwargs: passed to `torch.utils.data.DataLoader` (`num_workers`, `collate_fn`, ...); `pin_memory`
                 defaults to True on CUDA and is dropped on the CPU (where it only makes torch warn).
+                `global_batch_change="continue"` lets a resume on a number of ranks the saved global batch
+                does not divide over go on with this per-rank batch (the default `"refuse"` raises).
         """
         return data.dataloader(dataset, batch_size, self.sampler, rank=self.rank, seed=self.seed, device=self.device,
                                shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders, **kwargs)
