@@ -215,7 +215,7 @@ class DistributedLoader(DataLoader):
             raise CheckpointError(f"malformed data loader state: position {saved.position} is past the end of "
                                   f"epoch {saved.epoch}")
         batch_size = per_rank_batch(saved, world, int(self.batch_size or 0), self._on_change)
-        if batch_size != self.batch_size:
+        if batch_size != self.batch_size or (world != saved.world_size and batch_size * world == saved.global_batch):
             logger.info("dataloader resumed on {} rank(s) (saved on {}): {} per rank keeps the global batch {}",
                         world, saved.world_size, batch_size, saved.global_batch)
             self._set_batch_size(batch_size)
@@ -225,6 +225,7 @@ class DistributedLoader(DataLoader):
                            world, saved.world_size, batch_size * world, saved.global_batch, world)
         self.sampler.seed = saved.seed
         self.sampler.resume_at(saved.epoch, saved.position, saved.epoch_world_size)
+        self.sampler.set_epoch(saved.epoch)  # len(loader) is the resumed epoch's at once (a progress bar's total)
         self.next_epoch, self._pending = saved.epoch, False
         logger.debug("dataloader restored: epoch {}, {} of the epoch's positions consumed", saved.epoch, saved.position)
 

@@ -138,21 +138,24 @@ def test_a_global_batch_that_does_not_divide_refuses_or_continues() -> None:
 
 def test_workers_peeks_set_epoch_and_gather_positions_in_a_resumed_epoch() -> None:
     first = _loaders(31, 2, 3, num_workers=2)
-    _steps(first, upto=3)
+    _steps(first)
+    _steps(first, upto=3)  # epoch 1, 3 steps in
     state = first[0].state_dict()
+    assert (state["epoch"], state["position"]) == (1, 18)
     [loader] = _loaders(31, 1, 4, num_workers=2)
     loader.load_state_dict(state)
     assert loader.state_dict()["position"] == 18  # before any iteration: the restored position
+    assert len(loader) == 3  # the resumed epoch's remaining batches, already before the iteration
     peek = next(iter(loader))[0].tolist()  # a peek uses up nothing, not even the restored position
     batches = [x for (x,) in loader]
     assert batches[0].tolist() == peek and len(batches) == len(loader) == 3  # 14 left: 6, 6, 2
-    order = epoch_order(31, seed=SEED, epoch=0, shuffle=True, world_size=2, drop_last=False)
+    order = epoch_order(31, seed=SEED, epoch=1, shuffle=True, world_size=2, drop_last=False)
     assert len(order) == 32 and torch.cat(batches).tolist() == order[18:]  # the 2-rank order's padding too
     positions = loader.positions(14)  # gather_for_metrics' positions: those of the epoch's order ...
     assert [order[p] for p in positions.tolist()] == torch.cat(batches).tolist()
     assert positions.tolist()[-1] == 31  # ... so the padding duplicate (position >= 31) is recognised
-    assert loader.next_epoch == 1 and loader.state_dict()["position"] == 0
-    loader.set_epoch(0)  # an explicit epoch starts at its beginning
+    assert loader.next_epoch == 2 and loader.state_dict()["position"] == 0
+    loader.set_epoch(1)  # an explicit epoch starts at its beginning
     assert len(loader) == 6 and torch.cat([x for (x,) in loader]).tolist() == order[:31]
 
 
