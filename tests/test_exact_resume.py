@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import distfn
 from distfn import CheckpointError, ConfigError, checkpoint
 from distfn import data as ddata
+from distfn.checkpoint import background, sharded
 from distfn.loader_state import ResumableSampler, epoch_order
 
 from conftest import SCRIPTS, clean_env, run_python
@@ -171,6 +172,28 @@ def test_the_state_is_json_in_the_file_and_reads_in_a_plain_process(tmp_path: Pa
     [again] = _loaders(20, 1, 4)
     checkpoint.load_into(path, {"model": model, "loader": again})
     assert next(iter(again))[0].tolist() == next(it)[0].tolist()
+
+
+@pytest.mark.parametrize("kind", ["background file", "sharded", "sharded background"])
+def test_asynchronous_and_sharded_saves_carry_the_position_taken_at_the_call(tmp_path: Path, kind: str) -> None:
+    [loader] = _loaders(20, 1, 4)
+    it = iter(loader)
+    next(it)
+    model = nn.Linear(2, 1)
+    state = {"model": model, "loader": loader}
+    saves = background.Saves()
+    if kind == "background file":
+        path = saves.save_file(state, tmp_path / "ckpt-1.safetensors", save=checkpoint.save).path
+    else:
+        path = sharded.save(state, tmp_path / "ckpt-1", saves=saves, blocking=kind == "sharded")
+    want = next(it)[0].tolist()  # the loop goes on while the write runs: the saved position is the call's
+    next(it)
+    saves.wait()
+    assert checkpoint.load_into(path, {})["loader"]["position"] == 4
+    assert set(distfn.load(path)) == {"model.weight", "model.bias"}  # a plain process reads it as usual
+    [again] = _loaders(20, 1, 4)
+    checkpoint.load_into(path, {"model": model, "loader": again})
+    assert next(iter(again))[0].tolist() == want
 
 
 def test_the_errors_name_what_is_wrong(tmp_path: Path) -> None:
