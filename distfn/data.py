@@ -219,7 +219,7 @@ class DistributedLoader(DataLoader):
             logger.info("dataloader resumed on {} rank(s) (saved on {}): {} per rank keeps the global batch {}",
                         world, saved.world_size, batch_size, saved.global_batch)
             self._set_batch_size(batch_size)
-        elif batch_size * world != saved.global_batch:
+        elif batch_size * world != saved.global_batch and self.sampler.rank == 0:  # one line for the job
             logger.warning("dataloader resumed on {} rank(s) (saved on {}): global batch {} instead of the saved {} "
                            "(it does not divide over {} ranks; global_batch_change='continue'); same sample order",
                            world, saved.world_size, batch_size * world, saved.global_batch, world)
