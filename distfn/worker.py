@@ -29,6 +29,7 @@ from .context import Context
 from .errors import LauncherError
 from .options import restart_attempt
 from .run import Run
+from .tracking.session import open_session, status_of
 
 if TYPE_CHECKING:
     from .options import Options
@@ -141,7 +142,9 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     started_group = failed = False
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
     stop, stop_handlers = preemption.install(opt_in=preemption.polls(fn))
-    run_state = Run(mode=opts.mode, fsdp=opts.fsdp or fsdp.FsdpOptions(), stop=stop)
+    run_state = Run(mode=opts.mode, fsdp=opts.fsdp or fsdp.FsdpOptions(), stop=stop,
+                    tracking=open_session(opts.track, cfg, topology.rank))
+    error: BaseException | None = None
     try:
         device = devices.select_device(opts.mode, topology, opts.backend)
         if device.type == "cuda":
@@ -179,7 +182,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         _requeue_if_stopped(opts, topology, ctx)
         return result
     except BaseException as exc:
-        failed = True
+        failed, error = True, exc
         with contextlib.suppress(Exception):
             run_state.saves.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
         if report is not None:
@@ -190,6 +193,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         raise
     finally:
         run_state.finish(failed=failed)  # peers waiting in a check-in learn that this rank will never join it
+        if run_state.tracking is not None:  # rank 0: the tracked run ends FINISHED / FAILED / KILLED (never raises)
+            run_state.tracking.close(status_of(error, run_state.stop.stopped))
         if started_group:
             rendezvous.leave_process_group(failed=failed)
         logs.teardown()
