@@ -108,7 +108,11 @@ class Backend(Protocol):
 def require(module: str, extra: str, backend: str) -> None:
     """`ConfigError` naming ``distfn[extra]`` when ``module`` cannot be imported; never imports it (an import of
     mlflow or wandb costs seconds and must not happen at decoration, nor on ranks that do not log)."""
-    if importlib.util.find_spec(module) is None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install, or a module blocked with sys.modules[name] = None
+        found = False
+    if not found:
         raise ConfigError(f"track={backend!r} needs the {module!r} package, which is not installed: "
                           f"pip install 'distfn[{extra}]'")
 

@@ -142,7 +142,7 @@ class Session:
             logger.warning(message, *args)
 
     # -- the training thread ------------------------------------------------------------------------------------
-    def log_metrics(self, metrics: Mapping[str, Any], step: int | None) -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Queue ``metrics`` at ``step`` (``None``: one more than the last step logged)."""
         if not self.backends:
             self._warn_once("no-track", "ctx.log_metrics: this job tracks nothing; pass @distributed(track=...) "
