@@ -430,6 +430,9 @@ def test_unreachable_backend_buffers_or_drops_and_warns_once(warnings_seen: Any)
     assert 0 < len([x for x in dropping.log if isinstance(x, int)]) < 5  # what failed is gone
     assert dropping.log[-1] == "FINISHED"
     assert len(buffering.opened) == 1  # the run is opened once, at the first call
+    unreachable = [m for m in warnings_seen if "could not send" in m]
+    assert len(unreachable) == 2 and "server unreachable" in unreachable[0]  # one per backend, not per try
+    assert "on_error='buffer'" in unreachable[0] and "on_error='drop'" in unreachable[1]
 
 
 def test_rows_at_or_below_the_floor_are_replays_and_steps_never_go_back() -> None:

@@ -186,14 +186,14 @@ class Session:
             logger.info("tracking: continuing run {} of the resumed checkpoint", key)
         self.key, self._floor = key, step
         self._tags = {**self._tags, "distfn.key": key}
-        self.high = step if self.high is None else max(self.high, step or 0)
 
     def stamp(self, metadata: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
         """``metadata`` with this run's record added (``ctx.save``), so a re-run that resumes continues it."""
         if not self.backends:
             return metadata
         ids = {c.name: c.handle.ids for c in self._channels if c.handle is not None}
-        return {**(metadata or {}), RECORD_KEY: record(self.key, self.high, ids)}
+        steps = [s for s in (self.high, self._floor) if s is not None]
+        return {**(metadata or {}), RECORD_KEY: record(self.key, max(steps) if steps else None, ids)}
 
     def close(self, status: Status) -> None:
         """Send what is left and end every run with ``status``; waits at most `CLOSE_WAIT` s (`CLOSE_WAIT_FAILED`
