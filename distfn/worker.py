@@ -128,6 +128,12 @@ def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None
         preemption.requeue(os.environ, signal_name=ctx.run.stop.signal)
 
 
+def _close_tracking(run_state: Run, error: BaseException | None) -> None:
+    """Rank 0: end the tracked run FINISHED / FAILED / KILLED (a bounded wait; never raises; once)."""
+    if run_state.tracking is not None:
+        run_state.tracking.close(status_of(error, run_state.stop.stopped))
+
+
 def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
         report: Callable[[BaseException], None] | None = None) -> Any:
     """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always left.
@@ -185,6 +191,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         failed, error = True, exc
         with contextlib.suppress(Exception):
             run_state.saves.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
+        # before the report: once the launcher knows, it stops this process (SIGTERM, its default action then)
+        _close_tracking(run_state, exc)
         if report is not None:
             report(exc)
         elif topology.launcher not in ("spawn", "local"):
@@ -193,8 +201,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         raise
     finally:
         run_state.finish(failed=failed)  # peers waiting in a check-in learn that this rank will never join it
-        if run_state.tracking is not None:  # rank 0: the tracked run ends FINISHED / FAILED / KILLED (never raises)
-            run_state.tracking.close(status_of(error, run_state.stop.stopped))
+        _close_tracking(run_state, error)  # after a failure it was closed above, before the report
         if started_group:
             rendezvous.leave_process_group(failed=failed)
         logs.teardown()

@@ -510,18 +510,21 @@ def test_status_and_flatten() -> None:
     assert flatten(None) == {} and flatten(3) == {"cfg": "3"}
 
 
+@pytest.mark.slow
 def test_a_tracker_crash_never_hides_the_jobs_failure(tmp_path: Path) -> None:
     code = textwrap.dedent('''
         from distfn import distributed
+        from distfn.tracking import CSV
 
         class Broken:
             name, on_error, log_cfg = "broken", "buffer", True
             def check(self): pass
             def open(self, run): raise RuntimeError("tracker exploded")
 
-        @distributed(mode="ddp", nprocs=2, track=Broken())
+        @distributed(mode="ddp", nprocs=2, track=[Broken(), CSV(root="runs")], max_restarts=0)
         def train(cfg, ctx):
             ctx.log_metrics({"loss": 1.0}, step=1)
+            ctx.barrier()
             raise ValueError("the job's own failure")
 
         if __name__ == "__main__":
@@ -536,3 +539,6 @@ def test_a_tracker_crash_never_hides_the_jobs_failure(tmp_path: Path) -> None:
                           text=True, timeout=180)
     assert "RAISED WorkerError own" in done.stdout, done.stderr[-4000:]
     assert "tracker exploded" in done.stderr  # the backend's failure is a warning, not the job's error
+    (run,) = (tmp_path / "runs").iterdir()  # the other backend went on, and its run ended FAILED
+    assert json.loads((run / "run.json").read_text())["status"] == "FAILED"
+    assert (run / "metrics.csv").read_text().splitlines()[1].startswith("1,loss,1.0,")

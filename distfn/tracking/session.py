@@ -198,13 +198,18 @@ class Session:
     def close(self, status: Status) -> None:
         """Send what is left and end every run with ``status``; waits at most `CLOSE_WAIT` s (`CLOSE_WAIT_FAILED`
         after a failure), never raises."""
-        if self._thread is None:
+        if self._thread is None or self._done.is_set():
             return
         self._status = status
         self._done.set()
         self._wake.set()
         wait = CLOSE_WAIT if status == "FINISHED" else CLOSE_WAIT_FAILED
-        self._thread.join(wait)
+        try:
+            self._thread.join(wait)
+        except BaseException as exc:  # noqa: BLE001 - Ctrl-C / SIGTERM while waiting: stop waiting, raise nothing
+            logger.warning("tracking: stopped waiting for the backends ({}); what they had not sent is lost",
+                           type(exc).__name__)
+            return
         if self._thread.is_alive():
             logger.warning("tracking: the backends did not finish within {:g} s; what they had not sent is lost", wait)
 
