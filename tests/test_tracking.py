@@ -542,3 +542,31 @@ def test_a_tracker_crash_never_hides_the_jobs_failure(tmp_path: Path) -> None:
     (run,) = (tmp_path / "runs").iterdir()  # the other backend went on, and its run ended FAILED
     assert json.loads((run / "run.json").read_text())["status"] == "FAILED"
     assert (run / "metrics.csv").read_text().splitlines()[1].startswith("1,loss,1.0,")
+
+
+@pytest.mark.slow
+@requires("mlflow", "mlflow")
+def test_an_unreachable_mlflow_server_is_one_warning_and_training_goes_on(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    code = textwrap.dedent(f'''
+        from distfn import distributed
+        from distfn.tracking import MLflow
+
+        @distributed(mode="ddp", nprocs=2, track=MLflow(uri="http://127.0.0.1:{port}", on_error="drop"))
+        def train(cfg, ctx):
+            for step in range(1, 31):
+                ctx.log_metrics({{"loss": 1.0 / step}}, step=step)
+                ctx.barrier()
+            return "trained"
+
+        if __name__ == "__main__":
+            print(train({{"lr": 0.1}}))
+    ''')
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    env = _env(tmp_path, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="2")
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-4000:]
+    assert done.stderr.count("tracking: mlflow could not") == 1, done.stderr[-4000:]  # one warning, not per try
+    assert "on_error='drop'" in done.stderr
