@@ -2,8 +2,8 @@
 
 It holds facts about this rank (frozen after start-up), the run's mutable state (`distfn.run.Run`, ``ctx.run``)
 and thin methods that forward to the modules that do the work (`collectives`, `data`, `precision`,
-`accumulation`, `progress`, `wrapping`, `checkpoint`), handing each the part of the run it needs, so each piece
-can be tested on its own.
+`accumulation`, `progress`, `wrapping`, `checkpoint`, `tracking`), handing each the part of the run it needs, so
+each piece can be tested on its own.
 """
 
 from __future__ import annotations
@@ -318,6 +318,32 @@ class Context:
             kwargs: passed to `SummaryWriter`.
         """
         return progress.writer(self.is_main, None if log_dir is None else os.fspath(log_dir), **kwargs)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log ``metrics`` at ``step`` to the job's tracked run (``@distributed(track=...)``), from rank 0.
+
+        Call it on every rank, with no ``if ctx.is_main:``: on the other ranks it returns at once (no file, no
+        thread, no import of the tracker, no GPU sync). On rank 0 a tensor value is detached and read with
+        ``.item()``; the values are sent in the background, in batches. The values are this rank's: use
+        ``ctx.all_reduce`` first for the mean over ranks. See docs/tracking.md.
+
+        Args:
+            metrics: ``{name: number or one-element tensor}``.
+            step: your global step (steps never go back; after a restart the steps an earlier attempt logged
+                are not sent again). ``None``: one more than the last step logged in this attempt.
+        """
+        if self.run.tracking is not None:
+            self.run.tracking.log_metrics(metrics, step)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Record ``params`` on the tracked run, from rank 0 (a no-op elsewhere). The cfg is recorded by itself
+        when the run opens; nested values are flattened to dotted names, values JSON cannot hold left out.
+
+        Args:
+            params: ``{name: value}``, possibly nested.
+        """
+        if self.run.tracking is not None:
+            self.run.tracking.log_params(params)
 
     # -- collectives --------------------------------------------------------------------------------------
     def barrier(self) -> None:

@@ -202,6 +202,7 @@ def distributed(
     fsdp: Mapping[str, Any] | None = None,
     max_restarts: int = 0,
     requeue: bool = False,
+    track: str | Any | Sequence[str | Any] | None = None,
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -246,6 +247,12 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             ``#SBATCH --signal=USR2@T``, SIGTERM at a time limit or preemption) and the function then returned,
             rank 0 puts the job back in the queue once (``scontrol requeue``); the requeued job resumes from its
             newest checkpoint. Never after a normal end or a failure. Default False.
+        track: experiment tracking from rank 0 for ``ctx.log_metrics`` / ``ctx.log_params``: ``"mlflow"``,
+            ``"wandb"``, ``"tensorboard"``, ``"csv"``, a list of them, or backend objects
+            (``distfn.tracking.MLflow(uri=..., experiment=...)``, ...). One run per job, continued across
+            ``max_restarts``, ``requeue`` and a re-run that ``ctx.resume``-s; the cfg is logged as its parameters.
+            A missing extra is a `ConfigError` naming it (``pip install 'distfn[mlflow]'``). See
+            docs/tracking.md.
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take

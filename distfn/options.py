@@ -1,8 +1,9 @@
 """The validated arguments of ``@distributed``, and the rules that follow from them alone.
 
-This module sits at the bottom of the import graph: it imports nothing from distfn except `errors` and
-`fsdp_options` (plain values, no FSDP runtime), so the decorator, the launcher, the rank bootstrap and the
-`Context` can all take an `Options` without import cycles.
+This module sits at the bottom of the import graph: it imports nothing from distfn except `errors`,
+`fsdp_options` (plain values, no FSDP runtime) and `tracking.spec` (the backends' settings, no tracking
+package), so the decorator, the launcher, the rank bootstrap and the `Context` can all take an `Options` without
+import cycles.
 Every argument is checked here once (a `ConfigError` naming the argument and the fix), and the rules that
 depend only on the arguments live here too: which modes run one process (`Options.one_process`), which start a
 process group (`Options.multi_rank`) and how many processes to start (`requested_nprocs`, `default_nprocs`).
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 from .errors import ConfigError
 from .fsdp_options import parse_options as parse_fsdp_options
+from .tracking.base import Backend
+from .tracking.spec import parse_track
 
 #: A mode of ``@distributed(mode=...)``. The closed sets below are `Literal` types, so strict mypy rejects a
 #: misspelled value (``mode == "fdsp"`` is a non-overlapping comparison); ask `Options` (or the predicates
@@ -326,6 +329,7 @@ class Options:
     fsdp: Any = attrs.field(default=None, converter=check_fsdp)  # distfn.fsdp_options.FsdpOptions | None
     max_restarts: int = attrs.field(default=0, converter=check_max_restarts)
     requeue: bool = attrs.field(default=False, converter=check_requeue)
+    track: tuple[Backend, ...] = attrs.field(default=None, converter=parse_track)
 
     def __attrs_post_init__(self) -> None:
         if self.one_process and self.nprocs not in (None, 1):

@@ -130,6 +130,16 @@ def install(opt_in: bool = False) -> tuple[StopSignals, dict[int, Any] | None]:
     return stop, set_handlers(dict.fromkeys(STOP_SIGNALS, stop.on_signal))
 
 
+def slurm_job_id(env: Mapping[str, str]) -> str:
+    """This Slurm job's id (``<array job>_<task>`` for one task of an array), ``""`` outside Slurm. A requeued job
+    keeps it, which is why experiment tracking keys its run by it (`distfn.tracking.key`)."""
+    job = env.get("SLURM_JOB_ID", "").strip()
+    array_job, task = env.get("SLURM_ARRAY_JOB_ID", "").strip(), env.get("SLURM_ARRAY_TASK_ID", "").strip()
+    if array_job and task:
+        return f"{array_job}_{task}"  # one task of an array, not the whole array
+    return job
+
+
 def requeue(env: Mapping[str, str], run: Callable[..., Any] = subprocess.run, *,
             signal_name: str | None = None) -> bool:
     """Put this Slurm job back in the queue (``scontrol requeue``); returns whether Slurm accepted it.
@@ -141,10 +151,7 @@ def requeue(env: Mapping[str, str], run: Callable[..., Any] = subprocess.run, *,
     fails, a warning says so and nothing else happens. ``signal_name``: the stop signal this rank received (for
     the log line), if any.
     """
-    job = env.get("SLURM_JOB_ID", "").strip()
-    array_job, task = env.get("SLURM_ARRAY_JOB_ID", "").strip(), env.get("SLURM_ARRAY_TASK_ID", "").strip()
-    if array_job and task:
-        job = f"{array_job}_{task}"  # one task of an array, not the whole array
+    job = slurm_job_id(env)
     if not job:
         logger.warning("requeue=True but this is not a Slurm job (SLURM_JOB_ID is unset): not requeued")
         return False

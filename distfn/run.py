@@ -17,8 +17,8 @@ none is given. What stays module-level is per process, not per run: the loguru c
 (`distfn.logs`), the nested-launch guard (`distfn.worker`), the fork server (`distfn.launch.forkserver`) and the
 worker's stack pipe (`distfn.launch.local`).
 
-Imports: `checkin`, `checkpoint.background`, `data`, `fsdp_options`, `options`, `preemption`, `rng` (the types
-of its parts and the rules that pick them); nothing imports it but `context`, `worker` and
+Imports: `checkin`, `checkpoint.background`, `data`, `fsdp_options`, `options`, `preemption`, `rng`,
+`tracking.session` (the types of its parts and the rules that pick them); nothing imports it but `context`, `worker` and
 `checkpoint.policy` (and, for annotations, the services it is passed to).
 """
 
@@ -38,6 +38,7 @@ from .fsdp_options import FsdpOptions
 from .options import Mode, shards_state
 from .preemption import StopSignals
 from .rng import gather_wait
+from .tracking.session import Session
 
 #: Seconds a rank whose function ended normally waits for peers that have not yet started their process group.
 PEER_START_WAIT: Final = 60.0
@@ -58,6 +59,8 @@ class Run:
             look for the model an optimizer in the state belongs to.
         checkin: this rank's side of the "did every rank call this?" protocol, from `start_check_in` (multi-rank
             runs with a store) to `finish`; ``None`` otherwise.
+        tracking: rank 0's experiment tracking (``ctx.log_metrics``, ``track=``), ``None`` on the other ranks
+            (whose log calls then cost nothing); ``ctx.save`` stores its run's key, ``ctx.resume`` hands it back.
         saves: this rank's background checkpoint writer (``ctx.save(..., blocking=False)``, ``ctx.saves``), which
             every later checkpoint call, a true ``ctx.should_stop`` and the bootstrap (before the process group
             goes) wait for.
@@ -70,6 +73,7 @@ class Run:
     wrapped: weakref.WeakSet[nn.Module] = attrs.field(factory=weakref.WeakSet)
     checkin: CheckIn | None = None
     saves: Saves = attrs.field(factory=Saves)
+    tracking: Session | None = None
 
     def start_check_in(self, rank: int, world_size: int) -> None:
         """Start the check-in (call on every rank right after the process group is up; no collective).

@@ -29,6 +29,7 @@ from .context import Context
 from .errors import LauncherError
 from .options import restart_attempt
 from .run import Run
+from .tracking.session import open_session, status_of
 
 if TYPE_CHECKING:
     from .options import Options
@@ -127,6 +128,12 @@ def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None
         preemption.requeue(os.environ, signal_name=ctx.run.stop.signal)
 
 
+def _close_tracking(run_state: Run, error: BaseException | None) -> None:
+    """Rank 0: end the tracked run FINISHED / FAILED / KILLED (a bounded wait; never raises; once)."""
+    if run_state.tracking is not None:
+        run_state.tracking.close(status_of(error, run_state.stop.stopped))
+
+
 def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
         report: Callable[[BaseException], None] | None = None) -> Any:
     """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always left.
@@ -141,7 +148,9 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     started_group = failed = False
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
     stop, stop_handlers = preemption.install(opt_in=preemption.polls(fn))
-    run_state = Run(mode=opts.mode, fsdp=opts.fsdp or fsdp.FsdpOptions(), stop=stop)
+    run_state = Run(mode=opts.mode, fsdp=opts.fsdp or fsdp.FsdpOptions(), stop=stop,
+                    tracking=open_session(opts.track, cfg, topology.rank))
+    error: BaseException | None = None
     try:
         device = devices.select_device(opts.mode, topology, opts.backend)
         if device.type == "cuda":
@@ -179,9 +188,11 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         _requeue_if_stopped(opts, topology, ctx)
         return result
     except BaseException as exc:
-        failed = True
+        failed, error = True, exc
         with contextlib.suppress(Exception):
             run_state.saves.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
+        # before the report: once the launcher knows, it stops this process (SIGTERM, its default action then)
+        _close_tracking(run_state, exc)
         if report is not None:
             report(exc)
         elif topology.launcher not in ("spawn", "local"):
@@ -190,6 +201,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         raise
     finally:
         run_state.finish(failed=failed)  # peers waiting in a check-in learn that this rank will never join it
+        _close_tracking(run_state, error)  # after a failure it was closed above, before the report
         if started_group:
             rendezvous.leave_process_group(failed=failed)
         logs.teardown()

@@ -92,6 +92,8 @@ def save_state(
         The resolved absolute path, the same on every rank.
     """
     run.saves.wait()  # the previous (asynchronous) save first; its failure is raised here
+    if run.tracking is not None:  # rank 0: the tracked run's key, so that a re-run which resumes continues it
+        metadata = run.tracking.stamp(metadata)
     target = resolve(path)
     as_directory = wants_sharded(path, mode, sharded)
     if not as_directory:  # checks that need no collective fail on every rank alike, before any collective
@@ -186,6 +188,8 @@ def resume_state(
     last = collectives.broadcast_object(None if last is None else str(last))
     if last is None:
         return 0
+    if run.tracking is not None and run.tracking.active:  # rank 0: continue the run the checkpoint belongs to
+        run.tracking.adopt(api.read_metadata(last))
     load_state(last, state, mode=mode, rank=rank, world_size=world_size, device=device, run=run, strict=strict,
                rng=IF_PRESENT)
     return step_of_path(last) or 0

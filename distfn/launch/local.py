@@ -52,6 +52,7 @@ from ..errors import ConfigError, Terminated, WorkerError
 from ..failures import Failure, innermost_user_frame, main_stack
 from ..options import Options
 from ..topology import LOOPBACK, Topology
+from ..tracking import key as tracking_key
 from . import protocol, shipping
 
 __all__ = ["BOOTSTRAP", "WorkerGroup", "launch"]
@@ -546,13 +547,22 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, *, meth
     ``opts.max_restarts`` times, after a back-off; never after a ConfigError or a stop from outside.
     """
     preflight.check_port_free(opts.init_method)
-    if method == "fork":
-        logger.trace("starting {} workers with fork: {}", nprocs, reason)
-    else:
-        cfg = protocol.compact_views(cfg)  # travels by pickle: a view must not carry its whole storage
-        fn, cfg, how = shipping.pack(preflight.sendable(fn), cfg, method, opts.start_method)
-        logger.info("starting {} workers with {}: {}; {}", nprocs, method, reason,
-                    f"{server}; {how}" if server else how)
+    # every attempt of this job logs into one tracked run (distfn.tracking.key); set before the packing, which
+    # takes the environment along to forkserver workers
+    with tracking_key.exported():
+        if method == "fork":
+            logger.trace("starting {} workers with fork: {}", nprocs, reason)
+        else:
+            cfg = protocol.compact_views(cfg)  # travels by pickle: a view must not carry its whole storage
+            fn, cfg, how = shipping.pack(preflight.sendable(fn), cfg, method, opts.start_method)
+            logger.info("starting {} workers with {}: {}; {}", nprocs, method, reason,
+                        f"{server}; {how}" if server else how)
+        return _attempts(fn, cfg, opts, nprocs, method, topology)
+
+
+def _attempts(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, method: str,
+              topology: Callable[[int], Topology] | None) -> Any:
+    """`launch`'s attempts: the first, then up to ``opts.max_restarts`` more after a failure."""
     earlier: list[Failure] = []  # the root cause of each failed attempt before this one
     for attempt in range(opts.max_restarts + 1):
         group = WorkerGroup(method, nprocs, opts, attempt, topology=topology, own_store=topology is None)

@@ -1,0 +1,291 @@
+"""The tracking of one run on rank 0 (``ctx.run.tracking``): what ``ctx.log_metrics`` / ``ctx.log_params`` feed.
+
+Other ranks have no session at all (``None``): their calls return at once, before looking at the values, so they
+open no file, start no thread or process, import no tracker package and never synchronise a GPU.
+
+On rank 0 a call turns tensors into floats (``.item()``: on rank 0 only, the one GPU sync the user asked for by
+logging a tensor) and appends one entry to a queue; a daemon thread, started at the first call, does the rest:
+
+* **opens the run** of every backend with the job key (`distfn.tracking.key`), at the first call, so that a
+  ``ctx.resume`` before the loop can hand over the key of the run its checkpoint belongs to (`Session.adopt`);
+* **sends** every ``flush_every`` seconds what came in, in batches (one ``log_batch`` per flush for MLflow, not
+  a request per value), the job's cfg first as parameters (`distfn.tracking.params.flatten`);
+* **keeps steps going forward**: a step below the highest one logged in this attempt is dropped (one warning),
+  and rows at or below a backend's *floor* (the highest step its run held when it opened, or the checkpoint's
+  record for a backend that cannot tell) are replays of steps logged before a restart and are not sent again;
+* **survives its backends**: an open or a send that raises logs one warning per backend (and one line when it
+  works again); ``on_error="buffer"`` keeps what was not sent (at most `MAX_PENDING` rows, the oldest dropped
+  beyond) and tries again at each flush, ``"drop"`` throws it away. Nothing a backend does reaches training;
+* **closes** the runs FINISHED / FAILED / KILLED when the function ends (`close`, from `distfn.worker.run`), with
+  a bounded wait, and never raises there: the job's own failure stays the one reported.
+
+Imports: `tracking.base`, `tracking.key`, `tracking.params` (and the torch ``Tensor`` type).
+"""
+
+from __future__ import annotations
+
+import collections
+import numbers
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import torch
+from loguru import logger
+
+from ..errors import Terminated
+from .base import Backend, Handle, Row, RunInfo, Status
+from .key import RECORD_KEY, job_key, key_in, record, tags
+from .params import flatten
+
+#: Seconds between two sends of the tracking thread.
+FLUSH_EVERY: Final = 1.0
+
+#: The most rows a backend keeps while it cannot send (``on_error="buffer"``); older ones are dropped beyond.
+MAX_PENDING: Final = 100_000
+
+#: Seconds `Session.close` waits for the last send and the runs' end after a normal end / after a failure (the
+#: launcher kills a failed job's ranks a few seconds after the failure, see `distfn.launch.local.STOP_GRACE`).
+CLOSE_WAIT: Final = 30.0
+CLOSE_WAIT_FAILED: Final = 3.0
+
+
+def status_of(exc: BaseException | None, stopped: bool) -> Status:
+    """How a run ended: FAILED for an exception, KILLED for a stop from outside (Ctrl-C, SIGTERM) or a function
+    that returned after a stop signal (preemption, requeue), FINISHED otherwise."""
+    if exc is None:
+        return "KILLED" if stopped else "FINISHED"
+    return "KILLED" if isinstance(exc, (KeyboardInterrupt, Terminated)) else "FAILED"
+
+
+def _number(name: str, value: Any) -> float:
+    """A logged value as a float: a one-element tensor (detached, ``.item()``), a Python or NumPy number."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"ctx.log_metrics: {name!r} is a tensor of shape {tuple(value.shape)}; log one value "
+                            "per name (e.g. loss.mean(), or ctx.all_reduce(loss) for the mean over ranks)")
+        return float(value.detach().item())
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"ctx.log_metrics: {name!r} is {type(value).__name__} ({value!r}); metrics are numbers or "
+                    "one-element tensors (log text with ctx.log_params)")
+
+
+class _Channel:
+    """One backend's side of the session: its open run, what waits to be sent, and whether it is failing."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.handle: Handle | None = None
+        self.rows: collections.deque[Row] = collections.deque(maxlen=MAX_PENDING)
+        self.params: dict[str, str] = {}
+        self.failing = False
+        self.replays = 0  # rows not sent because an earlier attempt had logged their step
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        if not self.failing:
+            keep = "keeps what it could not send and retries" if self.backend.on_error == "buffer" else \
+                "drops what it could not send"
+            logger.warning("tracking: {} could not {} ({}: {}); training goes on, the backend {} (on_error={!r})",
+                           self.name, what, type(exc).__name__, exc, keep, self.backend.on_error)
+        self.failing = True
+        if self.backend.on_error == "drop":
+            self.rows.clear()
+            self.params.clear()
+
+    def recovered(self) -> None:
+        if self.failing:
+            logger.info("tracking: {} works again", self.name)
+        self.failing = False
+
+
+class Session:
+    """The tracking of one run on rank 0 (see the module docstring). Made by `open_session`."""
+
+    def __init__(self, backends: Sequence[Backend], cfg: Any, env: Mapping[str, str], *,
+                 flush_every: float = FLUSH_EVERY) -> None:
+        self.backends = tuple(backends)
+        self.key = job_key(env)
+        self._tags = tags(self.key, env)
+        self._cfg = cfg
+        self._flush_every = flush_every
+        self.high: int | None = None  # the highest step logged in this attempt (or adopted from a checkpoint)
+        self._floor: int | None = None  # the checkpoint record's step: the floor of backends that cannot tell
+        self._queue: collections.deque[tuple[str, Any]] = collections.deque()
+        self._channels = [_Channel(b) for b in self.backends]
+        self._wake = threading.Event()
+        self._done = threading.Event()
+        self._status: Status = "FINISHED"
+        self._thread: threading.Thread | None = None
+        self._warned: set[str] = set()
+
+    @property
+    def active(self) -> bool:
+        """Whether any backend is configured (``track=`` was given)."""
+        return bool(self.backends)
+
+    @property
+    def started(self) -> bool:
+        """Whether the run was opened (the first log call happened)."""
+        return self._thread is not None
+
+    def _warn_once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message, *args)
+
+    # -- the training thread ------------------------------------------------------------------------------------
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Queue ``metrics`` at ``step`` (``None``: one more than the last step logged)."""
+        if not self.backends:
+            self._warn_once("no-track", "ctx.log_metrics: this job tracks nothing; pass @distributed(track=...) "
+                            "('mlflow', 'wandb', 'tensorboard', 'csv'), see docs/tracking.md")
+            return
+        if step is None:
+            step = (self.high or 0) + 1
+        elif isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise TypeError(f"ctx.log_metrics(..., step={step!r}): step is a non-negative int (your global step)")
+        step = int(step)
+        values = {str(name): _number(str(name), value) for name, value in metrics.items()}
+        if self.high is not None and step < self.high:
+            self._warn_once("backwards", "ctx.log_metrics: step {} comes after step {}; steps never go back, so "
+                            "such rows are dropped (pass your global step as step=)", step, self.high)
+            return
+        self.high = step
+        self._start()
+        self._queue.append(("metrics", (step, values)))
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Queue ``params`` (flattened like the cfg)."""
+        if not self.backends:
+            self._warn_once("no-track", "ctx.log_params: this job tracks nothing; pass @distributed(track=...)")
+            return
+        self._start()
+        self._queue.append(("params", flatten(params)))
+
+    def adopt(self, metadata: Mapping[str, Any]) -> None:
+        """Continue the run a checkpoint's metadata names (``ctx.resume``), if the run is not open yet."""
+        found = key_in(metadata)
+        if found is None or not self.backends:
+            return
+        key, step = found
+        if self.started:
+            if key != self.key:
+                logger.warning("tracking: the checkpoint belongs to run {}, but this job already logs to run {} (it "
+                               "logged before ctx.resume); call ctx.resume before logging to continue that run",
+                               key, self.key)
+            return
+        if key != self.key:
+            logger.info("tracking: continuing run {} of the resumed checkpoint", key)
+        self.key, self._floor = key, step
+        self._tags = {**self._tags, "distfn.key": key}
+
+    def stamp(self, metadata: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        """``metadata`` with this run's record added (``ctx.save``), so a re-run that resumes continues it."""
+        if not self.backends:
+            return metadata
+        ids = {c.name: c.handle.ids for c in self._channels if c.handle is not None}
+        steps = [s for s in (self.high, self._floor) if s is not None]
+        return {**(metadata or {}), RECORD_KEY: record(self.key, max(steps) if steps else None, ids)}
+
+    def close(self, status: Status) -> None:
+        """Send what is left and end every run with ``status``; waits at most `CLOSE_WAIT` s (`CLOSE_WAIT_FAILED`
+        after a failure), never raises."""
+        if self._thread is None or self._done.is_set():
+            return
+        self._status = status
+        self._done.set()
+        self._wake.set()
+        wait = CLOSE_WAIT if status == "FINISHED" else CLOSE_WAIT_FAILED
+        try:
+            self._thread.join(wait)
+        except BaseException as exc:  # noqa: BLE001 - Ctrl-C / SIGTERM while waiting: stop waiting, raise nothing
+            logger.warning("tracking: stopped waiting for the backends ({}); what they had not sent is lost",
+                           type(exc).__name__)
+            return
+        if self._thread.is_alive():
+            logger.warning("tracking: the backends did not finish within {:g} s; what they had not sent is lost", wait)
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        if any(b.log_cfg for b in self.backends):
+            self._queue.append(("cfg", flatten(self._cfg)))
+        info = RunInfo(key=self.key, name=self.key, tags=dict(self._tags))
+        self._thread = threading.Thread(target=self._loop, args=(info,), name="distfn-tracking", daemon=True)
+        self._thread.start()
+
+    # -- the tracking thread ------------------------------------------------------------------------------------
+    def _loop(self, info: RunInfo) -> None:
+        while True:
+            done = self._done.is_set()
+            self._drain()
+            for channel in self._channels:
+                self._send(channel, info)
+            if done:
+                break
+            self._wake.wait(self._flush_every)
+            self._wake.clear()
+        for channel in self._channels:
+            if channel.handle is not None:
+                try:
+                    channel.handle.close(self._status)
+                except Exception as exc:  # noqa: BLE001 - a backend's failure never reaches the job
+                    logger.warning("tracking: {} could not close its run ({}: {})", channel.name,
+                                   type(exc).__name__, exc)
+
+    def _drain(self) -> None:
+        while self._queue:
+            kind, item = self._queue.popleft()
+            for channel in self._channels:
+                if kind == "metrics":
+                    channel.rows.append(item)
+                elif kind == "params" or channel.backend.log_cfg:
+                    channel.params.update(item)
+
+    def _send(self, channel: _Channel, info: RunInfo) -> None:
+        if channel.handle is None:
+            try:
+                channel.handle = channel.backend.open(info)
+            except Exception as exc:  # noqa: BLE001 - a backend's failure never reaches the job
+                channel.failed("open its run", exc)
+                return
+        handle = channel.handle
+        floor = handle.floor if handle.floor is not None else self._floor
+        rows: list[Row] = []
+        while channel.rows:
+            row = channel.rows.popleft()
+            if floor is not None and row[0] <= floor:
+                channel.replays += 1
+                if channel.replays == 1:
+                    logger.info("tracking: {} already holds steps up to {} from an earlier attempt; those steps are "
+                                "not sent again", channel.name, floor)
+                continue
+            rows.append(row)
+        try:
+            if channel.params:
+                handle.log_params(channel.params)
+                channel.params = {}
+            if rows:
+                handle.log_metrics(rows)
+        except Exception as exc:  # noqa: BLE001 - a backend's failure never reaches the job
+            # kept, in order, for the next try ("buffer"); beyond MAX_PENDING the oldest go
+            channel.rows = collections.deque([*rows, *channel.rows], maxlen=MAX_PENDING)
+            channel.failed("send", exc)
+            return
+        channel.recovered()
+
+
+def open_session(backends: Sequence[Backend], cfg: Any, rank: int, env: Mapping[str, str] | None = None) \
+        -> Session | None:
+    """The run's session on rank 0, ``None`` on the other ranks (whose log calls then cost nothing)."""
+    if rank != 0:
+        return None
+    return Session(backends, cfg, os.environ if env is None else env)

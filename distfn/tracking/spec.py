@@ -1,0 +1,53 @@
+"""``@distributed(track=...)`` checked at decoration: names, a list of them, or backend objects, as a tuple of
+`Backend` settings whose extras are installed.
+
+Imports: `errors`, `tracking.base` and the backends' settings classes (which import nothing heavy: each
+backend's package is imported when its run opens, on rank 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from ..errors import ConfigError
+from .base import Backend
+from .csv_backend import CSV
+from .mlflow_backend import MLflow
+from .tensorboard_backend import TensorBoard
+from .wandb_backend import WandB
+
+#: The built-in backends by name (``track="mlflow"`` is ``track=MLflow()``).
+BUILTIN: Final[dict[str, Callable[[], Backend]]] = {"mlflow": MLflow, "wandb": WandB, "tensorboard": TensorBoard,
+                                                    "csv": CSV}
+
+
+def _one(item: Any) -> Backend:
+    if isinstance(item, str):
+        make = BUILTIN.get(item.strip().lower())
+        if make is None:
+            raise ConfigError(f"track={item!r} is not a tracking backend; use one of "
+                              f"{', '.join(map(repr, BUILTIN))}, a list of them, or a backend object "
+                              "(distfn.tracking.MLflow(...), ...)")
+        backend = make()
+    elif isinstance(item, Backend):
+        backend = item
+    else:
+        raise ConfigError(f"track= takes a backend name ({', '.join(map(repr, BUILTIN))}), a list of them or a "
+                          f"backend object with name, on_error, log_cfg, check() and open(); got {item!r}")
+    backend.check()
+    return backend
+
+
+def parse_track(value: Any) -> tuple[Backend, ...]:
+    """``track=`` as the backends' settings (empty: no tracking), each checked (`Backend.check`); a name given
+    twice is an error, since the two would write the same run."""
+    if value is None:
+        return ()
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    backends = tuple(_one(item) for item in items)
+    names = [b.name for b in backends]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"track= names {', '.join(map(repr, twice))} twice; each backend logs one run per job")
+    return backends

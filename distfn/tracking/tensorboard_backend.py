@@ -1,0 +1,84 @@
+"""``track="tensorboard"``: scalars in ``<root>/<job key>/`` through torch's ``SummaryWriter`` (the
+``distfn[tensorboard]`` extra, as ``ctx.writer``).
+
+A continued run writes a new event file into the same directory (TensorBoard merges them); its floor is the
+highest step in the event files already there, read once when the run opens.
+
+Imports: `tracking.base`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+
+from .base import Row, RunInfo, Settings, Status, require
+
+
+def _last_step(directory: Path) -> int | None:
+    """The highest step of the event files in ``directory`` (not its subfolders), or ``None``."""
+    # imported here: tensorboard's reader pulls in its whole backend (~0.5 s), wanted only on rank 0 and only
+    # when a run continues
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    best: int | None = None
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("summary") and (best is None or event.step > best):
+                best = int(event.step)
+    return best
+
+
+@attrs.frozen(kw_only=True)
+class TensorBoard(Settings):
+    """Log scalars to ``<root>/<job key>/`` for ``tensorboard --logdir <root>``.
+
+    Attributes:
+        root: the directory holding one folder per run.
+    """
+
+    root: str = attrs.field(default="runs", converter=os.fspath)
+    name: ClassVar[str] = "tensorboard"
+
+    def check(self) -> None:
+        """The ``distfn[tensorboard]`` extra must be installed."""
+        require("tensorboard", "tensorboard", self.name)
+
+    def open(self, run: RunInfo) -> TensorBoardRun:
+        """A writer on the run's directory (continuing its event files when there are some)."""
+        return TensorBoardRun(Path(self.root) / run.key, run)
+
+
+class TensorBoardRun:
+    """An open TensorBoard run (see `TensorBoard`)."""
+
+    def __init__(self, directory: Path, run: RunInfo) -> None:
+        # imported here: torch.utils.tensorboard imports tensorboard and its protobufs, for rank 0 only
+        from torch.utils.tensorboard import SummaryWriter
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.floor = _last_step(directory)
+        self.ids: Mapping[str, str] = {"dir": str(directory.resolve())}
+        self._writer: Any = SummaryWriter(log_dir=str(directory))
+        self._writer.add_text("distfn/tags", "\n".join(f"{k}: {v}" for k, v in sorted(run.tags.items())))
+
+    def log_metrics(self, rows: Sequence[Row]) -> None:
+        """``add_scalar`` every value, then flush."""
+        for step, values in rows:
+            for name, value in values.items():
+                self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        """The parameters as one markdown table under the ``params`` text tag."""
+        rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(params.items()))
+        self._writer.add_text("params", f"| parameter | value |\n|---|---|\n{rows}")
+
+    def close(self, status: Status) -> None:
+        """Record ``status`` (text tag ``distfn/status``) and close the writer."""
+        self._writer.add_text("distfn/status", status)
+        self._writer.close()

@@ -1,0 +1,572 @@
+"""Experiment tracking (issue 29): ``@distributed(track=...)``, ``ctx.log_metrics`` / ``ctx.log_params``.
+
+Real backends: an ``mlflow server`` on 127.0.0.1 (its own sqlite store in the test's directory, always
+stopped), W&B in offline mode (the ``.wandb`` files read back), TensorBoard event files and the CSV logger.
+The jobs are 2-rank self-spawned scripts; what rank 1 does is checked from inside rank 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ckpt_helpers import repo_env
+
+from distfn.errors import ConfigError
+from distfn.options import make_options
+from distfn.tracking import CSV, MLflow, RunInfo
+from distfn.tracking.key import KEY_ENV, RECORD_KEY, exported, job_key, key_in
+from distfn.tracking.params import flatten
+from distfn.tracking.session import Session, open_session, status_of
+
+from conftest import clean_env, free_port, requires
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = clean_env()
+    env.pop(KEY_ENV, None)
+    env.update(extra, PYTHONPATH=repo_env()["PYTHONPATH"])
+    return env
+
+
+def _run(script: Path, args: Sequence[str], env: Mapping[str, str], cwd: Path, timeout: float = 240) -> str:
+    done = subprocess.run([sys.executable, str(script), *args], env=dict(env), cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done.stdout + done.stderr
+
+
+# A 2-rank job that resumes from its checkpoints, logs loss/rank every step, saves every 5 steps and on its
+# last step, and (attempt 0 only, when asked) is killed with SIGKILL on rank 0 at a given step, once the MLflow
+# server holds that step: argv is ckpt_dir steps kill_at MLflow(...).
+JOB = textwrap.dedent('''
+    import os, signal, sys, time
+    import torch
+    from torch import nn
+    from distfn import distributed
+    from distfn.tracking import MLflow, WandB, TensorBoard, CSV
+
+    ckpt, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    track = eval(sys.argv[4])
+
+    def sent_up_to(step, within=90):
+        from mlflow import MlflowClient
+        client = MlflowClient(tracking_uri=track.uri)
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            experiment = client.get_experiment_by_name(track.experiment)
+            for run in client.search_runs([experiment.experiment_id]) if experiment is not None else []:
+                if max((m.step for m in client.get_metric_history(run.info.run_id, "loss")), default=0) >= step:
+                    return
+            time.sleep(0.2)
+
+    @distributed(mode="ddp", nprocs=2, seed=0, max_restarts=1, track=track)
+    def train(cfg, ctx):
+        model = ctx.wrap(nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+        state = {"model": model, "optimizer": opt, "step": 0}
+        start = ctx.resume(state, ckpt)
+        for step in range(start + 1, steps + 1):
+            loss = model(torch.randn(8, 4)).square().mean()
+            ctx.backward(loss)
+            ctx.step(opt)
+            ctx.log_metrics({"loss": loss, "rank_sum": ctx.all_reduce(float(ctx.rank), op="sum")}, step=step)
+            if step % 5 == 0 or step == steps:
+                ctx.save({**state, "step": step}, f"{ckpt}/ckpt-{step}.safetensors")
+            if step == kill_at and ctx.restart == 0 and ctx.rank == 0:
+                sent_up_to(step)  # the tracking thread sent steps up to here: the restart must not resend them
+                os.kill(os.getpid(), signal.SIGKILL)
+        return ctx.restart
+
+    if __name__ == "__main__":
+        print("attempt", train({"lr": 0.01, "model": {"width": 4}, "tag": "t1"}))
+''')
+
+
+# -- an mlflow server of the test's own --------------------------------------------------------------------------
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[str]:
+    pytest.importorskip("mlflow", reason="needs mlflow, from the 'mlflow' extra: pip install -e '.[mlflow]'")
+    port = free_port()
+    store = tmp_path / "mlflow-server"
+    store.mkdir()
+    log = (store / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--default-artifact-root", str(store / "art")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=clean_env())
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlflow server did not start: {(store / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        # the server's job consumers (huey) may outlive it or ignore SIGTERM: the whole group goes
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        log.close()
+
+
+def _mlflow_runs(uri: str, experiment: str) -> list[Any]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    return [] if found is None else client.search_runs([found.experiment_id])
+
+
+def _history(uri: str, run_id: str, key: str) -> list[int]:
+    from mlflow import MlflowClient
+
+    history = MlflowClient(tracking_uri=uri).get_metric_history(run_id, key)
+    return [m.step for m in sorted(history, key=lambda m: (m.timestamp, m.step))]
+
+
+@pytest.mark.slow
+def test_mlflow_one_run_across_a_restart_and_a_resumed_rerun(tmp_path: Path, mlflow_server: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = _env(tmp_path)
+    track = f"MLflow(uri={mlflow_server!r}, experiment='distfn-test')"
+    # killed (SIGKILL, rank 0) at step 13 of 20, restarted (max_restarts=1), resumed from ckpt-10
+    out = _run(script, [str(tmp_path / "a"), "20", "13", track], env, tmp_path)
+    assert "attempt 1" in out
+    runs = _mlflow_runs(mlflow_server, "distfn-test")
+    assert len(runs) == 1, [r.info for r in runs]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["lr"] == "0.01" and run.data.params["model.width"] == "4" and run.data.params["tag"] == "t1"
+    assert _history(mlflow_server, run.info.run_id, "loss") == list(range(1, 21))  # steps 11..13: not twice
+    assert _history(mlflow_server, run.info.run_id, "rank_sum") == list(range(1, 21))
+    assert all(m.value == 1.0 for m in _mlflow_client(mlflow_server).get_metric_history(run.info.run_id, "rank_sum"))
+    assert run.data.tags["distfn.key"]
+
+    # a new process that resumes the same checkpoints continues the same run (the key is in the checkpoint)
+    _run(script, [str(tmp_path / "a"), "25", "0", track], env, tmp_path)
+    runs = _mlflow_runs(mlflow_server, "distfn-test")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert _history(mlflow_server, run.info.run_id, "loss") == list(range(1, 26))
+
+    # an unrelated job (its own checkpoint directory) gets a run of its own; under Slurm the job id is a tag
+    _run(script, [str(tmp_path / "b"), "3", "0", track], {**env, "SLURM_JOB_ID": "4242"}, tmp_path)
+    runs = _mlflow_runs(mlflow_server, "distfn-test")
+    assert len(runs) == 2
+    other = next(r for r in runs if r.info.run_id != run.info.run_id)
+    assert other.data.tags["slurm_job_id"] == "4242" and other.data.tags["distfn.key"] == "slurm-4242"
+    assert _history(mlflow_server, other.info.run_id, "loss") == [1, 2, 3]
+
+
+def _mlflow_client(uri: str) -> Any:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+# -- W&B offline --------------------------------------------------------------------------------------------------
+def _wandb_records(path: Path) -> Iterator[Any]:
+    """The records of a ``.wandb`` file (W&B's LevelDB-style log: 32 KiB blocks of crc/length/type records)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        chunk, pos = data[pos:pos + length], pos + length
+        if kind == 0 and length == 0:
+            continue
+        parts += chunk
+        if kind in (1, 4):  # FULL, LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def _wandb_run(path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"steps": [], "config": {}, "summary": {}}
+    for record in _wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["id"] = record.run.run_id
+        elif kind == "history":
+            out["steps"].append(record.history.step.num)
+        elif kind == "config":
+            out["config"].update({u.key: json.loads(u.value_json) for u in record.config.update})
+        elif kind == "summary":
+            out["summary"].update({u.key or "/".join(u.nested_key): json.loads(u.value_json)
+                                   for u in record.summary.update})
+    return out
+
+
+WANDB_JOB = textwrap.dedent('''
+    import sys
+    import torch
+    from distfn import distributed
+
+    ckpt, stop = sys.argv[1], int(sys.argv[2])
+
+    @distributed(mode="ddp", nprocs=2, track="wandb")
+    def train(cfg, ctx):
+        state = {"w": torch.zeros(2), "step": 0}
+        start = ctx.resume(state, ckpt)
+        for step in range(start + 1, stop + 1):
+            ctx.log_metrics({"loss": torch.tensor(1.0 / step)}, step=step)
+        ctx.save({**state, "step": stop}, f"{ckpt}/ckpt-{stop}.safetensors")  # as a preempted job does
+        return stop
+
+    if __name__ == "__main__":
+        print(train({"lr": 0.5}))
+''')
+
+
+@pytest.mark.slow
+@requires("wandb", "wandb")
+def test_wandb_offline_one_run_continued_by_a_resumed_rerun(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(WANDB_JOB)
+    env = _env(tmp_path, WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"), WANDB_SILENT="true")
+    (tmp_path / "wb").mkdir()
+    _run(script, [str(tmp_path / "ckpt"), "13"], env, tmp_path)  # stops at 13 with a checkpoint (preemption)
+    _run(script, [str(tmp_path / "ckpt"), "20"], env, tmp_path)  # a new process resumes it
+    files = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*/*.wandb"), key=lambda p: p.stat().st_mtime)
+    assert len(files) == 2, files
+    first, second = (_wandb_run(f) for f in files)
+    assert first["id"] == second["id"]  # one W&B run id (resume="allow"), continued
+    assert first["steps"] + second["steps"] == list(range(1, 21))
+    assert first["config"]["lr"] == "0.5"
+    assert second["summary"]["distfn_status"] == "FINISHED"
+
+
+# -- TensorBoard + CSV, and what rank 1 does -----------------------------------------------------------------------
+TB_CSV_JOB = textwrap.dedent('''
+    import json, sys, threading
+    import torch
+    from distfn import distributed
+
+    first, last, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+    class Untouchable:
+        """Fails whatever is asked of it: rank 1 must not even look at the values."""
+        def __getattr__(self, name):
+            raise AssertionError(f"rank 1 looked at a logged value ({name})")
+
+    @distributed(mode="ddp", nprocs=2, track=["tensorboard", "csv"])
+    def train(cfg, ctx):
+        for step in range(first, last + 1):
+            value = torch.tensor(float(step)) if ctx.rank == 0 else Untouchable()
+            ctx.log_metrics({"loss": value}, step=step)
+        ctx.log_params({"extra": {"depth": 3}})
+        if ctx.rank == 1:
+            seen = {"modules": sorted(m for m in ("tensorboard", "mlflow", "wandb", "torch.utils.tensorboard")
+                                      if m in sys.modules),
+                    "threads": sorted(t.name for t in threading.enumerate()),
+                    "tracking": ctx.run.tracking is None}
+            with open(out, "w") as f:
+                json.dump(seen, f)
+        return 0
+
+    if __name__ == "__main__":
+        train({"lr": 0.1, "layers": [1, 2], "fn": print})
+''')
+
+
+def _tb_steps(directory: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    steps = []
+    for path in sorted(directory.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime):
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("summary") and any(v.tag == tag for v in event.summary.value):
+                steps.append(event.step)
+    return steps
+
+
+@pytest.mark.slow
+@requires("tensorboard", "tensorboard")
+def test_tensorboard_and_csv_and_rank1_costs_nothing(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(TB_CSV_JOB)
+    env = _env(tmp_path, **{KEY_ENV: "job-7"})  # DISTFN_TRACK_KEY: joining a run on purpose
+    _run(script, ["1", "5", str(tmp_path / "rank1.json")], env, tmp_path)
+    seen = json.loads((tmp_path / "rank1.json").read_text())
+    assert seen["modules"] == [] and "distfn-tracking" not in seen["threads"] and seen["tracking"]
+    run = tmp_path / "runs" / "job-7"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["job-7"]  # one run folder, rank 0's
+    # a second attempt of the same job replays steps 3..5: not written twice
+    _run(script, ["3", "8", str(tmp_path / "rank1.json")], env, tmp_path)
+    rows = (run / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,name,value,time"
+    assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(1, 9))
+    assert [float(r.split(",")[2]) for r in rows[1:]] == [float(s) for s in range(1, 9)]
+    params = json.loads((run / "params.json").read_text())
+    assert params == {"lr": "0.1", "layers": "[1, 2]", "extra.depth": "3"}  # the cfg's function is left out
+    assert json.loads((run / "run.json").read_text())["status"] == "FINISHED"
+    assert _tb_steps(run, "loss") == list(range(1, 9))
+
+
+# -- a bare install -------------------------------------------------------------------------------------------------
+def test_missing_extra_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    code = textwrap.dedent('''
+        import sys
+        for name in ("mlflow", "wandb", "tensorboard"):
+            sys.modules[name] = None  # as if not installed: importlib.util.find_spec answers None
+        from distfn import ConfigError, distributed
+        for name in ("mlflow", "wandb", "tensorboard"):
+            try:
+                distributed(track=["csv", name])(lambda cfg, ctx: None)
+            except ConfigError as exc:
+                print("ConfigError:", exc)
+        distributed(track="csv")(lambda cfg, ctx: None)  # needs nothing
+    ''')
+    done = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3
+    for line, extra in zip(lines, ("mlflow", "wandb", "tensorboard"), strict=True):
+        assert f"pip install 'distfn[{extra}]'" in line and f"track={extra!r}" in line
+
+
+def test_track_values_are_checked_at_decoration() -> None:
+    assert make_options({}).track == ()
+    assert [b.name for b in make_options({"track": ["csv", "tensorboard"]}).track] == ["csv", "tensorboard"]
+    assert make_options({"track": CSV(root="x")}).track == (CSV(root="x"),)
+    with pytest.raises(ConfigError, match="'mlfow' is not a tracking backend"):
+        make_options({"track": "mlfow"})
+    with pytest.raises(ConfigError, match="'csv' twice"):
+        make_options({"track": ["csv", CSV(root="other")]})
+    with pytest.raises(ConfigError, match="on_error='keep' is not valid"):
+        CSV(on_error="keep")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="backend object"):
+        make_options({"track": 3})
+    assert MLflow(uri="http://x").uri == "http://x"
+
+
+# -- the session alone: the key, floors, failures, status -----------------------------------------------------------
+class FakeRun:
+    def __init__(self, log: list[Any], fail: list[int], floor: int | None = None) -> None:
+        self.log, self.fail, self.floor, self.ids = log, fail, floor, {"id": "fake"}
+
+    def _maybe_fail(self) -> None:
+        if self.fail and self.fail[0] > 0:
+            self.fail[0] -= 1
+            raise ConnectionError("server unreachable")
+
+    def log_metrics(self, rows: Sequence[Any]) -> None:
+        self._maybe_fail()
+        self.log.extend(step for step, _ in rows)
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        self._maybe_fail()
+        self.log.append(dict(params))
+
+    def close(self, status: str) -> None:
+        self.log.append(status)
+        raise RuntimeError("a tracker crash at close")  # never reaches the caller
+
+
+class FakeBackend:
+    name = "fake"
+    log_cfg = True
+
+    def __init__(self, on_error: str = "buffer", fail: int = 0, floor: int | None = None) -> None:
+        self.on_error, self.fail, self.floor, self.log, self.opened = on_error, [fail], floor, [], []
+
+    def check(self) -> None:
+        pass
+
+    def open(self, run: RunInfo) -> FakeRun:
+        self.opened.append(run)
+        return FakeRun(self.log, self.fail, self.floor)
+
+
+def _session(*backends: Any, env: Mapping[str, str] | None = None) -> Session:
+    return Session(backends, {"lr": 1}, env or {KEY_ENV: "k1"}, flush_every=0.02)
+
+
+def test_unreachable_backend_buffers_or_drops_and_warns_once(warnings_seen: Any) -> None:
+    buffering, dropping = FakeBackend("buffer", fail=3), FakeBackend("drop", fail=3)
+    session = _session(buffering, dropping)
+    for step in range(1, 6):
+        session.log_metrics({"loss": step}, step=step)
+        time.sleep(0.03)
+    session.close("FINISHED")
+    assert [x for x in buffering.log if isinstance(x, int)] == [1, 2, 3, 4, 5]  # kept and sent once it answered
+    assert {"lr": "1"} in buffering.log and buffering.log[-1] == "FINISHED"
+    assert 0 < len([x for x in dropping.log if isinstance(x, int)]) < 5  # what failed is gone
+    assert dropping.log[-1] == "FINISHED"
+    assert len(buffering.opened) == 1  # the run is opened once, at the first call
+    unreachable = [m for m in warnings_seen if "could not send" in m]
+    assert len(unreachable) == 2 and "server unreachable" in unreachable[0]  # one per backend, not per try
+    assert "on_error='buffer'" in unreachable[0] and "on_error='drop'" in unreachable[1]
+
+
+def test_rows_at_or_below_the_floor_are_replays_and_steps_never_go_back() -> None:
+    backend = FakeBackend(floor=3)
+    session = _session(backend)
+    for step in (2, 3, 4, 5, 4, 6):  # 2, 3: replays of an earlier attempt; the second 4 goes back
+        session.log_metrics({"loss": 1.0}, step=step)
+    session.log_metrics({"loss": 1.0})  # step=None: one more than the last
+    session.close("FAILED")
+    assert [x for x in backend.log if isinstance(x, int)] == [4, 5, 6, 7]
+    assert backend.log[-1] == "FAILED"
+
+
+def test_the_checkpoint_record_continues_the_run_and_its_floor() -> None:
+    first = _session(FakeBackend())
+    first.log_metrics({"loss": 1.0}, step=10)
+    stamped = first.stamp({"user": 1})
+    assert stamped is not None and stamped["user"] == 1 and key_in(stamped) == ("k1", 10)
+    first.close("KILLED")
+    backend = FakeBackend()  # cannot tell its floor: the record's step is used
+    second = _session(backend, env={KEY_ENV: "other"})
+    second.adopt(json.loads(json.dumps(stamped)))  # through JSON, as the checkpoint header stores it
+    second.log_metrics({"loss": 1.0}, step=10)
+    second.log_metrics({"loss": 1.0}, step=11)
+    second.close("FINISHED")
+    assert backend.opened[0].key == "k1"
+    assert [x for x in backend.log if isinstance(x, int)] == [11]
+    assert RECORD_KEY == "distfn.tracking"
+
+
+def test_other_ranks_have_no_session_and_rank0_checks_values() -> None:
+    assert open_session((FakeBackend(),), None, rank=1) is None
+    session = _session(FakeBackend())
+    with pytest.raises(TypeError, match="'loss' is a tensor of shape"):
+        import torch
+
+        session.log_metrics({"loss": torch.ones(3)}, step=1)
+    with pytest.raises(TypeError, match="'name' is str"):
+        session.log_metrics({"name": "x"}, step=1)
+    assert not session.started  # nothing opened by a refused call
+    assert not any(t.name == "distfn-tracking" for t in threading.enumerate())
+
+
+def test_job_key_rule_and_export() -> None:
+    assert job_key({KEY_ENV: "my job/1"}) == "my-job-1"
+    assert job_key({"SLURM_JOB_ID": "77"}) == "slurm-77"
+    assert job_key({"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}) == "slurm-70_3"
+    assert job_key({"TORCHELASTIC_RUN_ID": "abc"}) == "torchrun-abc"
+    assert job_key({"TORCHELASTIC_RUN_ID": "none"}) != job_key({"TORCHELASTIC_RUN_ID": "none"})  # fresh each
+    env: dict[str, str] = {}
+    with exported(env) as key:
+        assert env[KEY_ENV] == key
+    assert env == {}  # the next job of this process gets a key of its own
+
+
+def test_status_and_flatten() -> None:
+    from distfn.errors import Terminated
+
+    assert status_of(None, stopped=False) == "FINISHED"
+    assert status_of(None, stopped=True) == "KILLED"
+    assert status_of(ValueError(), stopped=False) == "FAILED"
+    assert status_of(Terminated("SIGTERM"), stopped=False) == "KILLED"
+    assert status_of(KeyboardInterrupt(), stopped=False) == "KILLED"
+    import argparse
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Optim:
+        lr: float = 0.1
+        betas: tuple[float, float] = (0.9, 0.99)
+
+    cfg = {"optim": Optim(), "args": argparse.Namespace(seed=3, out=None), "fn": len, "_private": 1, "n": 2.5}
+    assert flatten(cfg) == {"optim.lr": "0.1", "optim.betas": "[0.9, 0.99]", "args.seed": "3", "args.out": "null",
+                            "n": "2.5"}
+    assert flatten(None) == {} and flatten(3) == {"cfg": "3"}
+
+
+@pytest.mark.slow
+def test_a_tracker_crash_never_hides_the_jobs_failure(tmp_path: Path) -> None:
+    code = textwrap.dedent('''
+        from distfn import distributed
+        from distfn.tracking import CSV
+
+        class Broken:
+            name, on_error, log_cfg = "broken", "buffer", True
+            def check(self): pass
+            def open(self, run): raise RuntimeError("tracker exploded")
+
+        @distributed(mode="ddp", nprocs=2, track=[Broken(), CSV(root="runs")], max_restarts=0)
+        def train(cfg, ctx):
+            ctx.log_metrics({"loss": 1.0}, step=1)
+            ctx.barrier()
+            raise ValueError("the job's own failure")
+
+        if __name__ == "__main__":
+            try:
+                train()
+            except Exception as exc:
+                print("RAISED", type(exc).__name__, "own" if "the job's own failure" in str(exc) else "other")
+    ''')
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], env=_env(tmp_path), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180)
+    assert "RAISED WorkerError own" in done.stdout, done.stderr[-4000:]
+    assert "tracker exploded" in done.stderr  # the backend's failure is a warning, not the job's error
+    (run,) = (tmp_path / "runs").iterdir()  # the other backend went on, and its run ended FAILED
+    assert json.loads((run / "run.json").read_text())["status"] == "FAILED"
+    assert (run / "metrics.csv").read_text().splitlines()[1].startswith("1,loss,1.0,")
+
+
+@pytest.mark.slow
+@requires("mlflow", "mlflow")
+def test_an_unreachable_mlflow_server_is_one_warning_and_training_goes_on(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    code = textwrap.dedent(f'''
+        from distfn import distributed
+        from distfn.tracking import MLflow
+
+        @distributed(mode="ddp", nprocs=2, track=MLflow(uri="http://127.0.0.1:{port}", on_error="drop"))
+        def train(cfg, ctx):
+            for step in range(1, 31):
+                ctx.log_metrics({{"loss": 1.0 / step}}, step=step)
+                ctx.barrier()
+            return "trained"
+
+        if __name__ == "__main__":
+            print(train({{"lr": 0.1}}))
+    ''')
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    env = _env(tmp_path, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="2")
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-4000:]
+    assert done.stderr.count("tracking: mlflow could not") == 1, done.stderr[-4000:]  # one warning, not per try
+    assert "on_error='drop'" in done.stderr
