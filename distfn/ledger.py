@@ -16,7 +16,7 @@ The ledger is per process, like the main thread it describes (collectives on oth
 checkpoint's own gloo group, are not recorded): `reset` starts it afresh for each run. Cost: a deque append and a
 short frame walk per collective (measured in ``bench/bench_step.py``), nothing per DDP step but a counter.
 
-Imports nothing of distfn (leaf module).
+Imports `failures` (the phrase naming ranks) only.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
+
+from .failures import ranks_phrase
 
 _SKIPPED = (os.path.dirname(os.path.abspath(__file__)), contextlib.__file__)  # distfn, and `entered`'s own frame
 
@@ -154,10 +156,6 @@ class Ledger:
 LEDGER: Final = Ledger()
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 def disagreement(states: Sequence[RankState]) -> str | None:
     """One line saying where the ranks' ledgers disagree, or ``None`` when they agree (or say nothing).
 
@@ -173,11 +171,12 @@ def disagreement(states: Sequence[RankState]) -> str | None:
     parts = []
     if len(groups) > 1:
         ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
-        parts.append("; ".join(f"{_ranks(ranks)} {'is' if len(ranks) == 1 else 'are'} {where}"
+        parts.append("; ".join(f"{ranks_phrase(ranks)} {'is' if len(ranks) == 1 else 'are'} {where}"
                                for where, ranks in ordered))
     steps: dict[int, list[int]] = {}
     for s in states:
         steps.setdefault(s.ddp_steps, []).append(s.rank)
     if len(steps) > 1:
-        parts.append("DDP steps so far: " + "; ".join(f"{_ranks(sorted(r))} {n}" for n, r in sorted(steps.items())))
+        parts.append("DDP steps so far: " + "; ".join(f"{ranks_phrase(sorted(r))} {n}"
+                                                      for n, r in sorted(steps.items())))
     return "; ".join(parts) or None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import devices, failures, fsdp, hangs, logs, preemption, rendezvous, topology
+from . import devices, failures, fingerprint, fsdp, hangs, logs, preemption, rendezvous, topology
 from .context import Context
 from .errors import LauncherError
 from .ledger import LEDGER
@@ -168,6 +168,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             started_group = True
             run_state.start_check_in(topology.rank, topology.world_size)
             responder = _start_responder(run_state, opts, backend, report)
+            if run_state.checkin is not None:
+                run_state.agreement = fingerprint.Agreement.start(run_state.checkin, cfg, opts.timeout.total_seconds())
         if topology.rank == 0:
             log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}", topology.launcher,
                      topology.reason, topology.world_size, device, backend, threads)

@@ -110,8 +110,8 @@ def test_the_deadline_watch_reports_a_collective_open_past_distfns_timeout(monke
 
 # -- end to end -------------------------------------------------------------------------------------------------------
 def _started(out: str) -> float:
-    line = next(line for line in out.splitlines() if line.startswith("STARTED "))
-    return float(line.split()[1])
+    line = next(line for line in out.splitlines() if "STARTED " in line)  # Ray prefixes "(RankActor pid=...)"
+    return float(line.split("STARTED ")[1].split()[0])
 
 
 def _check_sleep_report(text: str) -> None:
@@ -129,8 +129,8 @@ def _pods(case: str, *, world: int = 2, extra: dict[str, str] | None = None,
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, str(JOB), case, str(TIMEOUT)],
-        env=clean_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(extra or {})),
+        env=clean_env(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(extra or {})),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(world)]
     outputs, codes = [], []
     deadline = time.monotonic() + timeout
@@ -283,3 +283,100 @@ if __name__ == "__main__":
         print("REPORTED", flush=True)
     ray.shutdown()
 """
+
+
+# -- the start-up fingerprint (item 3) ------------------------------------------------------------------------------
+def _agreements(world: int) -> list[Any]:
+    import torch.distributed as dist
+
+    from distfn.checkin import CheckIn
+    from distfn.fingerprint import Agreement
+
+    store = dist.HashStore()
+    return [Agreement.start(CheckIn.start(r, world, 5.0, store), {"lr": 0.1 if r != 2 else 0.2, "opt": object()},
+                            5.0) for r in range(world)]
+
+
+def test_cfg_items_flatten_mappings_dataclasses_and_namespaces_and_ignore_addresses() -> None:
+    import argparse
+    import dataclasses
+
+    from distfn.fingerprint import cfg_items
+
+    @dataclasses.dataclass
+    class Opt:
+        lr: float = 0.1
+        betas: tuple[float, float] = (0.9, 0.99)
+
+    items = cfg_items({"opt": Opt(), "args": argparse.Namespace(steps=3), "fn": lambda: 0})
+    assert items == {"cfg.opt.lr": "0.1", "cfg.opt.betas.0": "0.9", "cfg.opt.betas.1": "0.99",
+                     "cfg.args.steps": "3", "cfg.fn": "<function>"}  # a repr with an address: the type alone
+
+
+def test_a_different_cfg_on_one_rank_names_the_key_and_both_sides() -> None:
+    import threading
+
+    from torch import nn
+
+    from distfn.errors import ConfigError
+
+    ranks = _agreements(3)
+    errors: dict[int, str] = {}
+
+    def wrap(r: int) -> None:
+        try:
+            ranks[r].check(nn.Linear(2, 2))
+        except ConfigError as exc:
+            errors[r] = str(exc)
+
+    threads = [threading.Thread(target=wrap, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(errors) == [0, 1, 2] and len(set(errors.values())) == 1, errors
+    assert "the cfg differs at 'cfg.lr': 0.1 on ranks 0, 1, 0.2 on rank 2" in errors[0]
+
+
+def test_the_same_inputs_pass_and_a_different_layer_is_named() -> None:
+    import threading
+
+    from torch import nn
+
+    from distfn.errors import ConfigError
+
+    ranks = _agreements(2)
+    for a in ranks:
+        a.cfg = {"cfg.lr": "0.1"}
+    threads = [threading.Thread(target=a.check, args=(nn.Linear(2, 2),)) for a in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors: dict[int, str] = {}
+
+    def wrap(r: int) -> None:
+        try:
+            ranks[r].check(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 9 if r else 8)))
+        except ConfigError as exc:
+            errors[r] = str(exc)
+
+    threads = [threading.Thread(target=wrap, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "ctx.wrap #2: the wrapped model differs at 'model.1.weight': (8, 8) float32 on rank 0, (9, 8) float32 " \
+           "on rank 1" in errors[1], errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "expected"), [
+    ("cfg", "the cfg differs at 'cfg.lr': 0.1 on rank 0, 0.2 on rank 1"),
+    ("model", "the wrapped model differs at 'model.1.weight': (8, 8) float32 on rank 0, (9, 8) float32 on rank 1"),
+])
+def test_divergent_ranks_fail_at_the_first_wrap_on_every_rank(case: str, expected: str) -> None:
+    codes, outputs, _ = _pods(case)
+    assert codes == [1, 1], "\n".join(o[-3000:] for o in outputs)
+    for out in outputs:
+        assert f"ConfigError: the ranks were given different inputs at ctx.wrap #1: {expected}" in out, out[-3000:]
