@@ -5,7 +5,8 @@ only) or a model built differently on one rank (pytorch/pytorch#32426) otherwise
 collective whose sizes disagree, or, worse, in silently different training. So at each ``ctx.wrap`` (before DDP's
 or FSDP's own collectives) every rank posts a digest of the cfg's items and of the model's parameters (name,
 shape, dtype) to the process group's store, and compares the others' digests: no collective, two store round
-trips when they agree. On a mismatch every rank raises the same `ConfigError`, naming the first differing key
+trips when they agree (only the digests travel; the items themselves only after a mismatch, one rank per side).
+On a mismatch every rank raises the same `ConfigError`, naming the first differing key
 and the ranks on each side.
 
 A cfg item is compared by its ``repr``; an item whose ``repr`` holds a memory address (``<object at 0x...>``),
@@ -39,13 +40,18 @@ __all__ = ["Agreement", "cfg_items", "model_items"]
 _ADDRESS: Final = re.compile(r" at 0x[0-9a-fA-F]+")
 _MAX_REPR: Final = 120
 _MAX_DEPTH: Final = 6
+_MAX_CHILDREN: Final = 64  # a longer list or mapping (a dataset's file list) is one item: its repr's digest
 
 
 def _value(value: Any) -> str:
+    """What a cfg leaf is compared by: its repr, shortened to `_MAX_REPR` characters with the whole repr's
+    digest (so a difference past the cut still counts), or its type where the repr holds an address."""
     text = repr(value)
     if _ADDRESS.search(text):
         return f"<{type(value).__qualname__}>"
-    return text if len(text) <= _MAX_REPR else text[:_MAX_REPR - 3] + "..."
+    if len(text) <= _MAX_REPR:
+        return text
+    return f"{text[:_MAX_REPR - 25]}... (sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]})"
 
 
 def cfg_items(cfg: Any, prefix: str = "cfg", depth: int = 0) -> dict[str, str]:
@@ -62,7 +68,7 @@ def cfg_items(cfg: Any, prefix: str = "cfg", depth: int = 0) -> dict[str, str]:
             children = {str(i): v for i, v in enumerate(cfg)}
         elif type(cfg).__name__ == "Namespace" and hasattr(cfg, "__dict__"):  # argparse / types.SimpleNamespace
             children = dict(vars(cfg))
-    if children is None:
+    if children is None or len(children) > _MAX_CHILDREN:
         return {prefix: _value(cfg)}
     out: dict[str, str] = {}
     for key, value in children.items():
@@ -115,26 +121,37 @@ class Agreement:
         self.wraps += 1
         items = {**self.cfg, **model_items(model)}
         key = f"{self.prefix}wrap{self.wraps}/"
-        self.store.set(f"{key}items/{self.rank}", json.dumps(items))
         self.store.set(f"{key}digest/{self.rank}", _digest(items))
-        keys = [f"{key}digest/{r}" for r in range(self.world_size)]
-        deadline, pause = time.monotonic() + self.timeout_s, 0.001
-        while not self.store.check(keys):
-            if time.monotonic() >= deadline:
-                logger.debug("fingerprint: not every rank reached ctx.wrap #{} in time; not compared", self.wraps)
-                return
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
-        digests = [v.decode() for v in self.store.multi_get(keys)]
+        digests_keys = [f"{key}digest/{r}" for r in range(self.world_size)]
+        if not self._wait(digests_keys):
+            return
+        digests = [v.decode() for v in self.store.multi_get(digests_keys)]
         if len(set(digests)) == 1:
             return
-        raise ConfigError(self._explain(key, digests))
-
-    def _explain(self, key: str, digests: list[str]) -> str:
         sides: dict[str, list[int]] = {}
         for r, d in enumerate(digests):
             sides.setdefault(d, []).append(r)
         groups = sorted(sides.values())  # rank 0's side first
+        # the items themselves travel only now, one rank per side: a large model's list stays off the store
+        if any(g[0] == self.rank for g in groups):
+            self.store.set(f"{key}items/{self.rank}", json.dumps(items))
+        if not self._wait([f"{key}items/{g[0]}" for g in groups]):
+            raise ConfigError(f"the ranks were given different inputs at ctx.wrap #{self.wraps}: "
+                              f"{'; '.join(ranks_phrase(g) for g in groups)} differ (cfg or model)")
+        raise ConfigError(self._explain(key, groups))
+
+    def _wait(self, keys: list[str]) -> bool:
+        """Wait until every key of ``keys`` exists (at most `timeout_s`); whether they all did."""
+        deadline, pause = time.monotonic() + self.timeout_s, 0.001
+        while not self.store.check(keys):
+            if time.monotonic() >= deadline:
+                logger.debug("fingerprint: not every rank reached ctx.wrap #{} in time; not compared", self.wraps)
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        return True
+
+    def _explain(self, key: str, groups: list[list[int]]) -> str:
         reps = {g[0]: json.loads(self.store.get(f"{key}items/{g[0]}")) for g in groups}
         ref = reps[groups[0][0]]
         lines = []

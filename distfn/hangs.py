@@ -78,9 +78,11 @@ def group_timeout(timeout: datetime.timedelta, backend: str | None) -> datetime.
 
 
 def _is_hang(exc: BaseException) -> bool:
-    """A timeout (gloo, NCCL's blocking wait, the store) or a lost peer: the failures a report can explain."""
+    """A collective that timed out (gloo, NCCL's blocking wait), or a lost peer: the failures a report explains
+    (a timeout of the user's own, an HTTP request, has no collective frame and gets none)."""
     failure = failures.Failure.from_exception(0, exc)
-    return failures.hang_kind(failure, timeout_s=0.0) is not None or failures.peer_loss(failure)
+    timed_out = failures.hang_kind(failure, timeout_s=0.0) is not None and failures.in_collective(failure)
+    return timed_out or failures.peer_loss(failure)
 
 
 def _dump_threads() -> str:

@@ -380,3 +380,23 @@ def test_divergent_ranks_fail_at_the_first_wrap_on_every_rank(case: str, expecte
     assert codes == [1, 1], "\n".join(o[-3000:] for o in outputs)
     for out in outputs:
         assert f"ConfigError: the ranks were given different inputs at ctx.wrap #1: {expected}" in out, out[-3000:]
+
+
+def test_long_lists_and_long_reprs_are_one_item_that_still_tells_them_apart() -> None:
+    from distfn.fingerprint import cfg_items
+
+    files = [f"shard-{i}.tar" for i in range(1000)]
+    one, other = cfg_items({"files": files}), cfg_items({"files": [*files[:-1], "other.tar"]})
+    assert list(one) == ["cfg.files"] and len(one["cfg.files"]) <= 120
+    assert one != other  # the difference is past the shortened repr: the digest tells
+
+
+def test_only_a_timeout_inside_a_collective_or_a_lost_peer_starts_a_report() -> None:
+    def raised(exc: BaseException) -> BaseException:
+        try:
+            raise exc
+        except BaseException as caught:  # noqa: BLE001
+            return caught
+
+    assert not hangs._is_hang(raised(TimeoutError("the HTTP request timed out")))  # no collective frame
+    assert hangs._is_hang(raised(RuntimeError("Connection closed by peer [127.0.0.1]:5009")))
