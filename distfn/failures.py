@@ -97,6 +97,9 @@ class Failure:
     stacks: str = ""
     #: Whether starting the job again could help (``max_restarts=``): not for a ConfigError or LauncherError.
     retryable: bool = True
+    #: The rank that collected the cross-rank hang report of this failure (`distfn.hangs`), if any: on any other
+    #: rank this failure is a consequence, and its diagnosis only points there.
+    reporter: int | None = None
 
     def headline(self) -> str:
         """One line: the rank, where it ran, and what happened."""
@@ -113,7 +116,7 @@ class Failure:
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> Failure:
         """The failure of this process, rank ``rank``, which raised ``exc`` (with its hang report, if any)."""
-        diagnosis, stacks, _ = attached_report(exc) or ("", "", rank)
+        diagnosis, stacks, reporter = attached_report(exc) or ("", "", None)
         return cls(
             rank=rank,
             host=socket.gethostname(),
@@ -124,6 +127,7 @@ class Failure:
             retryable=not isinstance(exc, (ConfigError, LauncherError)),
             diagnosis=diagnosis,
             stacks=stacks,
+            reporter=reporter,
         )
 
     @classmethod
@@ -156,11 +160,13 @@ class Failure:
 
 def order_failures(failures: list[Failure]) -> list[Failure]:
     """Likely root cause first: ranks that left without an error (signals, exit codes, ``sys.exit(0)``), then
-    the ranks' own errors, then errors about losing a peer; by time within each group."""
+    the ranks' own errors, then errors about losing a peer or a hang another rank reported; by time within each
+    group."""
     def key(f: Failure) -> tuple[int, float]:
         if f.exc_type in ("Signal", "ExitCode") or f.exitcode == 0:
             return 0, f.time
-        return (2 if _PEER_LOSS.search(f.message) else 1), f.time
+        consequence = _PEER_LOSS.search(f.message) or f.reporter not in (None, f.rank)
+        return (2 if consequence else 1), f.time
 
     return sorted(failures, key=key)
 
@@ -182,8 +188,8 @@ def report_in_place(rank: int, exc: BaseException) -> None:
     consequence = _PEER_LOSS.search(message) is not None
     if report is not None and report[2] != rank:
         # another rank collected the hang report and prints it: one line here, so the job's output has it once
-        logger.error("rank {} failed with {}: {} (rank {} reports the hang with every rank's stack)", rank,
-                     type(exc).__qualname__, message, report[2])
+        logger.error("rank {} failed with {}: {}{}", rank, type(exc).__qualname__, message,
+                     "" if report[0] == "" else f" ({report[0]})")
         consequence = True
     else:
         if report is not None:

@@ -12,7 +12,7 @@ process that owns every rank, but every rank has the process group's key-value s
   its ledger to ``answer/<rank>``. A Python thread runs while the main thread is blocked in a gloo/NCCL call or a
   sleep (they release the GIL); a rank stuck in C code that holds the GIL cannot answer and is named so;
 * a rank whose collective timed out (`Responder.on_failure`, from the bootstrap's error path) writes its own
-  answer (its traceback), then claims the report (``store.add``: the first rank to fail reports, once). The
+  answer (its traceback), then claims the report (the lowest rank that failed at about the same time, once). The
   reporter writes ``request``, waits at most `ANSWER_WAIT_S` for the answers, builds the report
   (`distfn.failures.diagnose` plus the ledger line and the ranks that did not answer) and publishes it under
   ``report``; the other ranks that timed out pick it up. A rank that did not answer is named dead when its process
@@ -58,6 +58,8 @@ __all__ = ["ANSWER_WAIT_S", "EXIT_GRACE_S", "NCCL_MARGIN_S", "POLL_S", "EndedByH
 
 #: Seconds between two looks of a rank's responder at the store.
 POLL_S: Final = 0.5
+#: Seconds a failing rank waits for lower ranks that fail at the same time (the lowest one reports).
+CLAIM_WINDOW_S: Final = 0.5
 #: Seconds the reporting rank waits for the other ranks' answers.
 ANSWER_WAIT_S: Final = 5.0
 #: Seconds a rank that only answered waits for its launcher to stop it before it ends itself.
@@ -212,7 +214,7 @@ class Responder:
             return  # the main thread is handling it (it failed too, or finished)
         exc = EndedByHang(f"rank {reporter if reporter is not None else '?'} reported a hang of the job "
                           f"(its report has every rank's stack); this rank was ended by it")
-        failures.attach_report(exc, "", "", reporter=int(reporter) if reporter is not None else -1)
+        failures.attach_report(exc, "", "", reporter=int(reporter) if reporter is not None else -1)  # one line
         if self.report is not None:
             self.report(exc)
         else:
@@ -248,7 +250,7 @@ class Responder:
     def _collect(self, store: Any, exc: BaseException, *, own_stack: str) -> None:
         self._claimed = True
         self._answer(store, stack=own_stack)
-        if int(store.add(self._key("claim"), 1)) != 1:
+        if not self._claim(store):
             self._pick_up_report(store, exc)
             return
         store.set(self._key("by"), str(self.rank))
@@ -260,12 +262,21 @@ class Responder:
         store.set(self._key("report"), json.dumps([text.diagnosis, text.stacks]))
         failures.attach_report(exc, text.diagnosis, text.stacks, reporter=self.rank)
 
+    def _claim(self, store: Any) -> bool:
+        """Whether this rank reports: the lowest rank that failed within `CLAIM_WINDOW_S` of the others (ranks
+        waiting in one collective time out together), and the first to claim (``store.add``) after that."""
+        store.set(self._key("failed", self.rank), "1")
+        time.sleep(CLAIM_WINDOW_S)
+        if any(store.check([self._key("failed", r)]) for r in range(self.rank)):
+            return False
+        return int(store.add(self._key("claim"), 1)) == 1
+
     def _pick_up_report(self, store: Any, exc: BaseException) -> None:
         deadline = time.monotonic() + ANSWER_WAIT_S + 2.0
         while time.monotonic() < deadline:
             if store.check([self._key("report")]):
-                diagnosis, stacks = json.loads(store.get(self._key("report")))
-                failures.attach_report(exc, diagnosis, stacks, reporter=int(store.get(self._key("by")).decode()))
+                reporter = int(store.get(self._key("by")).decode())
+                failures.attach_report(exc, _see(reporter), "", reporter=reporter)
                 return
             time.sleep(0.05)
 
@@ -292,6 +303,11 @@ class Responder:
                 if r in infos and r not in answers}
         silent = [r for r in pending if r not in dead]
         return answers, dead, silent, left
+
+
+def _see(reporter: int) -> str:
+    """The diagnosis of a rank that failed in the same hang: where the report is (it appears once per job)."""
+    return f"rank {reporter} reports this hang with every rank's stack"
 
 
 @attrs.frozen

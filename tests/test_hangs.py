@@ -181,7 +181,7 @@ def test_ranks_in_different_collectives_get_the_one_line_disagreement() -> None:
     aline = next(i for i, line in enumerate(lines, 1) if "HANG-ALLREDUCE-LINE" in line)
     assert (f"Collectives: rank 0 is in all_reduce #2 (hang_job.py:{aline}); rank 1 is in broadcast_object #2 "
             f"(hang_job.py:{bline}).") in text, text[-4000:]
-    assert "rank 1 failed with RuntimeError" in outputs[1] and "rank 0 reports the hang" in outputs[1]
+    assert "rank 1 failed with RuntimeError" in outputs[1] and "rank 0 reports this hang" in outputs[1]
 
 
 @pytest.mark.slow
