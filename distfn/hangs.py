@@ -147,7 +147,13 @@ class Responder:
         self = cls(checkin.store, checkin.prefix + "hang/", checkin.rank, checkin.world_size, timeout_s, checkin,
                    tuple(bootstrap), report, deadline)
         self.store.set(self._key("info", self.rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-        self._thread = threading.Thread(target=self._serve, args=(self.store.clone(),), daemon=True,
+        try:
+            own = self.store.clone()
+        except (AttributeError, RuntimeError) as exc:  # a store type without clone(): this rank cannot answer
+            logger.debug("hang responder of rank {}: no second store connection ({}); it will not answer",
+                         self.rank, exc)
+            return self
+        self._thread = threading.Thread(target=self._serve, args=(own,), daemon=True,
                                         name=f"distfn-hang-responder-{self.rank}")
         self._thread.start()
         return self
