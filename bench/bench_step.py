@@ -8,6 +8,10 @@ bit-identical across variants and rounds (Lightning's parity-test design). Targe
 
 ``--gpu``: the same comparison on CUDA over NCCL, one rank per GPU (``min(2, GPUs)`` ranks), for distfn and the
 hand-written loop only (what ``bench/gpu_check.sh`` runs on the first machine with a GPU).
+
+The "distfn, no ledger" row is distfn with the hang report's ledger taken off the wrapped model (its DDP step
+counter, `distfn.ledger`): the ledger's share of the step time. The notes add the ledger's cost per collective
+(one entry recorded, measured in this process).
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ def _write(out: str, times: list[float], module: Any) -> None:
 # -- variant 1: distfn ------------------------------------------------------------------------------------------
 def distfn_job(cfg: dict[str, Any], ctx: Any) -> None:
     model = ctx.wrap(make_model(cfg["width"]))
+    if cfg.get("no_ledger"):
+        model._forward_pre_hooks.clear()  # the ledger's DDP step counter is the only hook distfn puts there
     times = train_loop(model, ctx.rank, cfg)
     if ctx.is_main:
         _write(cfg["out"], times, ctx.unwrap(model))
@@ -153,11 +159,12 @@ def _worker_main(kind: str, cfg: dict[str, Any]) -> None:
         from accelerate import notebook_launcher
 
         notebook_launcher(accelerate_job, args=(cfg,), num_processes=WORLD)
-    elif kind == "distfn":
+    elif kind in ("distfn", "distfn-no-ledger"):
         from distfn import distributed
 
         backend = "nccl" if cfg["gpu"] else "gloo"
-        distributed(nprocs=cfg["world"], seed=SEED, backend=backend)(distfn_job)(cfg)
+        distributed(nprocs=cfg["world"], seed=SEED, backend=backend)(distfn_job)(
+            {**cfg, "no_ledger": kind == "distfn-no-ledger"})
     else:
         import torch.multiprocessing as mp
 
@@ -177,6 +184,18 @@ def _round(kind: str, cfg: dict[str, Any], runs: list[Path], warmup: int, python
     runs.append(out)
     times = json.loads((out / "times.json").read_text())
     return statistics.median(times[warmup:])
+
+
+def _ledger_cost(n: int = 100_000) -> str:
+    """The ledger's cost per collective: recording one entry (``LEDGER.entered``), in microseconds."""
+    from distfn.ledger import Ledger
+
+    book = Ledger()
+    start = time.perf_counter()
+    for _ in range(n):
+        with book.entered("all_reduce"):
+            pass
+    return f"ledger: {(time.perf_counter() - start) / n * 1e6:.2f} us per collective recorded"
 
 
 def _importable(python: str, module: str) -> bool:
@@ -209,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-python", default=sys.executable,
                    help="interpreter with lightning / accelerate installed (their loops join the table)")
     p.add_argument("--gpu", action="store_true", help="on CUDA over NCCL, one rank per GPU (at most 2); no peers")
-    p.add_argument("--worker", choices=("distfn", "handwritten", *PEERS), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("distfn", "distfn-no-ledger", "handwritten", *PEERS), help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -227,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                 p.error("--gpu: no CUDA GPU is visible")
         cfg = {"steps": args.steps, "batch": args.batch, "width": args.width, "tmp": tmp, "gpu": args.gpu,
                "world": world}
-        runs: dict[str, list[Path]] = {"distfn": [], "hand-written DDP": []}
+        runs: dict[str, list[Path]] = {"distfn": [], "hand-written DDP": [], "distfn, no ledger": []}
         variants = {
             "hand-written DDP": lambda: _round("handwritten", cfg, runs["hand-written DDP"], args.warmup),
             "distfn": lambda: _round("distfn", cfg, runs["distfn"], args.warmup),
+            "distfn, no ledger": lambda: _round("distfn-no-ledger", cfg, runs["distfn, no ledger"], args.warmup),
         }
         peer_runs: dict[str, list[Path]] = {}
         for kind, module in ([] if args.tiny or args.gpu else PEERS.items()):
@@ -250,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.batch}/rank, median of steps {args.warmup + 1}..{args.steps}", "s", samples,
                   baseline="hand-written DDP", targets=[{"variant": "distfn", "max_ratio": 1.01}])
     tab["identical_weights"] = same
-    notes = [how, *peers_same]
+    notes = [how, *peers_same, _ledger_cost()]
     hand, ours = samples["hand-written DDP"], samples["distfn"]
     if len(hand) == len(ours) == args.rounds and args.rounds > 1:
         import statistics

@@ -164,6 +164,11 @@ class CheckIn:
         except Exception as exc:  # noqa: BLE001 - the store may be gone when the job is being torn down
             logger.trace("check-in: could not post exit: {}", exc)
 
+    def finished_ranks(self) -> list[int]:
+        """The ranks that have ended their side (their function returned or failed): read by the hang report,
+        which must not wait for an answer from a rank that left."""
+        return sorted(r for r, (_, progress) in self._read_all().items() if progress == _EXITED)
+
     def _wait_started(self, seconds: float) -> None:
         keys = [self._key("rank", r) for r in range(self.world_size)]
         deadline, pause = time.monotonic() + seconds, 0.001

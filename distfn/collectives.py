@@ -2,8 +2,10 @@
 
 Every function here takes the world explicitly through ``torch.distributed``'s default group; when no group
 is initialised (``mode="single"``/``"dp"``, or a world of one) each is an identity, so user code never needs
-an ``if distributed:`` branch. Nothing here keeps state: the run's sync point (``mode="fsdp"``'s check-in
-bookkeeping, `distfn.run.Run.sync_point`) is noted by the `Context` method that calls these.
+an ``if distributed:`` branch. Each collective is noted in this process's ledger (`distfn.ledger`: number,
+name, caller's line), which the hang report reads. Nothing else here keeps state: the run's sync point
+(``mode="fsdp"``'s check-in bookkeeping, `distfn.run.Run.sync_point`) is noted by the `Context` method that calls
+these.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError
+from .ledger import LEDGER
 
 T = TypeVar("T")
 
@@ -32,7 +35,9 @@ def barrier(device: torch.device | None = None) -> None:
             `device_ids` torch picks `global_rank % local_device_count`, a GPU this rank may not own (it opens a
             context there, or fails with "Duplicate GPU" when ranks are not numbered node by node).
     """
-    if active():
+    if not active():
+        return
+    with LEDGER.entered("barrier"):
         if device is not None and device.type == "cuda" and "nccl" in str(dist.get_backend()).lower():
             dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
         else:
@@ -59,16 +64,19 @@ def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None
         if op == "mean" and not (out.is_floating_point() or out.is_complex()):
             out = out.to(torch.float64)
         if active():
-            dist.all_reduce(out, op=torch_op)
+            with LEDGER.entered("all_reduce"):
+                dist.all_reduce(out, op=torch_op)
             if op == "mean":
                 out /= dist.get_world_size()
         return out  # type: ignore[return-value]
     if isinstance(value, (bool, int, float)):
         t = torch.tensor(float(value), dtype=torch.float64, device=device or "cpu")
-        reduced = all_reduce(t, op)
+        with LEDGER.entered("all_reduce"):  # .item() included: under NCCL that is where the rank waits
+            reduced = all_reduce(t, op)
+            result = reduced.item()
         if op == "mean":
-            return float(reduced.item())  # type: ignore[return-value]
-        return type(value)(reduced.item())
+            return float(result)  # type: ignore[return-value]
+        return type(value)(result)
     raise ConfigError(
         f"all_reduce takes a tensor or a Python number, got {type(value).__name__}; "
         "for arbitrary objects use gather_object"
@@ -86,7 +94,8 @@ def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
     if not active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with LEDGER.entered("gather_object"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -101,5 +110,6 @@ def broadcast_object(obj: Any, src: int = 0, *, group: Any = None) -> Any:
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    with LEDGER.entered("broadcast_object"):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

@@ -203,6 +203,7 @@ class Context:
             ddp_kwargs: in ddp mode, `DistributedDataParallel` options (`find_unused_parameters`, ...); in fsdp
                 mode, overrides of the `fsdp={...}` options for this model (e.g. `module_classes=[Block]`).
         """
+        self.run.agree(model)  # every rank got the same cfg and built the same model (distfn.fingerprint)
         return wrapping.wrap(model, mode=self.mode, device=self.device, is_main=self.is_main,
                              sync_batchnorm=sync_batchnorm, init=init, run=self.run, **ddp_kwargs)
 

@@ -38,7 +38,7 @@ _SIGNAL_HINTS = {
 
 # Errors a rank reports because a peer went away: a consequence, never the root cause.
 _PEER_LOSS = re.compile(r"connection closed by peer|connection reset by peer|broken pipe|remote worker crash"
-                        r"|communicator was aborted|ncclRemoteError", re.IGNORECASE)
+                        r"|communicator was aborted|ncclRemoteError|reported a hang of the job", re.IGNORECASE)
 
 _TIMEOUT_WORDS = re.compile(r"time[ds]?[ _-]?out|deadline exceeded", re.IGNORECASE)
 
@@ -61,6 +61,23 @@ def exception_text(exc: BaseException) -> str:
         return f"<str() of {type(exc).__qualname__} raised {detail}>"
 
 
+# The hang report a rank collected (or received) for its exception (`distfn.hangs`), kept on the exception itself:
+# the exception is what every reporting path (the launcher's pipe, report_in_place) already carries.
+_REPORT_ATTR = "_distfn_hang_report"
+
+
+def attach_report(exc: BaseException, diagnosis: str, stacks: str, *, reporter: int) -> None:
+    """Attach the cross-rank report of ``exc`` (`distfn.hangs`): `Failure.from_exception` then carries it, and
+    `report_in_place` prints it on ``reporter``, the one rank that collected it, only."""
+    setattr(exc, _REPORT_ATTR, (diagnosis, stacks, reporter))
+
+
+def attached_report(exc: BaseException) -> tuple[str, str, int] | None:
+    """``(diagnosis, stacks, reporter)`` attached to ``exc`` by `attach_report`, or ``None``."""
+    found = getattr(exc, _REPORT_ATTR, None)
+    return found if isinstance(found, tuple) else None
+
+
 @attrs.frozen
 class Failure:
     """One worker's failure: where it happened and why."""
@@ -80,6 +97,9 @@ class Failure:
     stacks: str = ""
     #: Whether starting the job again could help (``max_restarts=``): not for a ConfigError or LauncherError.
     retryable: bool = True
+    #: The rank that collected the cross-rank hang report of this failure (`distfn.hangs`), if any: on any other
+    #: rank this failure is a consequence, and its diagnosis only points there.
+    reporter: int | None = None
 
     def headline(self) -> str:
         """One line: the rank, where it ran, and what happened."""
@@ -95,7 +115,8 @@ class Failure:
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> Failure:
-        """The failure of this process, rank ``rank``, which raised ``exc``."""
+        """The failure of this process, rank ``rank``, which raised ``exc`` (with its hang report, if any)."""
+        diagnosis, stacks, reporter = attached_report(exc) or ("", "", None)
         return cls(
             rank=rank,
             host=socket.gethostname(),
@@ -104,6 +125,9 @@ class Failure:
             message=exception_text(exc),
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             retryable=not isinstance(exc, (ConfigError, LauncherError)),
+            diagnosis=diagnosis,
+            stacks=stacks,
+            reporter=reporter,
         )
 
     @classmethod
@@ -136,11 +160,13 @@ class Failure:
 
 def order_failures(failures: list[Failure]) -> list[Failure]:
     """Likely root cause first: ranks that left without an error (signals, exit codes, ``sys.exit(0)``), then
-    the ranks' own errors, then errors about losing a peer; by time within each group."""
+    the ranks' own errors, then errors about losing a peer or a hang another rank reported; by time within each
+    group."""
     def key(f: Failure) -> tuple[int, float]:
         if f.exc_type in ("Signal", "ExitCode") or f.exitcode == 0:
             return 0, f.time
-        return (2 if _PEER_LOSS.search(f.message) else 1), f.time
+        consequence = _PEER_LOSS.search(f.message) or f.reporter not in (None, f.rank)
+        return (2 if consequence else 1), f.time
 
     return sorted(failures, key=key)
 
@@ -158,12 +184,22 @@ def report_in_place(rank: int, exc: BaseException) -> None:
         logger.warning("rank {} stopped: {}: {}", rank, type(exc).__name__, message)
         return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    logger.error("rank {} failed with {}: {}\n{}", rank, type(exc).__qualname__, message, text.rstrip())
+    report = attached_report(exc)
+    consequence = _PEER_LOSS.search(message) is not None
+    if report is not None and report[2] != rank:
+        # another rank collected the hang report and prints it: one line here, so the job's output has it once
+        logger.error("rank {} failed with {}: {}{}", rank, type(exc).__qualname__, message,
+                     "" if report[0] == "" else f" ({report[0]})")
+        consequence = True
+    else:
+        if report is not None:
+            text = Failure.from_exception(rank, exc).details() + "\n"
+        logger.error("rank {} failed with {}: {}\n{}", rank, type(exc).__qualname__, message, text.rstrip())
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     stamp = int(time.time())
-    if _PEER_LOSS.search(message):
+    if consequence:
         # torchrun names the failure with the smallest timestamp (whole seconds, ties go to the lowest rank):
         # losing a peer is a consequence of that peer's failure, so it must sort after it
         stamp += 1
@@ -193,12 +229,14 @@ def _frame_pattern(functions: Sequence[Callable[..., Any]]) -> re.Pattern[str]:
     return re.compile("|".join(parts) or r"(?!)")
 
 
-def main_stack(dump: str, bootstrap: Sequence[Callable[..., Any]] = ()) -> str:
+def main_stack(dump: str, bootstrap: Sequence[Callable[..., Any]] = (), *, others: bool = False) -> str:
     """The main thread's part of a ``faulthandler`` dump, cut above distfn's own start-up frames.
 
     A dump lists each thread ("most recent call first"); the worker's main thread is the one running one of
     ``bootstrap`` (distfn's functions between the process start and the user's function), which are cut with
-    everything below them. A leading "Fatal Python error: ..." line (a crash) is kept.
+    everything below them. A leading "Fatal Python error: ..." line (a crash) is kept. ``others``: the other
+    threads follow in full (except the dumping thread itself, "Current thread", when it is not the main one);
+    else only their number.
     """
     starts = [m.start() for m in _THREAD_HEADER.finditer(dump)]
     if not starts:
@@ -212,9 +250,11 @@ def main_stack(dump: str, bootstrap: Sequence[Callable[..., Any]] = ()) -> str:
         if cut.search(line):
             break
         lines.append(line)
-    others = len(blocks) - 1
+    rest = [b for b in blocks if b is not block]
     if others:
-        lines.append(f"  ({others} other thread(s) not shown)")
+        lines += ["", *(b.rstrip() for b in rest if not b.startswith("Current thread"))]
+    elif rest:
+        lines.append(f"  ({len(rest)} other thread(s) not shown)")
     return "\n".join([head, ""] if head else []) + "\n".join(lines)
 
 
@@ -239,8 +279,10 @@ _NCCL_TIMEOUT = re.compile(r"watchdog caught collective operation timeout|ran fo
                            r"|nccl.*time[ds]?[ _-]?out", re.IGNORECASE)
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_phrase(ranks: Sequence[int]) -> str:
+    """"rank 1" or "ranks 0, 2"."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
 
 
 def hang_kind(first: Failure, *, timeout_s: float, elapsed_s: float | None = None) -> str | None:
@@ -254,6 +296,11 @@ def hang_kind(first: Failure, *, timeout_s: float, elapsed_s: float | None = Non
     if first.signal == "SIGABRT" and elapsed_s is not None and elapsed_s >= timeout_s:
         return "watchdog"
     return None
+
+
+def peer_loss(failure: Failure) -> bool:
+    """Whether ``failure`` is an error about losing a peer (gloo's "Connection closed by peer", ...)."""
+    return _PEER_LOSS.search(failure.message) is not None
 
 
 def in_collective(failure: Failure) -> bool:
@@ -302,12 +349,12 @@ def _hang_notes(first: Failure, kind: str, timeout_s: float, dumps: dict[int, st
     away = away_ranks(first, dumps)
     if away:
         where = "; ".join(f"rank {r} was in {w}" for r, w in away.items())
-        notes.append(f"{_ranks(list(away)).capitalize()} had not reached a collective: {where}.")
+        notes.append(f"{ranks_phrase(list(away)).capitalize()} had not reached a collective: {where}.")
     elif dumps and not returned and not dead:
         notes.append("Every other rank was waiting in a collective too: the ranks probably call different "
                      "collectives, or the same ones in a different order (compare the stacks below).")
     if dead:
-        notes.append(f"{_ranks(dead).capitalize()} had already failed (listed below).")
+        notes.append(f"{ranks_phrase(dead).capitalize()} had already failed (listed below).")
     return notes
 
 
@@ -334,6 +381,8 @@ def diagnose(
         elapsed_s: seconds from the start of the job to ``first`` (to recognise NCCL's watchdog, see
             `hang_kind`).
     """
+    if first.diagnosis:
+        return first  # the ranks collected the report among themselves (`distfn.hangs`): it is the better one
     notes: list[str] = []
     text = ""
     if forwarded:
@@ -347,8 +396,9 @@ def diagnose(
                 [f"Python stacks of the other ranks when rank {first.rank} timed out (most recent call first):"]
                 + [f"rank {r}:\n{s}" for r, s in sorted(dumps.items())])
     if returned and (kind is not None or in_collective(first)):
-        notes.append(f"{_ranks(list(returned)).capitalize()} had already returned from the function: a collective "
-                     "that only some ranks call (e.g. under `if ctx.is_main:`) makes the others fail or wait.")
+        notes.append(f"{ranks_phrase(list(returned)).capitalize()} had already returned from the function: a "
+                     "collective that only some ranks call (e.g. under `if ctx.is_main:`) makes the others fail or "
+                     "wait.")
     if not notes:
         return first
     return attrs.evolve(first, diagnosis=" ".join(notes), stacks=text)

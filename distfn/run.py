@@ -14,11 +14,13 @@ itself, and `distfn.preemption.install` finds a record installed before the run 
 a service used from a plain script takes its state as an argument (`distfn.data.gather_for_metrics`' loader,
 `distfn.accumulation.Accumulator`'s ``loaders``, `distfn.fsdp.wrap`'s ``on_forward``) and does without it when
 none is given. What stays module-level is per process, not per run: the loguru configuration
-(`distfn.logs`), the nested-launch guard (`distfn.worker`), the fork server (`distfn.launch.forkserver`) and the
-worker's stack pipe (`distfn.launch.local`).
+(`distfn.logs`), the nested-launch guard (`distfn.worker`), the fork server (`distfn.launch.forkserver`), the
+worker's stack pipe (`distfn.launch.local`) and the ledger of the main thread's collectives (`distfn.ledger`, reset
+by the bootstrap for each run).
 
-Imports: `checkin`, `checkpoint.background`, `data`, `fsdp_options`, `options`, `preemption`, `rng`,
-`tracking.session` (the types of its parts and the rules that pick them); nothing imports it but `context`, `worker` and
+Imports: `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `options`, `preemption`,
+`rng`, `tracking.session` (the types of its parts and the rules that pick them); nothing imports it but `context`,
+`worker` and
 `checkpoint.policy` (and, for annotations, the services it is passed to).
 """
 
@@ -34,6 +36,7 @@ from torch import nn
 from .checkin import CheckIn, default_store
 from .checkpoint.background import Saves
 from .data import LastLoader
+from .fingerprint import Agreement
 from .fsdp_options import FsdpOptions
 from .options import Mode, shards_state
 from .preemption import StopSignals
@@ -59,6 +62,8 @@ class Run:
             look for the model an optimizer in the state belongs to.
         checkin: this rank's side of the "did every rank call this?" protocol, from `start_check_in` (multi-rank
             runs with a store) to `finish`; ``None`` otherwise.
+        agreement: the start-up comparison of the ranks' cfg and models that every ``ctx.wrap`` runs
+            (`distfn.fingerprint`), from the bootstrap once the process group is up; ``None`` otherwise.
         tracking: rank 0's experiment tracking (``ctx.log_metrics``, ``track=``), ``None`` on the other ranks
             (whose log calls then cost nothing); ``ctx.save`` stores its run's key, ``ctx.resume`` hands it back.
         saves: this rank's background checkpoint writer (``ctx.save(..., blocking=False)``, ``ctx.saves``), which
@@ -72,6 +77,7 @@ class Run:
     loaders: LastLoader = attrs.field(factory=LastLoader)
     wrapped: weakref.WeakSet[nn.Module] = attrs.field(factory=weakref.WeakSet)
     checkin: CheckIn | None = None
+    agreement: Agreement | None = None
     saves: Saves = attrs.field(factory=Saves)
     tracking: Session | None = None
 
@@ -95,6 +101,12 @@ class Run:
         an immediate return cannot break a peer's group set-up (see `distfn.checkin.CheckIn.finish`)."""
         if self.checkin is not None:
             self.checkin.finish(wait_for_peers=0.0 if failed else PEER_START_WAIT)
+
+    def agree(self, model: nn.Module) -> None:
+        """Before ``ctx.wrap``: raise `distfn.errors.ConfigError` when the ranks' cfg or ``model`` differ
+        (`distfn.fingerprint`; no collective)."""
+        if self.agreement is not None and isinstance(model, nn.Module):
+            self.agreement.check(model)
 
     def sync_point(self) -> None:
         """A point every rank passes equally often (a distfn collective, a forward of a sharded model): in

@@ -3,8 +3,8 @@
 Every path ends here: a worker of a distfn launcher (`distfn.launch.local`, `distfn.launch.ray`) and a
 process started by torchrun / srun / mpirun (run
 in place by ``decorator.py``). In order: pick and pin the device, size the CPU thread pool, seed, set up logging,
-start the process group, make the call's `distfn.run.Run` and the `Context` holding it, call the function, and
-always finish the run and destroy the process group.
+start the process group and the rank's hang responder (`distfn.hangs`), make the call's `distfn.run.Run` and the
+`Context` holding it, call the function, and always finish the run and destroy the process group.
 
 `in_worker` is the one nested-launch check: true while a decorated function runs in this process, and in a
 distfn worker process from its start (its name begins with `WORKER_NAME`, which multiprocessing sets before
@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import devices, failures, fsdp, logs, preemption, rendezvous, topology
+from . import devices, failures, fingerprint, fsdp, hangs, logs, preemption, rendezvous, topology
 from .context import Context
 from .errors import LauncherError
+from .ledger import LEDGER
 from .options import restart_attempt
 from .run import Run
 from .tracking.session import open_session, status_of
@@ -114,9 +115,19 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
     backend = fsdp.required_backend(opts.fsdp, opts.backend or devices.default_backend(device))
     if store is None and topology.launcher == "local" and opts.init_method is None:
         store = dist.HashStore()  # a world of one needs no network at all
-    rendezvous.init_process_group(topology, backend, opts.timeout, store=store, init_method=opts.init_method,
-                                  device=device)
+    # under NCCL a little longer than distfn's timeout, so the hang report is collected before the watchdog aborts
+    rendezvous.init_process_group(topology, backend, hangs.group_timeout(opts.timeout, backend), store=store,
+                                  init_method=opts.init_method, device=device)
     return backend
+
+
+def _start_responder(run_state: Run, opts: Options, backend: str,
+                     report: Callable[[BaseException], None] | None) -> hangs.Responder | None:
+    """This rank's side of the cross-rank hang report (`distfn.hangs`), on the run's check-in store."""
+    if run_state.checkin is None:
+        return None
+    return hangs.Responder.start(run_state.checkin, timeout_s=opts.timeout.total_seconds(), bootstrap=(run,),
+                                 report=report, deadline="nccl" in backend.lower())
 
 
 def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None:
@@ -151,6 +162,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     run_state = Run(mode=opts.mode, fsdp=opts.fsdp or fsdp.FsdpOptions(), stop=stop,
                     tracking=open_session(opts.track, cfg, topology.rank))
     error: BaseException | None = None
+    responder: hangs.Responder | None = None
+    LEDGER.reset()
     try:
         device = devices.select_device(opts.mode, topology, opts.backend)
         if device.type == "cuda":
@@ -163,6 +176,9 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             backend = _join_group(opts, topology, device, store)
             started_group = True
             run_state.start_check_in(topology.rank, topology.world_size)
+            responder = _start_responder(run_state, opts, backend, report)
+            if run_state.checkin is not None:
+                run_state.agreement = fingerprint.Agreement.start(run_state.checkin, cfg, opts.timeout.total_seconds())
         if topology.rank == 0:
             log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}", topology.launcher,
                      topology.reason, topology.world_size, device, backend, threads)
@@ -191,6 +207,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         failed, error = True, exc
         with contextlib.suppress(Exception):
             run_state.saves.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
+        if responder is not None:
+            responder.on_failure(exc)  # a timeout or a lost peer: the cross-rank report goes with the exception
         # before the report: once the launcher knows, it stops this process (SIGTERM, its default action then)
         _close_tracking(run_state, exc)
         if report is not None:
@@ -200,6 +218,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             failures.report_in_place(topology.rank, exc)
         raise
     finally:
+        if responder is not None:
+            responder.stop()
         run_state.finish(failed=failed)  # peers waiting in a check-in learn that this rank will never join it
         _close_tracking(run_state, error)  # after a failure it was closed above, before the report
         if started_group:

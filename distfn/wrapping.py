@@ -16,6 +16,7 @@ from torch import nn
 
 from . import fsdp
 from .errors import ConfigError
+from .ledger import LEDGER
 from .options import MULTI_RANK_MODES, Mode, shards_state
 
 if TYPE_CHECKING:
@@ -78,7 +79,9 @@ def wrap(
         if device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [device.index])
             ddp_kwargs.setdefault("output_device", device.index)
-        return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+        wrapped = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+        wrapped.register_forward_pre_hook(LEDGER.count_ddp_step)  # the hang report's DDP step count
+        return wrapped
     if mode == "dp":
         return DataParallel(model)
     return model

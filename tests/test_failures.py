@@ -193,3 +193,31 @@ def test_rank_0_only_failures_get_no_collective_hint_but_a_lone_collective_does(
     assert "afile" in reports["save"] and HINT not in reports["save"]
     assert "cannot be pickled" in reports["unpicklable"] and HINT not in reports["unpicklable"]
     assert HINT in reports["collective"]
+
+
+def test_a_hang_report_is_in_the_reporters_error_file_and_one_line_elsewhere(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: the rank that collected the report writes it into torchrun's error file (its py_callstack is what
+    torchrun's summary prints); a rank that failed in the same hang is stamped a second later, its text one line."""
+    def timed_out() -> RuntimeError:
+        try:
+            raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+        except RuntimeError as exc:
+            return exc
+
+    reporter, other = timed_out(), timed_out()
+    failures.attach_report(reporter, "Rank 1 had not reached a collective: ...", "rank 1:\n  File \"t.py\"", reporter=0)
+    failures.attach_report(other, "rank 0 reports this hang with every rank's stack", "", reporter=0)
+    files = {}
+    for rank, exc in ((0, reporter), (1, other)):
+        files[rank] = tmp_path / f"error{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[rank]))
+        failures.report_in_place(rank, exc)
+    ours, theirs = (json.loads(files[r].read_text())["message"]["extraInfo"] for r in (0, 1))
+    assert "Rank 1 had not reached a collective" in ours["py_callstack"] and "rank 1:" in ours["py_callstack"]
+    assert "Rank 1 had not reached" not in theirs["py_callstack"]
+    assert int(theirs["timestamp"]) >= int(ours["timestamp"]) + 1
+    # a launcher orders the reporter first, whenever the other's failure arrived
+    first, second = (failures.Failure.from_exception(r, e) for r, e in ((0, reporter), (1, other)))
+    assert failures.order_failures([second, first])[0] is first and first.reporter == 0
+    assert failures.diagnose(first, timeout_s=10) is first  # already diagnosed among the ranks

@@ -269,3 +269,15 @@ def test_fsdp_cpu_offload_clips_gradients_on_nccl(tmp_path: Path) -> None:
     done = run_python([str(script)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RESULT ('cuda:nccl,cpu:gloo', 'cpu')" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_hang_is_reported_before_the_watchdog_aborts() -> None:
+    # issue 26 item 4: under NCCL the group's timeout is distfn's + 15 s, and the rank's responder reports the
+    # ctx.barrier still open after distfn's 10 s from its own thread, before the watchdog aborts the rank
+    job = Path(__file__).resolve().parent / "scripts" / "hang_job.py"
+    done = run_python([str(job), "sleep", "10"], timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "did not finish within the timeout of 10 s (distfn's deadline" in done.stderr, done.stderr[-3000:]
+    assert "Rank 1 had not reached a collective: rank 1 was in sleepy" in done.stderr
+    assert "SIGABRT" not in done.stderr.split("other rank(s) failed after it")[0]

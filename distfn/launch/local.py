@@ -15,7 +15,9 @@ Shape (after ``torch/multiprocessing/spawn.py``, whose ``ProcessContext`` also o
   None)``, ``("exit", Failure)`` or ``("error", Failure)``); a worker that dies without reporting is described
   from its exit code / signal;
 * a second pipe per worker carries its ``faulthandler`` output: the Python stack of a crash (SIGSEGV, ...),
-  and on request (``DUMP_SIGNAL``) every rank's stack when a collective timed out;
+  and on request (``DUMP_SIGNAL``) every rank's stack when a collective timed out and the ranks could not
+  collect the hang report among themselves (`distfn.hangs`: a rank aborted by NCCL's watchdog, a timeout
+  before the responders started);
 * the root cause leads (`protocol.root_cause_first`), the others are stopped at once (SIGTERM, SIGKILL
   after a grace, the worker's whole process group), and it all becomes one ``WorkerError``;
 * Ctrl-C, SIGTERM and SIGUSR2 reaching this process are forwarded to the workers (see ``preemption.py`` for

@@ -1,0 +1,346 @@
+"""The cross-rank hang report under every launcher, over the process group's own store.
+
+When a collective (or the rendezvous) times out on a rank, the report names the timeout, the ranks that had not
+reached a collective and where they were, which collective each rank's ledger says it is in (`distfn.ledger`),
+and every rank's Python stack at that moment. Self-spawned jobs used to get it from the launching process
+(`distfn.launch.local` signals its workers); torchrun, srun, mpirun, env:// pods, per-node launches and Ray have no
+process that owns every rank, but every rank has the process group's key-value store. So:
+
+* each rank runs a `Responder`, a daemon thread started once the process group is up. It polls one key of the
+  store (``request``, every `POLL_S`) on its own connection (`Store.clone`: a second thread must not share the
+  main thread's socket). Asked, it writes every thread's stack (``faulthandler``, most recent call first) and
+  its ledger to ``answer/<rank>``. A Python thread runs while the main thread is blocked in a gloo/NCCL call or a
+  sleep (they release the GIL); a rank stuck in C code that holds the GIL cannot answer and is named so;
+* a rank whose collective timed out (`Responder.on_failure`, from the bootstrap's error path) writes its own
+  answer (its traceback), then claims the report (the lowest rank that failed at about the same time, once). The
+  reporter writes ``request``, waits at most `ANSWER_WAIT_S` for the answers, builds the report
+  (`distfn.failures.diagnose` plus the ledger line and the ranks that did not answer) and publishes it under
+  ``report``; the other ranks that timed out pick it up. A rank that did not answer is named dead when its process
+  is gone (its pid, posted at start, is checked on its host by any rank there that answers), as having left the
+  function when its check-in says so, else as "no answer";
+* every rank then ends: the failing ones raise as before; a rank that only answered (rank 1 sleeping in user
+  code) waits `EXIT_GRACE_S` for its launcher to stop it, and else reports itself as ended by the hang report and
+  exits, so no rank waits for the 30-minute default.
+
+Under NCCL the watchdog aborts a timed-out rank from its own thread, before Python sees an error. So with NCCL
+the process group's timeout is distfn's plus `NCCL_MARGIN_S` (`group_timeout`), and the responder itself notices a
+ctx collective open for longer than distfn's timeout (the ledger's ``inside_since``) and reports then, before the
+watchdog fires.
+
+Cost: one store ``check`` per rank every `POLL_S` (0.5 s) while the function runs; nothing on the training path.
+
+Imports: `failures` (the diagnosis and the in-place report), `ledger`, `checkin` (who has left the function).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import attrs
+from loguru import logger
+
+from . import failures
+from .checkin import CheckIn
+from .ledger import LEDGER, RankState, disagreement
+
+__all__ = ["ANSWER_WAIT_S", "EXIT_GRACE_S", "NCCL_MARGIN_S", "POLL_S", "EndedByHang", "Responder",
+           "group_timeout"]
+
+#: Seconds between two looks of a rank's responder at the store.
+POLL_S: Final = 0.5
+#: Seconds a failing rank waits for lower ranks that fail at the same time (the lowest one reports).
+CLAIM_WINDOW_S: Final = 0.5
+#: Seconds the reporting rank waits for the other ranks' answers.
+ANSWER_WAIT_S: Final = 5.0
+#: Seconds a rank that only answered waits for its launcher to stop it before it ends itself.
+EXIT_GRACE_S: Final = 5.0
+#: Seconds NCCL's own timeout is set after distfn's, so that the report is collected before the watchdog aborts.
+NCCL_MARGIN_S: Final = 15.0
+
+
+class EndedByHang(RuntimeError):
+    """This rank was ended because another rank reported a hang of the job (the report is on that rank)."""
+
+
+def group_timeout(timeout: datetime.timedelta, backend: str | None) -> datetime.timedelta:
+    """The process group's timeout: distfn's, plus `NCCL_MARGIN_S` under NCCL (see the module docstring)."""
+    if backend is not None and "nccl" in backend.lower():
+        return timeout + datetime.timedelta(seconds=NCCL_MARGIN_S)
+    return timeout
+
+
+def _is_hang(exc: BaseException) -> bool:
+    """A collective that timed out (gloo, NCCL's blocking wait), or a lost peer: the failures a report explains
+    (a timeout of the user's own, an HTTP request, has no collective frame and gets none)."""
+    failure = failures.Failure.from_exception(0, exc)
+    timed_out = failures.hang_kind(failure, timeout_s=0.0) is not None and failures.in_collective(failure)
+    return timed_out or failures.peer_loss(failure)
+
+
+def _dump_threads() -> str:
+    """Every thread's Python stack in faulthandler's format (a real file: faulthandler writes to a descriptor)."""
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has ended (a zombie too: dead, its parent has not reaped it yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@attrs.define(eq=False)
+class Responder:
+    """This rank's side of the hang report for one run (see the module docstring).
+
+    Attributes:
+        store: the process group's store (the main thread's connection; the thread clones its own).
+        prefix: this run's keys (under the run's check-in prefix, so runs and restarts never mix).
+        rank: this rank.
+        world_size: the number of ranks.
+        timeout_s: distfn's collective timeout in seconds.
+        checkin: the run's check-in, which knows the ranks that have left the function.
+        bootstrap: distfn's frames below the user's function (stacks are cut there).
+        report: delivers this rank's failure to a distfn launcher (self-spawn, per-node, Ray), else ``None``: the
+            rank reports in place (`distfn.failures.report_in_place`).
+        deadline: watch ctx collectives for distfn's timeout (NCCL, whose watchdog would abort first).
+    """
+
+    store: Any
+    prefix: str
+    rank: int
+    world_size: int
+    timeout_s: float
+    checkin: CheckIn
+    bootstrap: Sequence[Callable[..., Any]] = ()
+    report: Callable[[BaseException], None] | None = None
+    deadline: bool = False
+    _stop: threading.Event = attrs.field(factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _claimed: bool = False
+
+    @classmethod
+    def start(cls, checkin: CheckIn, *, timeout_s: float, bootstrap: Sequence[Callable[..., Any]] = (),
+              report: Callable[[BaseException], None] | None = None, deadline: bool = False) -> Responder:
+        """Post this rank's host and pid and start its thread (call once the process group is up)."""
+        self = cls(checkin.store, checkin.prefix + "hang/", checkin.rank, checkin.world_size, timeout_s, checkin,
+                   tuple(bootstrap), report, deadline)
+        self.store.set(self._key("info", self.rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        try:
+            own = self.store.clone()
+        except (AttributeError, RuntimeError) as exc:  # a store type without clone(): this rank cannot answer
+            logger.debug("hang responder of rank {}: no second store connection ({}); it will not answer",
+                         self.rank, exc)
+            return self
+        self._thread = threading.Thread(target=self._serve, args=(own,), daemon=True,
+                                        name=f"distfn-hang-responder-{self.rank}")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the thread (the run is over); it is a daemon, so a thread stuck on a dead store never blocks exit."""
+        self._stop.set()
+
+    def _key(self, *parts: Any) -> str:
+        return self.prefix + "/".join(map(str, parts))
+
+    # -- the thread -------------------------------------------------------------------------------------------
+    def _serve(self, store: Any) -> None:
+        try:
+            while not self._stop.wait(POLL_S):
+                if store.check([self._key("request")]):
+                    self._answer(store)
+                    self._end_after_report(store)
+                    return
+                if self.deadline and self._overdue(time.monotonic()):
+                    self._report_overdue(store)
+                    return
+        except Exception as exc:  # noqa: BLE001 - the store went away (the job is being torn down): nothing to do
+            logger.trace("hang responder of rank {} ends: {}", self.rank, exc)
+
+    def _overdue(self, now: float) -> bool:
+        since = LEDGER.inside_since
+        return since is not None and now - since > self.timeout_s
+
+    def _answer(self, store: Any, stack: str | None = None) -> None:
+        """Write this rank's answer (unless its main thread, failing, wrote one already)."""
+        key = self._key("answer", self.rank)
+        if store.check([key]):
+            return
+        if stack is None:
+            stack = failures.main_stack(_dump_threads(), self.bootstrap, others=True)
+        answer = {"stack": stack, "ledger": LEDGER.state(self.rank).to_dict(), "dead": self._dead_here(store)}
+        store.set(key, json.dumps(answer))
+
+    def _infos(self, store: Any) -> dict[int, dict[str, Any]]:
+        keys = [self._key("info", r) for r in range(self.world_size)]
+        have = [r for r, k in enumerate(keys) if store.check([k])]
+        values = store.multi_get([keys[r] for r in have]) if have else []
+        return {r: json.loads(v) for r, v in zip(have, values, strict=True)}
+
+    def _dead_here(self, store: Any) -> list[int]:
+        """The ranks on this host whose process is gone."""
+        host = socket.gethostname()
+        return [r for r, info in self._infos(store).items() if info["host"] == host and _gone(int(info["pid"]))]
+
+    def _end_after_report(self, store: Any) -> None:
+        """Another rank reported a hang: give the launcher `EXIT_GRACE_S` to stop this rank, then end it."""
+        deadline = time.monotonic() + ANSWER_WAIT_S + 2.0
+        reporter = None
+        while time.monotonic() < deadline and not self._stop.is_set():
+            try:
+                if store.check([self._key("report")]):
+                    reporter = store.get(self._key("by")).decode()
+                    break
+            except Exception:  # noqa: BLE001 - the reporter hosted the store and is gone
+                break
+            time.sleep(0.1)
+        if self._stop.wait(EXIT_GRACE_S):
+            return  # the main thread is handling it (it failed too, or finished)
+        exc = EndedByHang(f"rank {reporter if reporter is not None else '?'} reported a hang of the job "
+                          f"(its report has every rank's stack); this rank was ended by it")
+        failures.attach_report(exc, "", "", reporter=int(reporter) if reporter is not None else -1)  # one line
+        if self.report is not None:
+            self.report(exc)
+        else:
+            failures.report_in_place(self.rank, exc)
+        logger.complete()
+        os._exit(1)
+
+    def _report_overdue(self, store: Any) -> None:
+        """NCCL: a ctx collective is open past distfn's timeout; report now, before the watchdog aborts."""
+        state = LEDGER.state(self.rank)
+        op = state.last.text() if state.last is not None else "a collective"
+        exc = TimeoutError(f"{op} did not finish within the timeout of {self.timeout_s:g} s (distfn's deadline; "
+                           f"NCCL's watchdog aborts this rank {NCCL_MARGIN_S:g} s later)")
+        stack = failures.main_stack(_dump_threads(), self.bootstrap, others=True)
+        self._collect(store, exc, own_stack=stack)
+        if self.report is not None:
+            self.report(exc)
+        else:
+            failures.report_in_place(self.rank, exc)
+
+    # -- the failing rank -------------------------------------------------------------------------------------
+    def on_failure(self, exc: BaseException) -> None:
+        """The main thread failed with ``exc``: for a timeout or a lost peer, take part in the report (collect it,
+        or wait for the rank that does) and attach it to ``exc`` (`distfn.failures.attach_report`)."""
+        self.stop()
+        if self._claimed or not _is_hang(exc):
+            return
+        try:
+            self._collect(self.store, exc, own_stack="".join(traceback.format_exception(exc)))
+        except Exception as err:  # noqa: BLE001 - never hide the rank's own failure behind the report's
+            logger.debug("rank {}: could not collect the hang report: {}", self.rank, err)
+
+    def _collect(self, store: Any, exc: BaseException, *, own_stack: str) -> None:
+        self._claimed = True
+        self._answer(store, stack=own_stack)
+        if not self._claim(store):
+            self._pick_up_report(store, exc)
+            return
+        store.set(self._key("by"), str(self.rank))
+        store.set(self._key("request"), str(self.rank))
+        answers, dead, silent, left = self._gather(store)
+        first = failures.Failure.from_exception(self.rank, exc)
+        text = _report(first, answers, LEDGER.state(self.rank), dead=dead, silent=silent, left=left,
+                       timeout_s=self.timeout_s)
+        store.set(self._key("report"), json.dumps([text.diagnosis, text.stacks]))
+        failures.attach_report(exc, text.diagnosis, text.stacks, reporter=self.rank)
+
+    def _claim(self, store: Any) -> bool:
+        """Whether this rank reports: the lowest rank that failed within `CLAIM_WINDOW_S` of the others (ranks
+        waiting in one collective time out together), and the first to claim (``store.add``) after that."""
+        store.set(self._key("failed", self.rank), "1")
+        time.sleep(CLAIM_WINDOW_S)
+        if any(store.check([self._key("failed", r)]) for r in range(self.rank)):
+            return False
+        return int(store.add(self._key("claim"), 1)) == 1
+
+    def _pick_up_report(self, store: Any, exc: BaseException) -> None:
+        deadline = time.monotonic() + ANSWER_WAIT_S + 2.0
+        while time.monotonic() < deadline:
+            if store.check([self._key("report")]):
+                reporter = int(store.get(self._key("by")).decode())
+                failures.attach_report(exc, _see(reporter), "", reporter=reporter)
+                return
+            time.sleep(0.05)
+
+    def _gather(self, store: Any) -> tuple[dict[int, dict[str, Any]], dict[int, str], list[int], list[int]]:
+        """Every rank's answer, within `ANSWER_WAIT_S`; and the ranks that are dead, silent, or left."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        answers: dict[int, dict[str, Any]] = {}
+        left: list[int] = []
+        deadline, pause = time.monotonic() + ANSWER_WAIT_S, 0.01
+        while True:
+            for r in others:
+                key = self._key("answer", r)
+                if r not in answers and store.check([key]):
+                    answers[r] = json.loads(store.get(key))
+            left = [r for r in self.checkin.finished_ranks() if r not in answers and r != self.rank]
+            dead_seen = {d for a in answers.values() for d in a["dead"]} | set(self._dead_here(store))
+            pending = [r for r in others if r not in answers and r not in left and r not in dead_seen]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+        infos = self._infos(store)
+        dead = {r: f"pid {infos[r]['pid']} on {infos[r]['host']}" for r in sorted(dead_seen)
+                if r in infos and r not in answers}
+        silent = [r for r in pending if r not in dead]
+        return answers, dead, silent, left
+
+
+def _see(reporter: int) -> str:
+    """The diagnosis of a rank that failed in the same hang: where the report is (it appears once per job)."""
+    return f"rank {reporter} reports this hang with every rank's stack"
+
+
+@attrs.frozen
+class _Text:
+    diagnosis: str
+    stacks: str
+
+
+def _report(first: failures.Failure, answers: dict[int, dict[str, Any]], own: RankState, *, dead: dict[int, str],
+            silent: list[int], left: list[int], timeout_s: float) -> _Text:
+    """The report's text: `distfn.failures.diagnose`'s notes, then the ledger line and who could not answer."""
+    dumps = {r: a["stack"] for r, a in answers.items()}
+    diagnosed = failures.diagnose(first, timeout_s=timeout_s, stacks=lambda: dumps, returned=left)
+    notes = [diagnosed.diagnosis] if diagnosed.diagnosis else []
+    states = [own, *(RankState.from_dict(a["ledger"]) for a in answers.values())]
+    line = disagreement(states)
+    if line:
+        notes.append(f"Collectives: {line}.")
+    if dead:
+        notes.append(" ".join(f"Rank {r} is dead ({where}: the process is gone)." for r, where in dead.items()))
+    if silent:
+        notes.append(f"{failures.ranks_phrase(silent).capitalize()} did not answer within {ANSWER_WAIT_S:g} s: dead, "
+                     "or holding the GIL (a long C call that does not release it).")
+    what = "timed out" if failures.hang_kind(first, timeout_s=timeout_s) else "failed"
+    blocks = [f"Python stacks of the other ranks when rank {first.rank} {what} (most recent call first; a rank "
+              "that failed too shows its traceback):"]
+    for r, a in sorted(answers.items()):
+        tail = ", ".join(e.text() for e in RankState.from_dict(a["ledger"]).tail)
+        blocks.append(f"rank {r}:\n{a['stack'].rstrip()}" + (f"\n  last collectives: {tail}" if tail else ""))
+    return _Text(" ".join(notes), "\n\n".join(blocks) if answers else "")

@@ -1,0 +1,182 @@
+"""The ledger: which collectives this process entered, so that a hang report can say which one each rank is in.
+
+The classic deadlock of distributed training is two ranks in *different* collectives (one called under
+``if ctx.is_main:``, or in a different order): each waits for the other forever. Stacks show where each rank is;
+the ledger says which collective it is by number, so the report can put it in one line ("rank 1 is in
+broadcast_object #57 (train.py:52); rank 0 is in all_reduce #57 (train.py:40)", `disagreement`).
+
+Each entry is ``(seq, op, call site)``: ``seq`` counts the collectives of this process since the run started,
+``op`` is distfn's name for it, the call site is the first frame outside distfn (the user's line, or the
+checkpoint code's caller). Recorded for what distfn can see: every ``ctx`` collective and barrier and the
+checkpoint's gathers (all go through `distfn.collectives`), and DDP's gradient all-reduces by count (a forward
+pre-hook on the wrapped model counts the steps whose backward all-reduces). A raw ``torch.distributed`` call in
+user code is not seen.
+
+The ledger is per process, like the main thread it describes (collectives on other threads, the background
+checkpoint's own gloo group, are not recorded): `reset` starts it afresh for each run. Cost: a deque append and a
+short frame walk per collective (measured in ``bench/bench_step.py``), nothing per DDP step but a counter.
+
+Imports `failures` (the phrase naming ranks) only.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+
+from .failures import ranks_phrase
+
+_SKIPPED = (os.path.dirname(os.path.abspath(__file__)), contextlib.__file__)  # distfn, and `entered`'s own frame
+
+__all__ = ["LEDGER", "Entry", "Ledger", "RankState", "disagreement"]
+
+#: Entries kept per rank (the report shows the last few; older ones drop out of the ring).
+RING_SIZE: Final = 64
+
+
+@attrs.frozen
+class Entry:
+    """One collective this process entered: its number, distfn's name for it, and the caller's ``file:line``."""
+
+    seq: int
+    op: str
+    site: str
+
+    def text(self) -> str:
+        return f"{self.op} #{self.seq} ({self.site})"
+
+
+@attrs.frozen
+class RankState:
+    """What a rank's ledger says at the moment of a report (travels through the store as a plain dict).
+
+    Attributes:
+        rank: the rank.
+        last: its most recent entry, or ``None`` when it entered no collective yet.
+        inside: whether it is inside ``last`` right now (entered, not yet returned).
+        ddp_steps: forwards of DDP-wrapped models so far (each one's backward all-reduces the gradients).
+        tail: its last few entries, oldest first.
+    """
+
+    rank: int
+    last: Entry | None
+    inside: bool
+    ddp_steps: int = 0
+    tail: tuple[Entry, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankState:
+        last = data.get("last")
+        return cls(rank=int(data["rank"]), last=Entry(**last) if last else None, inside=bool(data["inside"]),
+                   ddp_steps=int(data.get("ddp_steps", 0)), tail=tuple(Entry(**e) for e in data.get("tail", ())))
+
+    def where(self) -> str:
+        """What this rank is doing, collective-wise, in a few words (after "is"/"are")."""
+        if self.last is None:
+            return "in no collective yet"
+        if self.inside:
+            return f"in {self.last.text()}"
+        return f"not in a collective (last left {self.last.text()})"
+
+
+def call_site() -> str:
+    """``file:line`` of the first frame outside distfn (and outside torch's ``nn`` module call machinery)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_SKIPPED) and "torch" + os.sep + "nn" + os.sep not in path:
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
+
+
+@attrs.define
+class Ledger:
+    """This process's ring of collectives (see the module docstring); ``inside_since`` is the monotonic time the
+    current collective was entered (``None`` outside one), which the NCCL deadline watch reads."""
+
+    entries: collections.deque[Entry] = attrs.field(factory=lambda: collections.deque(maxlen=RING_SIZE))
+    seq: int = 0
+    ddp_steps: int = 0
+    inside_since: float | None = None
+    #: the last collective raised (a timeout): the rank is still "in" it for the report
+    failed: bool = False
+    _main: int = attrs.field(factory=threading.get_ident)
+
+    def reset(self) -> None:
+        """Start afresh (a new run in this process); the calling thread is the one recorded."""
+        self.entries.clear()
+        self.seq = self.ddp_steps = 0
+        self.inside_since = None
+        self.failed = False
+        self._main = threading.get_ident()
+
+    @contextlib.contextmanager
+    def entered(self, op: str) -> Iterator[None]:
+        """Record ``op`` for the duration of the ``with`` block (the collective itself); other threads are not
+        recorded (the ledger describes the main thread, whose stack the report shows)."""
+        if threading.get_ident() != self._main or self.inside_since is not None:  # another thread, or nested
+            yield
+            return
+        self.seq += 1
+        self.entries.append(Entry(self.seq, op, call_site()))
+        self.inside_since, self.failed = time.monotonic(), False
+        try:
+            yield
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            self.inside_since = None
+
+    def count_ddp_step(self, *_: Any) -> None:
+        """A forward pre-hook of a DDP-wrapped model: one more step whose backward all-reduces the gradients."""
+        self.ddp_steps += 1
+
+    def state(self, rank: int, tail: int = 5) -> RankState:
+        """This rank's ledger now (read from any thread: a deque snapshot is atomic under the GIL)."""
+        entries = list(self.entries)
+        inside = self.inside_since is not None or self.failed
+        return RankState(rank=rank, last=entries[-1] if entries else None, inside=inside,
+                         ddp_steps=self.ddp_steps, tail=tuple(entries[-tail:]))
+
+
+#: This process's ledger (reset by the rank bootstrap at the start of each run).
+LEDGER: Final = Ledger()
+
+
+def disagreement(states: Sequence[RankState]) -> str | None:
+    """One line saying where the ranks' ledgers disagree, or ``None`` when they agree (or say nothing).
+
+    Ranks are grouped by what they are doing (`RankState.where`); with more than one group the line names each,
+    largest group last: "rank 1 is in broadcast_object #3 (train.py:9); ranks 0, 2 are in all_reduce #3
+    (train.py:7)". DDP step counts that differ are named too (a rank that skipped a step's backward).
+    """
+    if len(states) < 2:
+        return None
+    groups: dict[str, list[int]] = {}
+    for s in sorted(states, key=lambda s: s.rank):
+        groups.setdefault(s.where(), []).append(s.rank)
+    parts = []
+    if len(groups) > 1:
+        ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
+        parts.append("; ".join(f"{ranks_phrase(ranks)} {'is' if len(ranks) == 1 else 'are'} {where}"
+                               for where, ranks in ordered))
+    steps: dict[int, list[int]] = {}
+    for s in states:
+        steps.setdefault(s.ddp_steps, []).append(s.rank)
+    if len(steps) > 1:
+        parts.append("DDP steps so far: " + "; ".join(f"{ranks_phrase(sorted(r))} {n}"
+                                                      for n, r in sorted(steps.items())))
+    return "; ".join(parts) or None
