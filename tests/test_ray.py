@@ -25,7 +25,8 @@ import pytest
 
 from distfn import distributed
 from distfn.errors import ConfigError
-from distfn.launch.ray import ActorPlace, assign_ranks, import_ray, ray_nprocs, topology_for
+from distfn.launch.ray import import_ray
+from distfn.launch.ray_rules import ActorPlace, assign_ranks, ray_nprocs, topology_for
 from distfn.options import Options, with_env
 
 from conftest import SCRIPTS, clean_env, free_port
