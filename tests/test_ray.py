@@ -25,9 +25,10 @@ import pytest
 
 from distfn import distributed
 from distfn.errors import ConfigError
-from distfn.launch.ray import import_ray
-from distfn.launch.ray_rules import ActorPlace, assign_ranks, ray_nprocs, topology_for
+from distfn.launch.ray import import_ray, in_driver_dir
+from distfn.launch.ray_rules import ActorPlace, assign_ranks, choose_working_dir, ray_nprocs, topology_for
 from distfn.options import Options, with_env
+from distfn.topology import Topology
 
 from conftest import SCRIPTS, clean_env, free_port
 
@@ -104,6 +105,49 @@ def test_distfn_env_reports_the_ray_launcher_and_its_address() -> None:
     assert "one actor per rank" in text and "ray " in text
 
 
+def test_a_rank_runs_in_the_drivers_directory_where_the_node_has_it_else_says_where_paths_go() -> None:
+    """Issue 25 item 16: the rule that decides where a rank's relative paths resolve."""
+    assert choose_working_dir("/work/job", "/tmp/ray/session/runtime", "n1", is_dir=lambda p: True).change_to == \
+        "/work/job"
+    same = choose_working_dir("/tmp/x", "/tmp/x", "n1", is_dir=lambda p: True)
+    assert (same.change_to, same.warning) == (None, None)
+    missing = choose_working_dir("/home/me/job", "/tmp/ray/session/runtime", "node7", is_dir=lambda p: False)
+    assert missing.change_to is None and missing.warning is not None
+    assert "/home/me/job" in missing.warning and "/tmp/ray/session/runtime" in missing.warning
+    assert "node7" in missing.warning and "relative paths" in missing.warning
+
+
+def _rank_topology() -> Topology:
+    return Topology(launcher="ray", rank=1, local_rank=0, world_size=2, local_world_size=1, node_rank=1,
+                    num_nodes=2, master_addr="127.0.0.1", master_port=1, reason="test")
+
+
+def test_the_actor_works_in_the_drivers_directory_and_gets_its_own_back(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    actor_dir, driver_dir = tmp_path / "raylet", tmp_path / "driver"
+    actor_dir.mkdir()
+    driver_dir.mkdir()
+    monkeypatch.chdir(actor_dir)
+    with in_driver_dir(str(driver_dir), _rank_topology()):
+        Path("out.txt").write_text("x")  # a relative path in the user's function
+    assert (driver_dir / "out.txt").exists() and Path.cwd() == actor_dir
+    with pytest.raises(ValueError), in_driver_dir(str(driver_dir), _rank_topology()):
+        raise ValueError("the function failed")
+    assert Path.cwd() == actor_dir
+
+
+def test_a_node_without_the_drivers_directory_logs_one_warning_on_that_rank(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    gone = tmp_path / "not-on-this-node"
+    with in_driver_dir(str(gone), _rank_topology()):
+        assert Path.cwd() == tmp_path
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and "rank 1/2" in err, err
+    assert str(gone) in err and str(tmp_path) in err and "relative paths" in err
+
+
 # -- a real local Ray cluster ----------------------------------------------------------------------------------------
 def unavailable(reason: str) -> None:
     """Skip with ``reason``, or fail when CI demands the cluster (DISTFN_REQUIRE_CLUSTER=1)."""
@@ -155,10 +199,10 @@ def job_env(address: str, out: Path, **extra: str) -> dict[str, str]:
                        **extra)
 
 
-def run_job(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def run_job(env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run([sys.executable, str(JOB)], env=env, capture_output=True, text=True,
-                              timeout=JOB_TIMEOUT, cwd=ROOT)
+                              timeout=JOB_TIMEOUT, cwd=cwd)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the Ray job did not finish in {JOB_TIMEOUT} s; output:\n{str(exc.stderr)[-4000:]}")
 
@@ -166,8 +210,13 @@ def run_job(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_two_ranks_on_two_ray_nodes_train_identically_and_save_once(ray_cluster: str, tmp_path: Path) -> None:
-    res = run_job(job_env(ray_cluster, tmp_path))
+    driver_dir = tmp_path / "driver"  # where the command runs: the ranks' relative paths land here (item 16)
+    driver_dir.mkdir()
+    res = run_job(job_env(ray_cluster, tmp_path), cwd=driver_dir)
     assert res.returncode == 0, res.stderr[-6000:]
+    for r in range(2):
+        assert (driver_dir / f"relative-rank{r}.txt").read_text() == str(driver_dir), f"rank {r}"
+    assert "does not exist on node" not in res.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [(r["rank"], r["world_size"], r["launcher"], r["env_rank"]) for r in ranks] == [
         (0, 2, "ray", "0"), (1, 2, "ray", "1")]

@@ -6,11 +6,16 @@
       ├─ a placement group of one bundle per rank ({"CPU": 1, "GPU": 1} with GPUs), then one `RankActor` each
       ├─ where each actor runs -> `assign_ranks` (node ranks, local ranks, each node's CUDA_VISIBLE_DEVICES)
       ├─ rank 0's actor binds a free port on its node; every actor gets its `Topology` (launcher ``"ray"``)
-      ├─ each actor runs its rank as every distfn rank does (`distfn.launch.protocol.run_rank`) and answers once:
+      ├─ each actor runs its rank as every distfn rank does (`distfn.launch.protocol.run_rank`), in the driver's
+      │  working directory where its node has it (`in_driver_dir`: relative paths mean what they meant at the
+      │  driver), and answers once:
       │  ``("ok", value)`` / ``("exit", Failure)`` (``sys.exit(0)``: an early exit, no error unless a peer fails)
       │  / ``("error", Failure)``; an actor or node that died becomes a `Failure` saying so
       └─ the first failure -> `WorkerError` (root cause first); Ctrl-C -> the actors are killed; always: the
          actors are killed and the placement group removed, so nothing of the job is left on the cluster
+
+The pure rules (how many ranks, which actor gets which rank, where relative paths go) are
+`distfn.launch.ray_rules`, which planning asks without importing this module.
 
 ``max_restarts=`` has no effect here (logged at the call, `distfn.plan`): restart the job from the driver.
 
@@ -21,24 +26,25 @@ only here and only when a job uses it (``import ray`` takes 1-4 s), from the opt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import attrs
 from loguru import logger
 
-from .. import process
+from .. import logs, process
 from ..errors import ConfigError, LauncherError, WorkerError
 from ..failures import Failure
 from ..options import Options
 from ..topology import Topology
 from . import protocol
-from .ray_rules import CPUS_PER_RANK, ActorPlace, Assignment, assign_ranks, ray_nprocs, topology_for
+from .ray_rules import CPUS_PER_RANK, ActorPlace, Assignment, assign_ranks, choose_working_dir, ray_nprocs, topology_for
 
-__all__ = ["RankActor", "import_ray", "launch"]
+__all__ = ["RankActor", "import_ray", "in_driver_dir", "launch"]
 
 #: Seconds between the log lines while Ray has not placed the ranks yet (an autoscaler may be adding nodes).
 PLACEMENT_LOG_EVERY: Final = 15.0
@@ -80,19 +86,21 @@ class RankActor:
         return int(self._listener.getsockname()[1])
 
     def run(self, fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology,
-            visible_devices: str | None) -> tuple[str, Any]:
-        """Run this rank as every distfn rank runs (`distfn.launch.protocol.run_rank`) and answer its one report:
+            visible_devices: str | None, driver_cwd: str | None = None) -> tuple[str, Any]:
+        """Run this rank as every distfn rank runs (`distfn.launch.protocol.run_rank`), in the driver's working
+        directory where this node has it (`in_driver_dir`; ``None``: where the actor is), and answer its one report:
         ``("ok", value or None)``, ``("exit", Failure)`` or ``("error", Failure)``."""
         protocol.export_rank_env(topology)
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices  # before anything starts CUDA in this process
-        try:
-            store = self._store(topology, opts)
-        except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
-            return protocol.classify(topology.rank, exc)
-        # the report is kept when the function fails (before the process group goes) and answered at the end
-        return protocol.run_rank(fn, cfg, opts, topology, store=store, deliver=lambda message: None,
-                                 pack=protocol.to_cpu)
+        with in_driver_dir(driver_cwd, topology):
+            try:
+                store = self._store(topology, opts)
+            except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
+                return protocol.classify(topology.rank, exc)
+            # the report is kept when the function fails (before the process group goes) and answered at the end
+            return protocol.run_rank(fn, cfg, opts, topology, store=store, deliver=lambda message: None,
+                                     pack=protocol.to_cpu)
 
     def _store(self, topology: Topology, opts: Options) -> Any:
         if opts.init_method is not None:
@@ -105,7 +113,45 @@ class RankActor:
         return protocol.join_store(topology.master_addr, topology.master_port, topology.world_size, opts.timeout)
 
 
+@contextlib.contextmanager
+def in_driver_dir(driver_cwd: str | None, topology: Topology) -> Iterator[None]:
+    """Run the block in the driver's working directory where this node has it (`choose_working_dir`): a Ray
+    actor starts in its raylet's directory, where a relative path of the user's function would land unseen. Where
+    the node lacks it, this rank logs one warning naming both directories. The actor's own working directory comes
+    back afterwards, however the block ends. ``driver_cwd=None``: stay (the driver has no directory to give)."""
+    if driver_cwd is None:
+        yield
+        return
+    here = os.getcwd()
+    choice = choose_working_dir(driver_cwd, here, node=socket.gethostname(), is_dir=os.path.isdir)
+    if choice.warning is not None:
+        log = logs.setup(topology.rank, topology.world_size)  # the rank's own log line (distfn is quiet outside)
+        try:
+            log.warning("{}", choice.warning)
+        finally:
+            logs.teardown()
+    if choice.change_to is None:
+        yield
+        return
+    os.chdir(choice.change_to)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
 # -- the driver ---------------------------------------------------------------------------------------------------
+def _driver_cwd() -> str | None:
+    """The driver's working directory, for the ranks (`in_driver_dir`); ``None`` (said once) where it was removed
+    while the driver ran."""
+    try:
+        return os.getcwd()
+    except OSError as exc:
+        logger.warning("ray: the driver's working directory is gone ({}), so relative paths in the function resolve "
+                       "in each Ray actor's own working directory; use absolute paths", exc)
+        return None
+
+
 def _connect(ray: Any) -> None:
     if not ray.is_initialized():
         # RAY_ADDRESS when set, else the cluster `ray start` began on this machine, else a new local one
@@ -174,8 +220,9 @@ class RayJob:
         logger.info("ray: {} rank(s) on {} node(s) ({}); rendezvous {}:{}", self.nprocs, first.num_nodes, layout,
                     first.place.node_ip, port)
         fn_ref, cfg_ref = self.ray.put(fn), self.ray.put(cfg)  # serialised once, not once per rank
-        return {actor.run.remote(fn_ref, cfg_ref, self.opts,
-                                 topology_for(a, self.nprocs, first.place.node_ip, port), a.visible_devices): a.rank
+        cwd = _driver_cwd()
+        return {actor.run.remote(fn_ref, cfg_ref, self.opts, topology_for(a, self.nprocs, first.place.node_ip, port),
+                                 a.visible_devices, cwd): a.rank
                 for actor, a in zip(self.actors, self.assignments, strict=True)}
 
     def wait(self, refs: dict[Any, int]) -> None:

@@ -1,5 +1,5 @@
 """The rules of ``launcher="ray"`` that need no Ray and no cluster: which options make sense, how many ranks, which
-actor gets which rank, and each rank's `Topology`.
+actor gets which rank, each rank's `Topology`, and where a rank's relative paths go.
 
 `distfn.plan` asks `check_options` when it plans a call (at decoration too), so this module imports only the
 options and the topology (`distfn.launch.ray`, the driver and the actors, loads the rank protocol and with it the
@@ -9,7 +9,7 @@ rank bootstrap, ~100 ms after torch, measured with ``python -X importtime``). Te
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -18,8 +18,8 @@ from ..errors import ConfigError
 from ..options import NPROCS_ENV, Options, fixed_nprocs
 from ..topology import Topology
 
-__all__ = ["CPUS_PER_RANK", "ActorPlace", "Assignment", "assign_ranks", "check_options", "ray_nprocs",
-           "topology_for"]
+__all__ = ["CPUS_PER_RANK", "ActorPlace", "Assignment", "WorkingDir", "assign_ranks", "check_options",
+           "choose_working_dir", "ray_nprocs", "topology_for"]
 
 #: CPUs that each rank's actor reserves on its node (as Ray Train's workers do by default).
 CPUS_PER_RANK: Final = 1
@@ -109,3 +109,28 @@ def topology_for(assignment: Assignment, world_size: int, master_addr: str, mast
                     reason=f"Ray actor {a.rank} of {world_size} on node {a.place.node_ip} "
                            f"({a.place.node_id[:8]}), {a.num_nodes} node(s)")
 
+
+@attrs.frozen
+class WorkingDir:
+    """Where one rank runs the function (`choose_working_dir`)."""
+
+    #: the directory to change to for the call (the driver's), or ``None``: stay where the actor is
+    change_to: str | None
+    #: what the rank logs once, as a warning, when relative paths cannot mean what they meant at the driver
+    warning: str | None = None
+
+
+def choose_working_dir(driver_cwd: str, actor_cwd: str, node: str, is_dir: Callable[[str], bool]) -> WorkingDir:
+    """Where a rank on ``node`` (the actor's working directory: ``actor_cwd``, its raylet's) runs the function so
+    that relative paths (``ctx.save(model, "out/m.safetensors")``, ``open("data.csv")``) resolve where they would
+    at the driver (``driver_cwd``): in the driver's directory when that exists on the node (a local cluster, a
+    shared file system), as Ray's ``runtime_env={"working_dir": ...}`` does without the upload; else where the
+    actor is, with a warning naming both directories. ``is_dir`` asks the node's file system."""
+    if driver_cwd == actor_cwd:
+        return WorkingDir(None)
+    if is_dir(driver_cwd):
+        return WorkingDir(driver_cwd)
+    return WorkingDir(None, f"the driver's working directory {driver_cwd} does not exist on node {node}, so relative "
+                            f"paths in the function resolve in this Ray actor's working directory there: {actor_cwd}; "
+                            "use absolute paths on a file system every node shares (or start the driver from a "
+                            "directory that exists on every node)")
