@@ -11,8 +11,9 @@
       │  driver), and answers once:
       │  ``("ok", value)`` / ``("exit", Failure)`` (``sys.exit(0)``: an early exit, no error unless a peer fails)
       │  / ``("error", Failure)``; an actor or node that died becomes a `Failure` saying so
-      └─ the first failure -> `WorkerError` (root cause first); Ctrl-C -> the actors are killed; always: the
-         actors are killed and the placement group removed, so nothing of the job is left on the cluster
+      └─ the first failure -> `WorkerError` (root cause first); one Ctrl-C -> ``KeyboardInterrupt`` within
+         `POLL_S` (`RayJob.on_sigint`); always: the actors are killed and the placement group removed, so nothing
+         of the job is left on the cluster
 
 The pure rules (how many ranks, which actor gets which rank, where relative paths go) are
 `distfn.launch.ray_rules`, which planning asks without importing this module.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +38,7 @@ from typing import Any, Final
 import attrs
 from loguru import logger
 
-from .. import logs, process
+from .. import logs, preemption, process
 from ..errors import ConfigError, LauncherError, WorkerError
 from ..failures import Failure
 from ..options import Options
@@ -44,10 +46,13 @@ from ..topology import Topology
 from . import protocol
 from .ray_rules import CPUS_PER_RANK, ActorPlace, Assignment, assign_ranks, choose_working_dir, ray_nprocs, topology_for
 
-__all__ = ["RankActor", "import_ray", "in_driver_dir", "launch"]
+__all__ = ["POLL_S", "RankActor", "import_ray", "in_driver_dir", "launch"]
 
 #: Seconds between the log lines while Ray has not placed the ranks yet (an autoscaler may be adding nodes).
 PLACEMENT_LOG_EVERY: Final = 15.0
+
+#: The longest the driver blocks in one Ray call: how soon it acts on Ctrl-C whatever Ray does with the signal.
+POLL_S: Final = 0.5
 
 INSTALL_HINT: Final = "pip install 'distfn[ray]'"
 
@@ -177,6 +182,36 @@ class RayJob:
     returned: list[int] = attrs.field(factory=list)
     result: Any = None
     started: float = attrs.field(factory=time.time)
+    interrupted: bool = False  # Ctrl-C seen by `on_sigint`, even where Ray swallowed the KeyboardInterrupt
+    tearing_down: bool = False  # from then on a Ctrl-C is only recorded: the clean-up must not stop half-way
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        """The driver's SIGINT handler while the job runs (`interruptible`): records the Ctrl-C, then raises as
+        Python's own handler does. Ray's blocking calls run Python's signal handlers from C++ and turn the
+        KeyboardInterrupt into a status that some of them drop (a Ctrl-C then seemed to need a second one); the
+        record makes the driver's next check (`check_interrupt`, at most `POLL_S` later) raise it again."""
+        self.interrupted = True
+        if not self.tearing_down:
+            raise KeyboardInterrupt
+
+    def check_interrupt(self) -> None:
+        """Raise ``KeyboardInterrupt`` when a Ctrl-C came, whatever Ray did with it."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def ready(self, refs: list[Any], timeout: float) -> bool:
+        """Wait until every one of ``refs`` is ready (``True``) or ``timeout`` seconds passed (``False``), in
+        slices of `POLL_S`, acting on Ctrl-C between them (`check_interrupt`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_interrupt()
+            left = deadline - time.monotonic()
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(POLL_S, left)))
+            self.check_interrupt()
+            if len(ready) == len(refs):
+                return True
+            if left <= 0:
+                return False
 
     def place(self) -> None:
         """Reserve one bundle per rank (waiting for the cluster to have room), start the actors, find them."""
@@ -187,8 +222,7 @@ class RayJob:
         self.pg = placement_group([dict(bundle)] * self.nprocs, strategy="PACK")
         deadline = time.monotonic() + self.opts.timeout.total_seconds()
         while True:
-            ready, _ = self.ray.wait([self.pg.ready()], timeout=PLACEMENT_LOG_EVERY)
-            if ready:
+            if self.ready([self.pg.ready()], timeout=PLACEMENT_LOG_EVERY):
                 break
             if time.monotonic() > deadline:
                 raise LauncherError(
@@ -202,9 +236,13 @@ class RayJob:
                               PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote()
                   for i in range(self.nprocs)]
         self.actors = actors
+        where = [a.where.remote(i) for i, a in enumerate(actors)]
+        timeout = self.opts.timeout.total_seconds()
         try:
-            places = self.ray.get([a.where.remote(i) for i, a in enumerate(actors)],
-                                  timeout=self.opts.timeout.total_seconds())
+            if not self.ready(where, timeout):
+                raise LauncherError(f"Ray could not start the ranks' actors within the timeout ({timeout:g} s). "
+                                    "distfn (and torch) must be installed in the Python environment of every node")
+            places = self.ray.get(where)
         except self.ray.exceptions.RayError as exc:
             raise LauncherError(f"Ray could not start the ranks' actors: {_first_lines(exc)}. distfn (and torch) "
                                 "must be installed in the Python environment of every node") from None
@@ -214,7 +252,11 @@ class RayJob:
     def start(self, fn: Callable[..., Any], cfg: Any) -> dict[Any, int]:
         """Start every rank; returns ``{result ref: rank}``."""
         first = self.assignments[0]
-        port = self.ray.get(self.actors[0].bind_port.remote(), timeout=self.opts.timeout.total_seconds())
+        port_ref = self.actors[0].bind_port.remote()
+        if not self.ready([port_ref], self.opts.timeout.total_seconds()):
+            raise LauncherError(f"rank 0's Ray actor did not bind the rendezvous port within the timeout "
+                                f"({self.opts.timeout.total_seconds():g} s)")
+        port = self.ray.get(port_ref)
         layout = ", ".join(f"node {a.place.node_ip} ({a.place.node_id[:8]}): ranks "
                            f"{a.rank}-{a.rank + a.local_world_size - 1}" for a in self.assignments if a.local_rank == 0)
         logger.info("ray: {} rank(s) on {} node(s) ({}); rendezvous {}:{}", self.nprocs, first.num_nodes, layout,
@@ -230,7 +272,9 @@ class RayJob:
         pending = dict(refs)
         settle_until: float | None = None
         while pending and (settle_until is None or time.monotonic() < settle_until):
-            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=0.2 if settle_until else 1.0)
+            self.check_interrupt()
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=0.2 if settle_until else POLL_S)
+            self.check_interrupt()
             for ref in ready:
                 self._receive(ref, pending.pop(ref))
             if self.failures and settle_until is None:
@@ -278,6 +322,7 @@ class RayJob:
 
     def teardown(self) -> None:
         """Kill every actor and remove the placement group (after a result too: nothing stays on the cluster)."""
+        self.tearing_down = True
         for actor in self.actors:
             try:
                 self.ray.kill(actor, no_restart=True)
@@ -308,22 +353,37 @@ def _first_lines(exc: BaseException, n: int = 3) -> str:
 def launch(fn: Callable[..., Any], cfg: Any, opts: Options) -> Any:
     """Run ``fn(cfg, ctx)`` as Ray actors on the Ray cluster and return rank 0's value (or raise `WorkerError`).
 
-    Ctrl-C kills the actors (and re-raises ``KeyboardInterrupt``); so does any other way out of the driver's call:
-    the actors and the placement group never outlive it.
+    One Ctrl-C kills the actors and raises ``KeyboardInterrupt`` within about `POLL_S` (`RayJob.on_sigint`); any
+    other way out of the driver's call kills them too: the actors and the placement group never outlive it.
     """
     ray = import_ray()
     _connect(ray)
     gpus_in_cluster = float(ray.cluster_resources().get("GPU", 0))
     nprocs = ray_nprocs(opts, os.environ, gpus_in_cluster)
     job = RayJob(ray, nprocs, 1 if gpus_in_cluster >= 1 else 0, opts)
-    try:
-        job.place()
-        refs = job.start(fn, cfg)
-        job.wait(refs)
-    except KeyboardInterrupt:
-        logger.warning("interrupted: killing the {} Ray actor(s) of the job", nprocs)
-        raise
-    finally:
-        job.teardown()
+    with _interruptible(job):
+        try:
+            job.place()
+            refs = job.start(fn, cfg)
+            job.wait(refs)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: killing the {} Ray actor(s) of the job", nprocs)
+            raise
+        finally:
+            job.teardown()
     return job.outcome()
+
+
+@contextlib.contextmanager
+def _interruptible(job: RayJob) -> Iterator[None]:
+    """`RayJob.on_sigint` as the SIGINT handler for the block, where Python's own is in place (in the main
+    thread; a handler of the user's is left alone), so that one Ctrl-C always ends the job (`RayJob.on_sigint`)."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    previous = preemption.set_handlers({signal.SIGINT: job.on_sigint})
+    try:
+        yield
+    finally:
+        preemption.restore_handlers(previous)
 
