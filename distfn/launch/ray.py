@@ -186,7 +186,7 @@ class RayJob:
     tearing_down: bool = False  # from then on a Ctrl-C is only recorded: the clean-up must not stop half-way
 
     def on_sigint(self, signum: int, frame: Any) -> None:
-        """The driver's SIGINT handler while the job runs (`interruptible`): records the Ctrl-C, then raises as
+        """The driver's SIGINT handler while the job runs (`_interruptible`): records the Ctrl-C, then raises as
         Python's own handler does. Ray's blocking calls run Python's signal handlers from C++ and turn the
         KeyboardInterrupt into a status that some of them drop (a Ctrl-C then seemed to need a second one); the
         record makes the driver's next check (`check_interrupt`, at most `POLL_S` later) raise it again."""
