@@ -17,7 +17,8 @@ The package is lazy: ``import distfn`` loads only the error classes and `distfn.
 distfn's log lines outside a job, loguru's rule for libraries), and each public name (`distributed`,
 `load`, `checkpoint`, ...) imports its module, and with it torch (3-5 s), on first use. So ``distfn --help``
 and ``distfn version``, which need no torch, answer at once, while ``from distfn import distributed`` works
-as ever.
+as ever. ``distributed`` itself imports only what decorating needs (`distfn.decorator`); the launch machinery
+loads at the first call (`distfn.execute`).
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def __dir__() -> list[str]:
 
 
 # `python -m torch.distributed.launch` appends --local-rank=N: out of sys.argv at once, before the user's argparse.
-# Only then is `distfn.worker` (and so torch) imported here: the flag is a launcher's, and the job imports torch next.
+# Only then is `distfn.process` (and so torch, through the options) imported here: the flag is a launcher's, and the
+# job imports torch next.
 if any(arg.startswith(("--local-rank", "--local_rank")) for arg in sys.argv):
-    from .worker import adopt_legacy_local_rank as _adopt_legacy_local_rank
+    from .process import adopt_legacy_local_rank as _adopt_legacy_local_rank
 
     _adopt_legacy_local_rank()

@@ -1,12 +1,13 @@
-"""``@distributed``: validate the arguments at decoration time, then at each call execute the call's plan.
+"""``@distributed``: validate the arguments at decoration time, then at each call plan it and execute the plan.
 
     train(cfg) -> plan_call(...)  (distfn.plan: pure, the one answer to "how will this call run?")
                 ├─ nested      → NestedLaunchError
-                ├─ ray         → the ranks as Ray actors (distfn.launch.ray)
-                ├─ pernode     → this node's workers with global ranks (distfn.launch.pernode + launch.local)
-                ├─ in-place    → run here, one rank per process (torchrun/srun/mpirun/env://)
-                ├─ one-process → run here as the only rank
-                └─ spawn       → start nprocs local workers, return rank 0's value (distfn.launch.local)
+                └─ any other   → distfn.execute.run_call (ray, pernode, in-place, one-process, spawn)
+
+Decoration imports only what decorating needs (the options, the plan, the nested-launch guard in
+`distfn.process`, the fork server): ``from distfn import distributed`` after ``import torch`` costs a few tens of
+milliseconds (bench/bench_import.py). The launch machinery (`distfn.execute`: the launchers, the rank bootstrap,
+the process group and checkpoint code, ~100 ms more) is imported at the first call.
 
 Decoration judges no environment variable and resolves no host: whatever is wrong with the environment is an
 error of the call. The one thing decoration may start is the fork server, where the plan says the call will
@@ -26,14 +27,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
-import torch
-from loguru import logger
-
-from . import devices, logs, preflight, rendezvous, topology, worker
-from .context import Context
+from . import devices, logs, process
 from .errors import ConfigError, DistfnError, NestedLaunchError
-from .launch import forkserver, local, pernode
-from .launch import ray as ray_launch
+from .launch import forkserver
 from .options import DEFAULT_TIMEOUT, MODES, LauncherName, Mode, Options, StartMethod, closest, make_options
 from .plan import CallPlan, plan_call
 
@@ -64,43 +60,9 @@ def _check_signature(fn: Callable[..., Any]) -> None:
         ) from None
 
 
-def _check_backend_fits(opts: Options) -> None:
-    if opts.backend is not None and "nccl" in opts.backend.lower() and devices.visible_gpus() == 0:
-        raise ConfigError(f"backend={opts.backend!r} needs CUDA GPUs, but torch sees none "
-                          f"(torch {torch.__version__}); use backend='gloo' or leave it unset")
-
-
 def _plan(opts: Options) -> CallPlan:
     """The plan of a call made here and now."""
-    return plan_call(opts, os.environ, sys.argv, devices.visible_gpus, nested=worker.in_worker())
-
-
-def _start_method(opts: Options) -> tuple[str, str, str | None]:
-    """(start method, why, which fork server forks the workers) for a launch now; under forkserver the server
-    runs when this returns. A server that cannot start is a `ConfigError` where forkserver was asked for by name,
-    else the launch falls back to spawn."""
-    method, reason = preflight.choose_start_method(opts.start_method)
-    if method != "forkserver":
-        return method, reason, None
-    try:
-        return method, reason, forkserver.ensure_server()
-    except ConfigError as exc:
-        if opts.start_method == "forkserver":
-            raise
-        logger.warning("{}; starting the workers with spawn instead", exc)
-        return "spawn", f"{reason}; the fork server cannot start here", None
-
-
-def _launch(sendable: Callable[..., R], cfg: Any, plan: CallPlan) -> R:
-    """Start the plan's local workers (a self-spawned job, or this node's part of a per-node launch)."""
-    preflight.check_main_guard(getattr(sendable, "__qualname__", "the function"))
-    method, reason, server = _start_method(plan.opts)
-    assert plan.nprocs is not None
-    if plan.layout is not None:
-        pernode.announce(plan.layout)
-        return local.launch(sendable, cfg, plan.opts, plan.nprocs, method=method, reason=reason, server=server,
-                            topology=plan.layout.topology)
-    return local.launch(sendable, cfg, plan.opts, plan.nprocs, method=method, reason=reason, server=server)
+    return plan_call(opts, os.environ, sys.argv, devices.visible_gpus, nested=process.in_worker())
 
 
 def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: Any) -> R:
@@ -113,20 +75,10 @@ def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: 
             "`decorated.__wrapped__`). If this comes from a script being re-imported by a worker, put the call "
             "under `if __name__ == \"__main__\":`."
         )
-    for note in plan.notes:
-        logger.log(note.level, note.text)
-    if plan.kind == "ray":  # the ranks are Ray actors on the cluster's nodes, not processes of this machine
-        return ray_launch.launch(fn, cfg, plan.opts)
-    devices.apply_visible_devices(plan.opts.devices)
-    _check_backend_fits(plan.opts)
-    if plan.kind in ("in-place", "pernode"):
-        assert plan.topology is not None
-        # the I/O that planning leaves out: the master's name lookup, and an MPI rendezvous over mpi4py
-        plan = plan.at(rendezvous.resolve_rendezvous(topology.check_master(plan.topology)))
-    if plan.launches:
-        return _launch(sendable, cfg, plan)
-    assert plan.topology is not None
-    return worker.run(fn, cfg, plan.opts, plan.topology)
+    from . import execute  # deferred: the launch machinery, ~100 ms after torch (python -X importtime), loads at
+    # the first call, not at decoration (issue 32 item 1)
+
+    return execute.run_call(fn, sendable, cfg, plan)
 
 
 def _forkserver_expected(start_method: StartMethod) -> bool:
@@ -157,17 +109,13 @@ def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | 
     what spawn pickles (by name, it is the one a worker finds in the user's module; the options travel apart)."""
     if origin is None:
         _check_signature(func)
-    worker.adopt_legacy_local_rank()  # torch.distributed.launch's --local-rank=N, before the user's argparse
+    process.adopt_legacy_local_rank()  # torch.distributed.launch's --local-rank=N, before the user's argparse
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> R:
-        if kwargs or len(args) > 1 or any(isinstance(a, Context) for a in args):
-            given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
-            raise ConfigError(
-                f"{func.__qualname__}() takes one argument, cfg (got {', '.join(given)}); "
-                "distfn creates and passes ctx itself. Call it as "
-                f"{func.__qualname__}(cfg) or {func.__qualname__}()."
-            )
+        from . import execute  # deferred: the launch machinery loads at the first call (see `_call`)
+
+        execute.check_arguments(func, args, kwargs)
         with logs.launcher():  # one log format from here on ("launcher", then "rank r/n" in the ranks)
             return _call(func, origin or wrapper, opts, args[0] if args else None)
 

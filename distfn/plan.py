@@ -2,7 +2,8 @@
 
     plan_call(opts, env, argv, gpus, nested) -> CallPlan
       ├─ nested      inside a running distfn function or worker: the decorator refuses (NestedLaunchError)
-      ├─ ray         launcher="ray": the ranks are Ray actors on the cluster (distfn.launch.ray)
+      ├─ ray         launcher="ray": the ranks are Ray actors on the cluster (distfn.launch.ray; its rules, which
+      │              planning asks, are distfn.launch.ray_rules)
       ├─ pernode     one task per node, more processes wanted: this node's workers get global ranks
       │              (distfn.launch.pernode's rule, distfn.launch.local starts them)
       ├─ in-place    an external launcher (torchrun / srun / mpirun / env://) started this rank: run it here
@@ -25,8 +26,7 @@ import attrs
 
 from . import topology
 from .errors import ConfigError
-from .launch import pernode
-from .launch import ray as ray_launch
+from .launch import pernode, ray_rules
 from .options import NPROCS_ENV, Options, default_nprocs, fixed_nprocs, requested_nprocs, with_env
 from .topology import Topology
 
@@ -123,7 +123,7 @@ def _source(opts: Options, env: Mapping[str, str], gpus: int | None) -> str:
 
 
 def _ray(opts: Options, env: Mapping[str, str]) -> CallPlan:
-    ray_launch.check_options(opts)
+    ray_rules.check_options(opts)
     nprocs = fixed_nprocs(opts, env)
     where = env.get("RAY_ADDRESS") or "the one started on this machine (RAY_ADDRESS unset), else a new one"
     return CallPlan(kind="ray", opts=opts, nprocs=nprocs,
@@ -158,7 +158,7 @@ def plan_call(opts: Options, env: Mapping[str, str], argv: Sequence[str], gpus: 
               nested: bool) -> CallPlan:
     """How a call of a function decorated with ``opts`` runs in a process with environment ``env`` and arguments
     ``argv``; ``gpus`` counts the visible GPUs (asked only when the count depends on them); ``nested``: a distfn
-    function is running in this process already (`distfn.worker.in_worker`).
+    function is running in this process already (`distfn.process.in_worker`).
 
     Pure: reads nothing but its arguments, resolves no host, starts nothing, logs nothing.
 

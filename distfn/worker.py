@@ -6,85 +6,36 @@ in place by ``decorator.py``). In order: pick and pin the device, size the CPU t
 start the process group and the rank's hang responder (`distfn.hangs`), make the call's `distfn.run.Run` and the
 `Context` holding it, call the function, and always finish the run and destroy the process group.
 
-`in_worker` is the one nested-launch check: true while a decorated function runs in this process, and in a
-distfn worker process from its start (its name begins with `WORKER_NAME`, which multiprocessing sets before
-spawn/forkserver re-import the user's script, before distfn's entry point runs).
+The nested-launch guard (`in_worker`, `mark_active`, `WORKER_NAME`) and the legacy ``--local-rank`` rule
+(`adopt_legacy_local_rank`) live in `distfn.process`, which decoration imports without this module's machinery;
+they are re-exported here, where the bootstrap sets the guard.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import random
-import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from . import devices, failures, fingerprint, fsdp, hangs, logs, preemption, rendezvous, topology
+from . import devices, failures, fingerprint, fsdp, hangs, logs, preemption, rendezvous
 from .context import Context
-from .errors import LauncherError
 from .ledger import LEDGER
 from .options import restart_attempt
+from .process import WORKER_NAME as WORKER_NAME
+from .process import adopt_legacy_local_rank as adopt_legacy_local_rank
+from .process import in_worker as in_worker
+from .process import mark_active as mark_active
 from .run import Run
 from .tracking.session import open_session, status_of
 
 if TYPE_CHECKING:
     from .options import Options
     from .topology import Topology
-
-#: distfn's worker processes are named ``distfn-rank<N>``. multiprocessing names the child before a spawn or
-#: forkserver child re-imports the user's script, so a decorated call during that import is a nested launch, seen
-#: in the child alone: the launching process (where other threads may launch jobs of their own) is never marked.
-WORKER_NAME = "distfn-rank"
-
-# True while a distfn-decorated function runs in this process: calling another decorated function then would
-# start a second job from inside a rank (a fork bomb under self-spawn), so the decorator refuses it.
-_ACTIVE = False
-
-
-def in_worker() -> bool:
-    """True inside a running distfn function, or in a distfn worker process (named `WORKER_NAME`...)."""
-    return _ACTIVE or multiprocessing.current_process().name.startswith(WORKER_NAME)
-
-
-def mark_active(value: bool) -> None:
-    """Set the nested-launch guard (used by the spawn entry point before the user's module is imported)."""
-    global _ACTIVE
-    _ACTIVE = value
-
-
-def adopt_legacy_local_rank(argv: list[str] | None = None,
-                            env: MutableMapping[str, str] | None = None) -> int | None:
-    """Move the ``--local-rank=N`` of ``python -m torch.distributed.launch`` from argv into ``LOCAL_RANK``.
-
-    The legacy launcher (without ``--use-env``) appends the flag to the script's arguments, so a script's own
-    ``argparse`` fails with "unrecognized arguments". distfn takes it out of ``sys.argv`` at ``import distfn``
-    and again when a function is decorated, before the user's code parses its arguments, and puts the value
-    where ``--use-env`` and torchrun put it (``ctx.local_rank`` reads it from there). Only when the process was
-    started by a launcher (``RANK`` and ``WORLD_SIZE`` set) and ``LOCAL_RANK`` is unset or agrees; otherwise
-    argv is left alone and detection explains what is wrong.
-
-    Returns:
-        The local rank taken from argv, or ``None`` when nothing was changed.
-    """
-    argv = sys.argv if argv is None else argv
-    env = os.environ if env is None else env
-    try:
-        found = topology.split_local_rank(argv)
-    except LauncherError:
-        return None  # a malformed flag: detection names it when the decorated function is called
-    if found is None or not env.get("RANK", "").strip() or not env.get("WORLD_SIZE", "").strip():
-        return None
-    rest, local_rank = found
-    if env.get("LOCAL_RANK", "").strip() not in ("", str(local_rank)):
-        return None
-    env["LOCAL_RANK"] = str(local_rank)
-    argv[:] = rest
-    return local_rank
 
 
 def seed_everything(seed: int) -> None:

@@ -215,6 +215,27 @@ def test_import_distfn_is_lazy_and_its_names_still_work() -> None:
     assert done.stdout.split() == ["False", "True", "True", "distfn.checkpoint", "distfn.failures"]
 
 
+def test_decorating_imports_neither_torch_distributed_nor_the_launch_machinery() -> None:
+    """Issue 32 item 1: ``from distfn import distributed`` and decorating a DDP function (which plans the call and
+    forks the fork server) load no ``torch.distributed`` module that ``import torch`` did not load itself (torch
+    2.13 imports it with torch; older ones do not), and none of distfn's launch machinery: that is the first
+    call's (`distfn.execute`)."""
+    code = ("import sys, torch\n"
+            "dist_before = {m for m in sys.modules if m == 'torch.distributed' or m.startswith('torch.distributed.')}\n"
+            "from distfn import distributed\n"
+            "@distributed(mode='ddp', nprocs=2)\n"
+            "def train(cfg, ctx):\n"
+            "    return None\n"
+            "dist_after = {m for m in sys.modules if m == 'torch.distributed' or m.startswith('torch.distributed.')}\n"
+            "heavy = ('distfn.execute', 'distfn.worker', 'distfn.context', 'distfn.run', 'distfn.checkpoint', "
+            "'distfn.launch.local', 'distfn.launch.ray', 'distfn.launch.protocol', 'distfn.rendezvous', "
+            "'distfn.fsdp', 'cloudpickle')\n"
+            "print(sorted(dist_after - dist_before), sorted(m for m in heavy if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], env=_clean(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[] []", f"imported at decoration: {done.stdout.strip()}"
+
+
 def test_env_help_lists_every_launcher() -> None:
     from distfn.options import LAUNCHERS
 

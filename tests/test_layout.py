@@ -1,14 +1,16 @@
-"""The package's shape: no import cycle between distfn's modules, and no module over 750 lines.
+"""The package's shape: no import cycle between distfn's modules, no module over 750 lines, and decorating a
+function loads none of the launch machinery (that is the first call's).
 
 Read with `ast` from the source, so nothing is imported and every import counts: top-level ones, function-local
 (deferred) ones and those under ``if TYPE_CHECKING:``. A type-only cycle does not fail at run time, but it is a
 knot all the same: neither module can be read, tested or moved without the other (issue 24, "the picture tells
-the truth").
+the truth"). The decoration rule counts only what runs at import: module-level imports outside TYPE_CHECKING.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "distfn"
@@ -28,9 +30,14 @@ def _modules() -> dict[str, Path]:
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The distfn modules that ``name`` (at ``path``) imports, wherever the import statement stands."""
+    return _resolve(name, path, ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))), known)
+
+
+def _resolve(name: str, path: Path, nodes: Iterable[ast.AST], known: set[str]) -> set[str]:
+    """The distfn modules that the import statements among ``nodes`` (of module ``name`` at ``path``) name."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -106,6 +113,38 @@ def test_no_import_cycle_not_even_a_type_only_one() -> None:
     cycles = _cycles(_graph())
     assert not cycles, "import cycles (every import counts, TYPE_CHECKING and function-local ones too):\n" + "\n".join(
         " <-> ".join(c) for c in cycles)
+
+
+def _runtime_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The distfn modules that importing ``name`` runs: its module-level imports (also under a module-level ``if``
+    or ``try``, not under ``if TYPE_CHECKING:``, not in functions), and the packages above each."""
+    nodes: list[ast.AST] = []
+    for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        nodes.extend(ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node])
+    found = _resolve(name, path, nodes, known)
+    parents = {".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 1)}
+    return (found | parents) & known
+
+
+def test_decorating_needs_none_of_the_launch_machinery() -> None:
+    """Issue 32 item 1, by the source: what ``from distfn import distributed`` runs (the package, the decorator
+    and everything they import at module level) reaches neither the launch machinery (`distfn.execute`, the
+    launchers, the rank bootstrap) nor the checkpoint code; the decorator imports them at the first call."""
+    modules = _modules()
+    known = set(modules)
+    seen: set[str] = set()
+    todo = ["distfn", "distfn.decorator"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(_runtime_imports(name, modules[name], known) - seen)
+    heavy = {"distfn.execute", "distfn.worker", "distfn.context", "distfn.run", "distfn.checkpoint",
+             "distfn.launch.local", "distfn.launch.ray", "distfn.launch.protocol", "distfn.launch.shipping",
+             "distfn.rendezvous", "distfn.fsdp"}
+    assert not seen & heavy, f"imported at decoration: {sorted(seen & heavy)}"
 
 
 def test_no_module_over_750_lines() -> None:

@@ -34,13 +34,14 @@ from loguru import logger
 
 from .. import preflight
 from ..errors import ConfigError
-from . import protocol
+from .lifeline import die_with_parent
 
 __all__ = ["SERVER_NAME", "ensure_server", "server_running", "start_early"]
 
-#: What a fresh fork server imports before it forks any worker, so that no worker imports it again: torch and the
-#: modules a worker runs (``import distfn`` alone imports neither: the package is lazy, for an instant CLI).
-PRELOAD: Final = ("distfn.decorator", "distfn.checkpoint")
+#: What the fork server imports before it forks any worker, so that no worker imports it again: torch and the
+#: modules a worker runs (``import distfn`` alone imports neither: the package is lazy, for an instant CLI; and
+#: decorating imports none of the launch machinery, `distfn.execute`, so a copy made at decoration lacks it too).
+PRELOAD: Final = ("distfn.execute", "distfn.checkpoint")
 
 #: The fork server's process name (``/proc/PID/comm``, what ``ps`` and ``top`` show), at most 15 characters.
 SERVER_NAME = "distfn-forksrv"
@@ -112,9 +113,10 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int) -> Non
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, parent_died)
-    protocol.die_with_parent(parent_pid, SERVER_NAME, sig=signal.SIGTERM)
+    die_with_parent(parent_pid, SERVER_NAME, sig=signal.SIGTERM)
     try:
-        forkserver.main(listener_fd, alive_r, [])  # preload nothing: torch is imported already
+        _preload()  # before the loop: a launch that comes sooner waits in the listener's queue
+        forkserver.main(listener_fd, alive_r, [])  # preload nothing more: done above
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _remove_socket(address)
@@ -133,10 +135,15 @@ def _remove_socket(address: str) -> None:
 
 def serve(listener_fd: int, alive_r: int, parent_pid: int, address: str) -> None:
     """Entry point of a fork server started as a fresh interpreter (see `start_server`)."""
-    protocol.die_with_parent(parent_pid, SERVER_NAME)  # SIGKILL while it imports torch: nothing to remove yet
+    die_with_parent(parent_pid, SERVER_NAME)  # SIGKILL while it imports torch: nothing to remove yet
+    _preload()
+    _serve(listener_fd, alive_r, address, parent_pid)
+
+
+def _preload() -> None:
+    """Import `PRELOAD` in the server (a no-op for what is imported already)."""
     for name in PRELOAD:
         importlib.import_module(name)
-    _serve(listener_fd, alive_r, address, parent_pid)
 
 
 def _listen() -> tuple[socket.socket, str, int, int]:

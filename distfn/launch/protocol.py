@@ -15,19 +15,17 @@ behaves the same whoever started it:
 * **the verdict** (`root_cause_first`): after the first failure the launcher waits `SETTLE_WINDOW` for the other
   reports, counts early exits as failures (a rank that left is why its peers lost it), orders the root cause first
   and explains it (`distfn.failures.diagnose`);
-* **no orphans** (`die_with_parent`): ``PR_SET_PDEATHSIG``, for the local workers and the fork server.
+* **no orphans** (`die_with_parent`, from `distfn.launch.lifeline`): ``PR_SET_PDEATHSIG``, for the local workers
+  and the fork server.
 
 Imports the rank bootstrap (`distfn.worker`), the failure records (`distfn.failures`) and nothing of a launcher.
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
-import signal
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal
 
@@ -39,6 +37,7 @@ from ..failures import Failure, diagnose, order_failures
 from ..options import RESTART_ENV, Options
 from ..topology import Topology
 from ..tree import tree_map
+from .lifeline import die_with_parent as die_with_parent  # re-exported: every launcher's rank side uses it
 
 __all__ = [
     "SETTLE_WINDOW",
@@ -63,9 +62,6 @@ Kind = Literal["ok", "exit", "error"]
 #: A rank's one report: ``("ok", value or None)``, ``("exit", Failure)`` or ``("error", Failure)``.
 Message = tuple[Kind, Any]
 
-_PR_SET_PDEATHSIG: Final = 1
-_PR_SET_NAME: Final = 15
-
 
 # -- the rank's environment ----------------------------------------------------------------------------------------
 def export_rank_env(topology: Topology, attempt: int | None = None) -> None:
@@ -78,27 +74,6 @@ def export_rank_env(topology: Topology, attempt: int | None = None) -> None:
         os.environ[RESTART_ENV] = str(attempt)
 
 
-def die_with_parent(parent_pid: int = 0, name: str | None = None, sig: int = signal.SIGKILL) -> None:
-    """Ask Linux to send ``sig`` (SIGKILL: no orphans) to this process when its parent dies, even by SIGKILL;
-    ``name``: the process name ``ps`` shows (at most 15 characters). The fork server asks for SIGTERM, which it
-    handles by removing its socket before it exits.
-
-    ``parent_pid``: when given and the parent is already another process (it died before ``prctl`` took effect),
-    exit at once.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, sig)
-            if name is not None:
-                libc.prctl(_PR_SET_NAME, name.encode())
-        except (OSError, AttributeError):
-            pass
-    if parent_pid and os.getppid() != parent_pid:
-        os._exit(1)
-
-
-# -- the store -----------------------------------------------------------------------------------------------------
 def bind_listener(host: str, backlog: int = 128) -> socket.socket:
     """A listening TCP socket on a free port of ``host`` (``"127.0.0.1"``: reachable from this machine only; ``""``:
     from the other nodes), bound before the ranks start so that the port is ours."""

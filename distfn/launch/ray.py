@@ -6,11 +6,17 @@
       ├─ a placement group of one bundle per rank ({"CPU": 1, "GPU": 1} with GPUs), then one `RankActor` each
       ├─ where each actor runs -> `assign_ranks` (node ranks, local ranks, each node's CUDA_VISIBLE_DEVICES)
       ├─ rank 0's actor binds a free port on its node; every actor gets its `Topology` (launcher ``"ray"``)
-      ├─ each actor runs its rank as every distfn rank does (`distfn.launch.protocol.run_rank`) and answers once:
+      ├─ each actor runs its rank as every distfn rank does (`distfn.launch.protocol.run_rank`), in the driver's
+      │  working directory where its node has it (`in_driver_dir`: relative paths mean what they meant at the
+      │  driver), and answers once:
       │  ``("ok", value)`` / ``("exit", Failure)`` (``sys.exit(0)``: an early exit, no error unless a peer fails)
       │  / ``("error", Failure)``; an actor or node that died becomes a `Failure` saying so
-      └─ the first failure -> `WorkerError` (root cause first); Ctrl-C -> the actors are killed; always: the
-         actors are killed and the placement group removed, so nothing of the job is left on the cluster
+      └─ the first failure -> `WorkerError` (root cause first); one Ctrl-C -> ``KeyboardInterrupt`` within
+         `POLL_S` (`RayJob.on_sigint`); always: the actors are killed and the placement group removed, so nothing
+         of the job is left on the cluster
+
+The pure rules (how many ranks, which actor gets which rank, where relative paths go) are
+`distfn.launch.ray_rules`, which planning asks without importing this module.
 
 ``max_restarts=`` has no effect here (logged at the call, `distfn.plan`): restart the job from the driver.
 
@@ -21,30 +27,32 @@ only here and only when a job uses it (``import ray`` takes 1-4 s), from the opt
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import attrs
 from loguru import logger
 
-from .. import worker
+from .. import logs, preemption, process
 from ..errors import ConfigError, LauncherError, WorkerError
 from ..failures import Failure
-from ..options import NPROCS_ENV, Options, fixed_nprocs
+from ..options import Options
 from ..topology import Topology
 from . import protocol
+from .ray_rules import CPUS_PER_RANK, ActorPlace, Assignment, assign_ranks, choose_working_dir, ray_nprocs, topology_for
 
-__all__ = ["CPUS_PER_RANK", "ActorPlace", "Assignment", "RankActor", "assign_ranks", "check_options", "launch",
-           "ray_nprocs", "topology_for"]
-
-#: CPUs that each rank's actor reserves on its node (as Ray Train's workers do by default).
-CPUS_PER_RANK: Final = 1
+__all__ = ["POLL_S", "RankActor", "import_ray", "in_driver_dir", "launch"]
 
 #: Seconds between the log lines while Ray has not placed the ranks yet (an autoscaler may be adding nodes).
 PLACEMENT_LOG_EVERY: Final = 15.0
+
+#: The longest the driver blocks in one Ray call: how soon it acts on Ctrl-C whatever Ray does with the signal.
+POLL_S: Final = 0.5
 
 INSTALL_HINT: Final = "pip install 'distfn[ray]'"
 
@@ -59,92 +67,6 @@ def import_ray() -> Any:
     return ray
 
 
-# -- pure rules (tested without Ray) -----------------------------------------------------------------------------
-def check_options(opts: Options) -> None:
-    """Refuse the options that cannot mean anything on a Ray cluster (`ConfigError`, at the call)."""
-    if opts.mode == "dp":
-        raise ConfigError("mode='dp' runs one process over the GPUs of one machine; with launcher='ray' use "
-                          "mode='ddp' (one actor per GPU) or mode='single'")
-    if opts.devices is not None:
-        raise ConfigError(f"devices={opts.devices} picks GPUs of this machine; with launcher='ray' Ray gives each "
-                          "rank's actor its GPU: drop devices= (limit the GPUs with nprocs= instead)")
-
-
-def ray_nprocs(opts: Options, env: Mapping[str, str], cluster_gpus: float) -> int:
-    """How many ranks (actors) a Ray job starts: the rule of a local job (`distfn.options.fixed_nprocs`:
-    ``DISTFN_NPROCS`` / ``nprocs=``, else 1 in ``mode="single"``), else one per GPU of the cluster; on a cluster
-    without GPUs the count must be given (`ConfigError`)."""
-    check_options(opts)
-    fixed = fixed_nprocs(opts, env)
-    if fixed is not None:
-        return fixed
-    gpus = int(cluster_gpus)
-    if gpus < 1:
-        raise ConfigError(
-            f"launcher='ray': the Ray cluster has no GPUs, so distfn cannot tell how many ranks to start; give the "
-            f"count with nprocs= (or {NPROCS_ENV}=N): N actors with {CPUS_PER_RANK} CPU each, joined over gloo")
-    return gpus
-
-
-@attrs.frozen
-class ActorPlace:
-    """Where one rank's actor runs, as the actor itself reports it (`RankActor.where`)."""
-
-    bundle: int  # its bundle in the placement group
-    node_id: str  # Ray's node id (two raylets on one machine are two nodes)
-    node_ip: str
-    host: str
-    pid: int
-    gpu_ids: tuple[str, ...] = ()  # the GPUs Ray assigned to it
-
-
-@attrs.frozen
-class Assignment:
-    """What `assign_ranks` decides for one actor."""
-
-    place: ActorPlace
-    rank: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    num_nodes: int
-    #: ``CUDA_VISIBLE_DEVICES`` for the actor: every GPU of the node's ranks, ordered by local rank (so local rank
-    #: i uses ``cuda:i`` and NCCL sees its peers' GPUs, as under torchrun); ``None`` without GPUs.
-    visible_devices: str | None
-
-
-def _gpu_key(place: ActorPlace) -> tuple[Any, ...]:
-    ids = [int(g) if str(g).isdigit() else -1 for g in place.gpu_ids]
-    return (min(ids) if ids else -1, place.bundle)
-
-
-def assign_ranks(places: Sequence[ActorPlace]) -> list[Assignment]:
-    """Ranks for the actors, node by node: the node holding bundle 0 is node 0 (rank 0's node); nodes follow in
-    the order of their first bundle, and on each node the actors are ordered by GPU (then bundle). Returned in
-    rank order."""
-    nodes: dict[str, list[ActorPlace]] = {}
-    for place in sorted(places, key=lambda p: p.bundle):
-        nodes.setdefault(place.node_id, []).append(place)
-    out: list[Assignment] = []
-    for node_rank, members in enumerate(nodes.values()):
-        members = sorted(members, key=_gpu_key)
-        gpus = [g for m in members for g in m.gpu_ids]
-        visible = ",".join(dict.fromkeys(gpus)) if gpus else None
-        for local_rank, place in enumerate(members):
-            out.append(Assignment(place, len(out), local_rank, len(members), node_rank, len(nodes), visible))
-    return out
-
-
-def topology_for(assignment: Assignment, world_size: int, master_addr: str, master_port: int) -> Topology:
-    """The `Topology` of one actor's rank (launcher ``"ray"``)."""
-    a = assignment
-    return Topology(launcher="ray", rank=a.rank, local_rank=a.local_rank, world_size=world_size,
-                    local_world_size=a.local_world_size, node_rank=a.node_rank, num_nodes=a.num_nodes,
-                    master_addr=master_addr, master_port=master_port,
-                    reason=f"Ray actor {a.rank} of {world_size} on node {a.place.node_ip} "
-                           f"({a.place.node_id[:8]}), {a.num_nodes} node(s)")
-
-
 # -- the actor (runs in Ray's worker processes) -------------------------------------------------------------------
 class RankActor:
     """One rank of a Ray job: made a Ray actor class by `launch` (``ray.remote``), so this module needs no Ray
@@ -152,7 +74,7 @@ class RankActor:
 
     def __init__(self) -> None:
         # a decorated call in this process (a script re-imported here without a main guard) is a nested launch
-        worker.mark_active(True)
+        process.mark_active(True)
         self._listener: socket.socket | None = None
 
     def where(self, bundle: int) -> ActorPlace:
@@ -169,19 +91,21 @@ class RankActor:
         return int(self._listener.getsockname()[1])
 
     def run(self, fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology,
-            visible_devices: str | None) -> tuple[str, Any]:
-        """Run this rank as every distfn rank runs (`distfn.launch.protocol.run_rank`) and answer its one report:
+            visible_devices: str | None, driver_cwd: str | None = None) -> tuple[str, Any]:
+        """Run this rank as every distfn rank runs (`distfn.launch.protocol.run_rank`), in the driver's working
+        directory where this node has it (`in_driver_dir`; ``None``: where the actor is), and answer its one report:
         ``("ok", value or None)``, ``("exit", Failure)`` or ``("error", Failure)``."""
         protocol.export_rank_env(topology)
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices  # before anything starts CUDA in this process
-        try:
-            store = self._store(topology, opts)
-        except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
-            return protocol.classify(topology.rank, exc)
-        # the report is kept when the function fails (before the process group goes) and answered at the end
-        return protocol.run_rank(fn, cfg, opts, topology, store=store, deliver=lambda message: None,
-                                 pack=protocol.to_cpu)
+        with in_driver_dir(driver_cwd, topology):
+            try:
+                store = self._store(topology, opts)
+            except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
+                return protocol.classify(topology.rank, exc)
+            # the report is kept when the function fails (before the process group goes) and answered at the end
+            return protocol.run_rank(fn, cfg, opts, topology, store=store, deliver=lambda message: None,
+                                     pack=protocol.to_cpu)
 
     def _store(self, topology: Topology, opts: Options) -> Any:
         if opts.init_method is not None:
@@ -194,7 +118,45 @@ class RankActor:
         return protocol.join_store(topology.master_addr, topology.master_port, topology.world_size, opts.timeout)
 
 
+@contextlib.contextmanager
+def in_driver_dir(driver_cwd: str | None, topology: Topology) -> Iterator[None]:
+    """Run the block in the driver's working directory where this node has it (`choose_working_dir`): a Ray
+    actor starts in its raylet's directory, where a relative path of the user's function would land unseen. Where
+    the node lacks it, this rank logs one warning naming both directories. The actor's own working directory comes
+    back afterwards, however the block ends. ``driver_cwd=None``: stay (the driver has no directory to give)."""
+    if driver_cwd is None:
+        yield
+        return
+    here = os.getcwd()
+    choice = choose_working_dir(driver_cwd, here, node=socket.gethostname(), is_dir=os.path.isdir)
+    if choice.warning is not None:
+        log = logs.setup(topology.rank, topology.world_size)  # the rank's own log line (distfn is quiet outside)
+        try:
+            log.warning("{}", choice.warning)
+        finally:
+            logs.teardown()
+    if choice.change_to is None:
+        yield
+        return
+    os.chdir(choice.change_to)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
 # -- the driver ---------------------------------------------------------------------------------------------------
+def _driver_cwd() -> str | None:
+    """The driver's working directory, for the ranks (`in_driver_dir`); ``None`` (said once) where it was removed
+    while the driver ran."""
+    try:
+        return os.getcwd()
+    except OSError as exc:
+        logger.warning("ray: the driver's working directory is gone ({}), so relative paths in the function resolve "
+                       "in each Ray actor's own working directory; use absolute paths", exc)
+        return None
+
+
 def _connect(ray: Any) -> None:
     if not ray.is_initialized():
         # RAY_ADDRESS when set, else the cluster `ray start` began on this machine, else a new local one
@@ -220,6 +182,36 @@ class RayJob:
     returned: list[int] = attrs.field(factory=list)
     result: Any = None
     started: float = attrs.field(factory=time.time)
+    interrupted: bool = False  # Ctrl-C seen by `on_sigint`, even where Ray swallowed the KeyboardInterrupt
+    tearing_down: bool = False  # from then on a Ctrl-C is only recorded: the clean-up must not stop half-way
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        """The driver's SIGINT handler while the job runs (`_interruptible`): records the Ctrl-C, then raises as
+        Python's own handler does. Ray's blocking calls run Python's signal handlers from C++ and turn the
+        KeyboardInterrupt into a status that some of them drop (a Ctrl-C then seemed to need a second one); the
+        record makes the driver's next check (`check_interrupt`, at most `POLL_S` later) raise it again."""
+        self.interrupted = True
+        if not self.tearing_down:
+            raise KeyboardInterrupt
+
+    def check_interrupt(self) -> None:
+        """Raise ``KeyboardInterrupt`` when a Ctrl-C came, whatever Ray did with it."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+    def ready(self, refs: list[Any], timeout: float) -> bool:
+        """Wait until every one of ``refs`` is ready (``True``) or ``timeout`` seconds passed (``False``), in
+        slices of `POLL_S`, acting on Ctrl-C between them (`check_interrupt`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_interrupt()
+            left = deadline - time.monotonic()
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(POLL_S, left)))
+            self.check_interrupt()
+            if len(ready) == len(refs):
+                return True
+            if left <= 0:
+                return False
 
     def place(self) -> None:
         """Reserve one bundle per rank (waiting for the cluster to have room), start the actors, find them."""
@@ -230,8 +222,7 @@ class RayJob:
         self.pg = placement_group([dict(bundle)] * self.nprocs, strategy="PACK")
         deadline = time.monotonic() + self.opts.timeout.total_seconds()
         while True:
-            ready, _ = self.ray.wait([self.pg.ready()], timeout=PLACEMENT_LOG_EVERY)
-            if ready:
+            if self.ready([self.pg.ready()], timeout=PLACEMENT_LOG_EVERY):
                 break
             if time.monotonic() > deadline:
                 raise LauncherError(
@@ -245,9 +236,13 @@ class RayJob:
                               PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)).remote()
                   for i in range(self.nprocs)]
         self.actors = actors
+        where = [a.where.remote(i) for i, a in enumerate(actors)]
+        timeout = self.opts.timeout.total_seconds()
         try:
-            places = self.ray.get([a.where.remote(i) for i, a in enumerate(actors)],
-                                  timeout=self.opts.timeout.total_seconds())
+            if not self.ready(where, timeout):
+                raise LauncherError(f"Ray could not start the ranks' actors within the timeout ({timeout:g} s). "
+                                    "distfn (and torch) must be installed in the Python environment of every node")
+            places = self.ray.get(where)
         except self.ray.exceptions.RayError as exc:
             raise LauncherError(f"Ray could not start the ranks' actors: {_first_lines(exc)}. distfn (and torch) "
                                 "must be installed in the Python environment of every node") from None
@@ -257,14 +252,19 @@ class RayJob:
     def start(self, fn: Callable[..., Any], cfg: Any) -> dict[Any, int]:
         """Start every rank; returns ``{result ref: rank}``."""
         first = self.assignments[0]
-        port = self.ray.get(self.actors[0].bind_port.remote(), timeout=self.opts.timeout.total_seconds())
+        port_ref = self.actors[0].bind_port.remote()
+        if not self.ready([port_ref], self.opts.timeout.total_seconds()):
+            raise LauncherError(f"rank 0's Ray actor did not bind the rendezvous port within the timeout "
+                                f"({self.opts.timeout.total_seconds():g} s)")
+        port = self.ray.get(port_ref)
         layout = ", ".join(f"node {a.place.node_ip} ({a.place.node_id[:8]}): ranks "
                            f"{a.rank}-{a.rank + a.local_world_size - 1}" for a in self.assignments if a.local_rank == 0)
         logger.info("ray: {} rank(s) on {} node(s) ({}); rendezvous {}:{}", self.nprocs, first.num_nodes, layout,
                     first.place.node_ip, port)
         fn_ref, cfg_ref = self.ray.put(fn), self.ray.put(cfg)  # serialised once, not once per rank
-        return {actor.run.remote(fn_ref, cfg_ref, self.opts,
-                                 topology_for(a, self.nprocs, first.place.node_ip, port), a.visible_devices): a.rank
+        cwd = _driver_cwd()
+        return {actor.run.remote(fn_ref, cfg_ref, self.opts, topology_for(a, self.nprocs, first.place.node_ip, port),
+                                 a.visible_devices, cwd): a.rank
                 for actor, a in zip(self.actors, self.assignments, strict=True)}
 
     def wait(self, refs: dict[Any, int]) -> None:
@@ -272,7 +272,9 @@ class RayJob:
         pending = dict(refs)
         settle_until: float | None = None
         while pending and (settle_until is None or time.monotonic() < settle_until):
-            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=0.2 if settle_until else 1.0)
+            self.check_interrupt()
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=0.2 if settle_until else POLL_S)
+            self.check_interrupt()
             for ref in ready:
                 self._receive(ref, pending.pop(ref))
             if self.failures and settle_until is None:
@@ -320,6 +322,7 @@ class RayJob:
 
     def teardown(self) -> None:
         """Kill every actor and remove the placement group (after a result too: nothing stays on the cluster)."""
+        self.tearing_down = True
         for actor in self.actors:
             try:
                 self.ray.kill(actor, no_restart=True)
@@ -350,22 +353,37 @@ def _first_lines(exc: BaseException, n: int = 3) -> str:
 def launch(fn: Callable[..., Any], cfg: Any, opts: Options) -> Any:
     """Run ``fn(cfg, ctx)`` as Ray actors on the Ray cluster and return rank 0's value (or raise `WorkerError`).
 
-    Ctrl-C kills the actors (and re-raises ``KeyboardInterrupt``); so does any other way out of the driver's call:
-    the actors and the placement group never outlive it.
+    One Ctrl-C kills the actors and raises ``KeyboardInterrupt`` within about `POLL_S` (`RayJob.on_sigint`); any
+    other way out of the driver's call kills them too: the actors and the placement group never outlive it.
     """
     ray = import_ray()
     _connect(ray)
     gpus_in_cluster = float(ray.cluster_resources().get("GPU", 0))
     nprocs = ray_nprocs(opts, os.environ, gpus_in_cluster)
     job = RayJob(ray, nprocs, 1 if gpus_in_cluster >= 1 else 0, opts)
-    try:
-        job.place()
-        refs = job.start(fn, cfg)
-        job.wait(refs)
-    except KeyboardInterrupt:
-        logger.warning("interrupted: killing the {} Ray actor(s) of the job", nprocs)
-        raise
-    finally:
-        job.teardown()
+    with _interruptible(job):
+        try:
+            job.place()
+            refs = job.start(fn, cfg)
+            job.wait(refs)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: killing the {} Ray actor(s) of the job", nprocs)
+            raise
+        finally:
+            job.teardown()
     return job.outcome()
+
+
+@contextlib.contextmanager
+def _interruptible(job: RayJob) -> Iterator[None]:
+    """`RayJob.on_sigint` as the SIGINT handler for the block, where Python's own is in place (in the main
+    thread; a handler of the user's is left alone), so that one Ctrl-C always ends the job (`RayJob.on_sigint`)."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    previous = preemption.set_handlers({signal.SIGINT: job.on_sigint})
+    try:
+        yield
+    finally:
+        preemption.restore_handlers(previous)
 

@@ -2,8 +2,9 @@
 
 Each rank writes ``rank<R>.json`` (what distfn told it, its initial and final weights, its pid and Ray node) into
 the directory named at the driver by ``DISTFN_TEST_OUT``; every real checkpoint write appends one line to
-``writes.log`` there. ``DISTFN_TEST_FAIL_RANK`` makes that rank raise; ``DISTFN_TEST_HANG=1`` makes every rank
-wait (after writing ``started<R>``) until it is killed.
+``writes.log`` there; each rank also writes ``relative-rank<R>.txt`` by a relative path (it must land in the
+driver's working directory, issue 25 item 16). ``DISTFN_TEST_FAIL_RANK`` makes that rank raise;
+``DISTFN_TEST_HANG=1`` makes every rank wait (after writing ``started<R>``) until it is killed.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def train(cfg: dict, ctx) -> dict:
         loss.backward()
         opt.step()
     ctx.save(model, OUT / "model.safetensors")  # every rank calls it; only rank 0 may write
+    Path(f"relative-rank{ctx.rank}.txt").write_text(os.getcwd())  # relative: where the driver runs
     import ray  # the actor's node, to check where the ranks ran
 
     record = {
