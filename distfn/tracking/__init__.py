@@ -15,12 +15,29 @@ Importing this package imports no tracking package (mlflow, wandb, tensorboard).
 
 from __future__ import annotations
 
-from .base import Backend, Handle, OnError, Row, RunInfo, Status
-from .csv_backend import CSV
-from .key import KEY_ENV
-from .mlflow_backend import MLflow
-from .tensorboard_backend import TensorBoard
-from .wandb_backend import WandB
+import importlib
+from typing import Any
+
+from .base import KEY_ENV, Backend, Handle, OnError, Row, RunInfo, Status
 
 __all__ = ["CSV", "KEY_ENV", "Backend", "Handle", "MLflow", "OnError", "Row", "RunInfo", "Status", "TensorBoard",
            "WandB"]
+
+#: The backends' settings classes, imported on first use: decoration imports `tracking.base` (through
+#: `options`), and the four backend modules cost about 15 ms of attrs class building there (measured with
+#: ``python -X importtime``), which a call without ``track=`` never needs.
+_LAZY = {"CSV": "csv_backend", "MLflow": "mlflow_backend", "TensorBoard": "tensorboard_backend",
+         "WandB": "wandb_backend"}
+
+
+def __getattr__(name: str) -> Any:
+    """``distfn.tracking.MLflow`` and the other backends on first use (see `_LAZY`)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

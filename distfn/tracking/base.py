@@ -31,6 +31,8 @@ OnError = Literal["buffer", "drop"]
 ON_ERROR: Final[tuple[OnError, ...]] = ("buffer", "drop")
 
 #: The tag (MLflow) / config entry holding the job key, by which a continued run is found.
+#: The job key every attempt of one job shares (set by the launcher around its attempts, `tracking.key`).
+KEY_ENV: Final = "DISTFN_TRACK_KEY"
 KEY_TAG: Final = "distfn.key"
 
 #: One logged row: ``(step, {name: value})``.

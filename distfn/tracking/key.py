@@ -30,10 +30,9 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, Final
 
 from ..preemption import slurm_job_id
-from .base import KEY_TAG
+from .base import KEY_ENV, KEY_TAG
 
 #: The environment variable holding the job key (set by distfn's launcher for its workers, or by the user).
-KEY_ENV: Final = "DISTFN_TRACK_KEY"
 
 #: The key of the tracking record in a checkpoint's ``metadata=`` (written by ``ctx.save`` on rank 0).
 RECORD_KEY: Final = "distfn.tracking"

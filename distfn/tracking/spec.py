@@ -10,25 +10,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+from .. import tracking
 from ..errors import ConfigError
 from .base import Backend
-from .csv_backend import CSV
-from .mlflow_backend import MLflow
-from .tensorboard_backend import TensorBoard
-from .wandb_backend import WandB
 
-#: The built-in backends by name (``track="mlflow"`` is ``track=MLflow()``).
-BUILTIN: Final[dict[str, Callable[[], Backend]]] = {"mlflow": MLflow, "wandb": WandB, "tensorboard": TensorBoard,
-                                                    "csv": CSV}
+#: The built-in backends by name (``track="mlflow"`` is ``track=MLflow()``), each its settings class's name in
+#: `distfn.tracking`, imported there when a ``track=`` names it (not at every decoration).
+BUILTIN: Final[dict[str, str]] = {"mlflow": "MLflow", "wandb": "WandB", "tensorboard": "TensorBoard", "csv": "CSV"}
 
 
 def _one(item: Any) -> Backend:
     if isinstance(item, str):
-        make = BUILTIN.get(item.strip().lower())
-        if make is None:
+        class_name = BUILTIN.get(item.strip().lower())
+        if class_name is None:
             raise ConfigError(f"track={item!r} is not a tracking backend; use one of "
                               f"{', '.join(map(repr, BUILTIN))}, a list of them, or a backend object "
                               "(distfn.tracking.MLflow(...), ...)")
+        make: Callable[[], Backend] = getattr(tracking, class_name)
         backend = make()
     elif isinstance(item, Backend):
         backend = item
