@@ -248,7 +248,8 @@ def test_ray_job_reports_the_sleeping_rank(tmp_path: Path) -> None:
     script.write_text(RAY_JOB.format(repo=REPO))
     start = time.time()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
-                          env=clean_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0"))
+                          env=clean_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0",
+                                        HOME=str(tmp_path)))  # its ~/.ray/auth_token stays in tmp_path
     text = done.stdout + done.stderr
     assert "REPORTED" in done.stdout, text[-4000:]
     assert "Rank 1 had not reached a collective: rank 1 was in sleepy" in text

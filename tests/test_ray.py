@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,8 +217,14 @@ def ray_cli() -> str:
     return path  # type: ignore[return-value]
 
 
+# Ray keeps an auth token in ~/.ray/auth_token, made by the first local cluster that needs one (tests/test_hangs.py's
+# `ray.init(address="local")` makes one); a `ray start` that reads another cluster's token fails with
+# InvalidAuthToken. These tests' clusters get a home of their own.
+RAY_HOME = tempfile.mkdtemp(prefix="distfn-ray-home-")
+
+
 def cluster_env(**extra: str) -> dict[str, str]:
-    env = clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0", **extra)
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0", HOME=RAY_HOME, **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 
