@@ -30,6 +30,7 @@ from .modules import unwrap_module
 from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 from .run import Run
+from .stragglers import TimingTable
 
 
 @attrs.define(eq=False)
@@ -154,7 +155,8 @@ class Context:
                 defaults to True on CUDA and is dropped on the CPU (where it only makes torch warn).
         """
         return data.dataloader(dataset, batch_size, self.sampler, rank=self.rank, seed=self.seed, device=self.device,
-                               shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders, **kwargs)
+                               shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders,
+                               timer=self.run.timings.timed_batches, **kwargs)
 
     def gather_for_metrics(self, value: Any, loader: DistributedLoader | None = None) -> Any:
         """Per-sample `value` from every rank, concatenated in the sampler's order without
@@ -303,7 +305,22 @@ class Context:
             tqdm_kwargs: ``log_percent=`` / ``log_seconds=`` set that cadence (defaults 10 and 60); the rest go to
                 `tqdm` (`file`, `disable`, `mininterval`, ...).
         """
-        return progress.Progress(iterable, enabled=self.is_main, desc=desc, total=total, **tqdm_kwargs)
+        return progress.Progress(iterable, enabled=self.is_main, desc=desc, total=total, timings=self.run.timings,
+                                 **tqdm_kwargs)
+
+    def timings(self, *, whole_run: bool = False) -> TimingTable | None:
+        """Where each rank's step time goes (data wait / compute / comm, mean and p90), on rank 0.
+
+        Returns the table of the newest window of `distfn.timings.WINDOW` steps (``DISTFN_TIMINGS_WINDOW``) that
+        every rank has reported, with the straggler if the rule names one (see docs/loop.md, "Performance"). It
+        is `None` on the other ranks, before the first window, and with ``DISTFN_TIMINGS=0``. Steps are the
+        training forwards of the model `ctx.wrap` returned; data wait is seen through `ctx.dataloader`.
+
+        Args:
+            whole_run: the totals since the start instead (means only). Then **every rank must call it**: each
+                sends its totals and rank 0 waits (at most 10 s) for them; no collective.
+        """
+        return self.run.timings.whole_run() if whole_run else (self.run.timings.latest if self.is_main else None)
 
     def writer(self, log_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
         """A TensorBoard `SummaryWriter` on rank 0 and a no-op object with the same methods on the other

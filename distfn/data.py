@@ -77,7 +77,8 @@ class DistributedLoader(DataLoader):
     seeding (no ``generator`` was passed), the DataLoader workers' seeds are re-derived from
     ``(seed, rank, epoch)`` each epoch, so a resumed epoch sees the same random augmentations (with
     ``persistent_workers=True`` the workers keep their random streams across epochs instead). ``tracker``: the
-    run's `LastLoader`, told of every batch handed out.
+    run's `LastLoader`, told of every batch handed out. ``timer``: wraps each epoch's batch iterator (the run's
+    `distfn.timings.Timings.timed_batches`, which counts the time in ``next()`` as the step's data wait).
 
     Attributes:
         epoch: the epoch of the current (or last) iteration; ``None`` before the first one.
@@ -88,7 +89,7 @@ class DistributedLoader(DataLoader):
     sampler: DistributedSampler  # checked in __init__
 
     def __init__(self, *args: Any, seed_parts: tuple[int, int] | None = None, tracker: LastLoader | None = None,
-                 **kwargs: Any) -> None:
+                 timer: Callable[[Iterator[Any]], Iterator[Any]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, DistributedSampler):
             raise ConfigError("DistributedLoader needs a DistributedSampler; build it with ctx.dataloader")
@@ -96,6 +97,7 @@ class DistributedLoader(DataLoader):
         self.next_epoch = 0
         self._seed_parts = seed_parts  # (base seed, rank) when distfn seeds the workers, else None
         self._tracker = tracker
+        self._timer = timer
         self._batch = -1  # index of the batch most recently handed out in this epoch
         self._done = False  # True once this epoch's iteration ran to its end
         self._pending = False  # an iteration started and next_epoch has not moved past it yet
@@ -126,7 +128,8 @@ class DistributedLoader(DataLoader):
         self.epoch = epoch
         self._batch, self._done, self._pending = -1, False, True
         self._iterations += 1
-        return self._track(super().__iter__(), self._iterations)
+        batches = super().__iter__()
+        return self._track(batches if self._timer is None else self._timer(batches), self._iterations)
 
     def _track(self, batches: Iterator[Any], iteration: int) -> Iterator[Any]:
         for batch in batches:
@@ -185,6 +188,7 @@ def dataloader(
     shuffle: bool = True,
     drop_last: bool = False,
     tracker: LastLoader | None = None,
+    timer: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
     **kwargs: Any,
 ) -> DistributedLoader:
     """Build the ``DistributedLoader`` behind ``ctx.dataloader`` (see there).
@@ -194,7 +198,8 @@ def dataloader(
     devices. Unless ``generator`` is
     passed, the workers' base seed comes from a generator seeded with ``(seed, rank, epoch)``: without it,
     identically seeded ranks would give their DataLoader workers identical random streams (the same
-    "random" augmentation on every GPU). ``tracker``: the run's `LastLoader` (see `DistributedLoader`).
+    "random" augmentation on every GPU). ``tracker``, ``timer``: the run's `LastLoader` and data-wait timer (see
+    `DistributedLoader`).
     """
     if isinstance(dataset, IterableDataset):
         raise ConfigError(
@@ -233,7 +238,7 @@ def dataloader(
         kwargs["generator"] = torch.Generator()
     loader = DistributedLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, seed_parts=seed_parts, tracker=tracker,
-        **kwargs
+        timer=timer, **kwargs
     )
     if rank == 0:
         replicas, size = sampler.num_replicas, len(dataset)  # type: ignore[arg-type]
