@@ -158,6 +158,7 @@ class Recorder:
         clock: where step and comm marks come from.
         window: steps per window.
         on_window: receives each full window's samples, in order.
+        on_step: called with `steps` after each step is read (rank 0's retry of a window not yet complete).
         steps: steps read so far (the whole run).
         sums: their summed (data, compute, comm, step) seconds.
     """
@@ -165,6 +166,7 @@ class Recorder:
     clock: Clock
     window: int
     on_window: Callable[[list[Sample]], None]
+    on_step: Callable[[int], None] | None = None
     steps: int = 0
     sums: list[float] = attrs.field(factory=lambda: [0.0, 0.0, 0.0, 0.0])
     _start: Any = None  # the open step's start mark (None before the first step)
@@ -219,6 +221,8 @@ class Recorder:
             if len(self._samples) >= self.window:
                 samples, self._samples = self._samples, []
                 self.on_window(samples)
+            elif self.on_step is not None:
+                self.on_step(self.steps)
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:
@@ -348,7 +352,9 @@ class Timings:
     _windows: int = 0  # windows this rank has written
     _unread: deque[tuple[int, RankTimes]] = attrs.field(factory=deque)  # rank 0: its own rows not yet matched
     _detector: Detector = attrs.field(factory=Detector)
+    _retry: tuple[int, int] = (0, 0)  # rank 0: (step of the next read attempt, gap after it), while a window waits
     _totals: int = 0  # whole-run tables asked for so far
+    _summarised: int = -1  # steps the last whole-run table covered (the end-of-run log skips a repeat)
 
     # -- the hooks' entry points ----------------------------------------------------------------------------
     def watch(self, model: nn.Module, device: torch.device) -> None:
@@ -358,9 +364,15 @@ class Timings:
             return
         active = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if active else (0, 1)
-        self._exchange = Exchange.start(rank, world, default_store() if active else None)
-        self._recorder = Recorder(clock_for(device), self.window, self._window_done)
-        _ModelHooks(self._recorder).install(model)
+        _ModelHooks(self.start(rank, world, default_store() if active else None, clock_for(device))).install(model)
+
+    def start(self, rank: int, world_size: int, store: Any, clock: Clock) -> Recorder:
+        """Begin this rank's accounting on ``store`` (``None``: this rank's rows only); returns the recorder the
+        hooks feed. `watch` calls it with the process group's facts."""
+        self._exchange = Exchange.start(rank, world_size, store)
+        self._recorder = Recorder(clock, self.window, self._window_done,
+                                  on_step=self._retry_read if rank == 0 and world_size > 1 else None)
+        return self._recorder
 
     def timed_batches(self, batches: Iterable[Any]) -> Iterator[Any]:
         """``batches``, timing each ``next()`` as data wait (``ctx.dataloader`` passes its iterator through)."""
@@ -396,6 +408,17 @@ class Timings:
         if len(self._unread) > SLOTS - 1:  # the others' slots for the oldest have been overwritten by now
             self._unread.popleft()
         self._read_windows()
+        # The others finish the same window within a step or so of rank 0: look again 1, 2, 4, ... steps later
+        # (a few store round trips per window at most) rather than a whole window later.
+        self._retry = (row.steps * (number + 1) + 1, 2)
+
+    def _retry_read(self, steps: int) -> None:
+        """Rank 0, after each step: read a window that was not complete when rank 0 finished it."""
+        due, gap = self._retry
+        if not self._unread or steps < due:
+            return
+        self._read_windows()
+        self._retry = (steps + gap, min(2 * gap, self.window))
 
     def _read_windows(self) -> None:
         """Rank 0: turn every window all ranks have written into a table, oldest first."""
@@ -424,7 +447,7 @@ class Timings:
         if recorder is None or exchange is None:
             return None
         recorder.drain(block=True)
-        number, self._totals = self._totals, self._totals + 1
+        number, self._totals, self._summarised = self._totals, self._totals + 1, recorder.steps
         mine = {"steps": recorder.steps, "sums": recorder.sums, "host": self._host, "rank": exchange.rank}
         if exchange.rank != 0:
             exchange.publish(f"total{number}", mine)
@@ -437,8 +460,12 @@ class Timings:
         return TimingTable(tuple(rows), steps=recorder.steps, straggler=stragglers.find_straggler(rows))
 
     def finish(self) -> None:
-        """End of a normal run: rank 0 logs the whole-run summary table (every rank takes part; no collective)."""
-        if self._recorder is None or self._recorder.steps + len(self._recorder._closed) == 0:
+        """End of a normal run: rank 0 logs the whole-run summary table (every rank takes part; no collective).
+
+        Skipped when nothing was measured, or when the function itself took the whole-run table after its last
+        step (``distfn test`` prints it in its report)."""
+        recorder = self._recorder
+        if recorder is None or recorder.steps + len(recorder._closed) in (0, self._summarised):
             return
         try:
             table = self.whole_run()

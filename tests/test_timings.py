@@ -266,3 +266,60 @@ def test_cuda_events_measure_a_real_step() -> None:
     model(x)  # one more boundary: the finished steps are read now, without waiting
     table = run.latest
     assert table is not None and table.ranks[0].step.mean > 0 and table.ranks[0].compute.mean > 0
+
+
+# -- the exchange through the store --------------------------------------------------------------------------------
+class FakeStore:
+    """The store calls the exchange makes; a blocking ``get`` of a missing key fails the test (it would hang)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.round_trips = 0
+
+    def add(self, key: str, n: int) -> int:
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
+    def set(self, key: str, value: str) -> None:
+        self.round_trips += 1
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        self.round_trips += 1
+        return all(k in self.data for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.round_trips += 1
+        return [self.data[k] for k in keys]
+
+    def get(self, key: str) -> bytes:
+        assert key in self.data, f"a blocking get of {key!r}, which no rank wrote"
+        return self.data[key]
+
+
+def test_rank_0_reads_a_window_once_every_rank_wrote_it_and_the_store_stays_small() -> None:
+    store = FakeStore()
+    ranks = [Timings(enabled=True, window=4) for _ in range(2)]
+    recorders = [t.start(rank, 2, store, HostClock()) for rank, t in enumerate(ranks)]
+    for _ in range(5):  # rank 0 completes window 0 (4 steps) while rank 1 is a step behind
+        recorders[0].boundary()
+    for _ in range(4):
+        recorders[1].boundary()
+    assert ranks[0].latest is None and ranks[1].latest is None
+    recorders[1].boundary()  # rank 1 writes window 0
+    recorders[0].boundary()  # rank 0's next step reads it (not a whole window later)
+    assert ranks[0].latest is not None and ranks[0].latest.window == 0
+    assert [r.rank for r in ranks[0].latest.ranks] == [0, 1] and ranks[0].latest.steps == 4
+    for _ in range(100):
+        recorders[1].boundary()
+        recorders[0].boundary()
+    assert ranks[0].latest.window >= 23 and ranks[1].latest is None
+    timing_keys = [k for k in store.data if "/w" in k]
+    assert len(timing_keys) <= timings.SLOTS  # rank 1's ring of slots; rank 0 writes none
+    # a few round trips per window, whatever its length: rank 1's set, rank 0's check (+ a retry) and multi_get
+    assert store.round_trips <= 6 * (105 // 4)
+    totals = ranks[1].whole_run()
+    assert totals is None  # off rank 0: it sent its totals
+    table = ranks[0].whole_run(wait=1.0)
+    assert table is not None and table.window is None and [r.steps for r in table.ranks] == [105, 104]
