@@ -31,6 +31,7 @@ from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 from .run import Run
 from .stragglers import TimingTable
+from .timings import collective
 
 
 @attrs.define(eq=False)
@@ -98,6 +99,7 @@ class Context:
         return collective_device(self.backend, self.device)
 
     @property
+    @collective  # its wait for the other ranks is comm time (distfn.timings)
     def should_stop(self) -> bool:
         """True on **every** rank once any of them received SIGTERM or SIGUSR2 (preemption, time limit).
 
@@ -158,6 +160,7 @@ class Context:
                                shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders,
                                timer=self.run.timings.timed_batches, **kwargs)
 
+    @collective
     def gather_for_metrics(self, value: Any, loader: DistributedLoader | None = None) -> Any:
         """Per-sample `value` from every rank, concatenated in the sampler's order without
         `DistributedSampler`'s padding duplicates, so metrics over the gathered results are exact.
@@ -333,11 +336,13 @@ class Context:
         return progress.writer(self.is_main, None if log_dir is None else os.fspath(log_dir), **kwargs)
 
     # -- collectives --------------------------------------------------------------------------------------
+    @collective
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op without a process group)."""
         self.run.sync_point()
         collectives.barrier(self.device)
 
+    @collective
     def all_reduce(self, value: Any, op: str = "mean") -> Any:
         """`value` reduced over all ranks (a collective: call it on every rank).
 
@@ -351,6 +356,7 @@ class Context:
             return collectives.all_reduce(value.to(device), op).to(value.device)
         return collectives.all_reduce(value, op, device=device)
 
+    @collective
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, as a list indexed by rank, on every rank (a collective).
 
@@ -360,6 +366,7 @@ class Context:
         self.run.sync_point()
         return collectives.gather_object(obj)
 
+    @collective
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank `src`'s `obj` on every rank (a collective; the other ranks' `obj` is ignored).
 

@@ -32,13 +32,14 @@ Imports: `distfn.stragglers` (the table and the rule), `distfn.checkin` (the sto
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final
+from typing import Any, Concatenate, Final, ParamSpec, Protocol, TypeVar
 
 import attrs
 import torch
@@ -151,7 +152,7 @@ class _Closed:
 
 @attrs.define(eq=False)
 class Recorder:
-    """This rank's step accounting: the hooks call `boundary`, `add_data`, `compute_done` and `comm_done`;
+    """This rank's step accounting: the hooks call `boundary`, `add_data`, `comm_begin` and `comm_end`;
     every ``window`` readable steps it calls ``on_window`` with their samples.
 
     Attributes:
@@ -181,8 +182,7 @@ class Recorder:
         now = self.clock.mark()
         if self._start is not None:
             self._closed.append(_Closed(self._start, now, self._comms, self._data))
-            self._comms = []
-        self._start, self._data = now, 0.0
+        self._start, self._data, self._comms = now, 0.0, []  # a collective before the first step is no step's
         self.drain()
 
     def add_data(self, seconds: float) -> None:
@@ -190,12 +190,14 @@ class Recorder:
         if self._start is not None:
             self._data += seconds
 
-    def compute_done(self) -> None:
-        """Backward's compute is over; DDP's end-of-backward wait for the all-reduce comes next."""
-        self._comm_start = self.clock.mark()
+    def comm_begin(self) -> None:
+        """A wait for the other ranks begins: DDP's end-of-backward wait for the all-reduce, or a ``ctx``
+        collective. A nested one (a collective inside a collective) is part of the outer one."""
+        if self._comm_start is None:
+            self._comm_start = self.clock.mark()
 
-    def comm_done(self) -> None:
-        """DDP's wait for the all-reduce is over."""
+    def comm_end(self) -> None:
+        """The wait `comm_begin` started is over."""
         if self._comm_start is not None:
             self._comms.append((self._comm_start, self.clock.mark()))
             self._comm_start = None
@@ -244,7 +246,9 @@ class _ModelHooks:
 
     def install(self, model: nn.Module) -> None:
         model.register_forward_pre_hook(self._pre_forward)
-        model.register_forward_hook(self._post_forward)
+        # prepend: our output hook is registered before the hooks FSDP2's own post-forward puts on the output,
+        # so our first callback is queued before its end-of-backward one (DDP queues its own later in any case)
+        model.register_forward_hook(self._post_forward, prepend=True)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():  # an evaluation forward is no step
@@ -262,8 +266,36 @@ class _ModelHooks:
         self._engine.queue_callback(self._compute_done)
 
     def _compute_done(self) -> None:
-        self.recorder.compute_done()
-        self._engine.queue_callback(self.recorder.comm_done)
+        self.recorder.comm_begin()
+        self._engine.queue_callback(self.recorder.comm_end)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _HasRun(Protocol):
+    @property
+    def run(self) -> Any: ...
+
+
+def collective(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
+    """Count the time inside a ``Context`` collective (``ctx.all_reduce``, ``ctx.barrier``, ...) as comm of the
+    current step: the time this rank waited there for the others (host time; on CUDA, events on the current
+    stream, which waits for the collective). ``self.run.timings`` is the run's `Timings`."""
+
+    @functools.wraps(method)
+    def timed(self: _HasRun, *args: P.args, **kwargs: P.kwargs) -> R:
+        recorder = self.run.timings._recorder
+        if recorder is None:
+            return method(self, *args, **kwargs)
+        recorder.comm_begin()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            recorder.comm_end()
+
+    return timed
 
 
 # -- getting the rows to rank 0 -------------------------------------------------------------------------------------

@@ -129,9 +129,9 @@ def test_cuda_marks_are_read_lazily_without_a_synchronise() -> None:
     for _ in range(4):  # 4 steps of 100 ms GPU time, 30 of them waiting for the all-reduce
         rec.boundary()
         FakeEvent.gpu_time += 0.07
-        rec.compute_done()
+        rec.comm_begin()
         FakeEvent.gpu_time += 0.03
-        rec.comm_done()
+        rec.comm_end()
     rec.boundary()
     assert rec.steps == 0 and FakeEvent.synchronized == 0  # the GPU is "behind": nothing read, nothing waited for
     FakeEvent.passed = 4  # the GPU passes the first step (start, compute done, comm done, end)
@@ -188,6 +188,31 @@ def _slow_batches(sleep: float):  # type: ignore[no-untyped-def]
     while True:
         time.sleep(sleep)
         yield torch.randn(4, 8)
+
+
+class _Ctx:
+    """What `timings.collective` needs of a ``Context``: its run's timings."""
+
+    def __init__(self, run: Timings) -> None:
+        self.run = type("Run", (), {"timings": run})()
+
+    @timings.collective
+    def all_reduce(self, seconds: float) -> float:
+        time.sleep(seconds)  # waiting for the other ranks
+        return seconds
+
+
+def test_a_ctx_collective_counts_as_comm_of_its_step() -> None:
+    run = Timings(enabled=True, window=2)
+    rec = run.start(0, 1, None, HostClock())
+    ctx = _Ctx(run)
+    assert ctx.all_reduce(0.02) == 0.02  # before the first step: no step's comm
+    for _ in range(3):
+        rec.boundary()
+        ctx.all_reduce(0.03)
+    assert run.latest is not None
+    comm = run.latest.ranks[0].comm
+    assert 0.025 <= comm.mean <= 0.1 and comm.mean <= run.latest.ranks[0].step.mean
 
 
 def test_switched_off_nothing_is_installed() -> None:

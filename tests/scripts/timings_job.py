@@ -1,8 +1,9 @@
 """A 2-4 rank DDP job for tests/test_timings.py: ``python timings_job.py SCENARIO NPROCS STEPS``.
 
 SCENARIO: ``data`` (rank 1's dataset sleeps 50 ms per item), ``compute`` (rank 1 busy-loops 30 ms in forward) or
-``none`` (identical ranks). Prints ``RESULT <json>`` with rank 0's view: the warnings logged during the loop, the
-last window's table and ``ctx.timings()`` on every rank. The end-of-run summary is logged to stderr.
+``none`` (identical ranks, with the user's own DDP comm hook). Prints ``RESULT <json>`` with rank 0's view: the
+warnings logged during the loop, the last window's table and ``ctx.timings()`` on every rank. The end-of-run
+summary is logged to stderr.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def job(cfg: dict, ctx) -> dict:
     warnings: list[str] = []
     sink = logger.add(lambda m: warnings.append(str(m).strip()), level="WARNING", format="{message}")
     model = ctx.wrap(Net(0.03 if slow and scenario == "compute" else 0.0))
+    if scenario == "none":  # the timings use no comm hook: the user's own still registers (and is timed)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = ctx.dataloader(Items(0.05 if slow and scenario == "data" else 0.0), batch_size=1)
     bar = ctx.progress(loader, desc="train", total=steps)
