@@ -245,10 +245,12 @@ class _ModelHooks:
     _engine: Any = attrs.field(factory=lambda: torch.autograd.Variable._execution_engine)
 
     def install(self, model: nn.Module) -> None:
-        model.register_forward_pre_hook(self._pre_forward)
+        # torch.compile of the wrapped model would trace into the hooks and warn about time.perf_counter; run them
+        # eagerly instead (a clean graph break at the model's edges; ~2 us per call in eager mode, measured)
+        model.register_forward_pre_hook(torch.compiler.disable(self._pre_forward))
         # prepend: our output hook is registered before the hooks FSDP2's own post-forward puts on the output,
         # so our first callback is queued before its end-of-backward one (DDP queues its own later in any case)
-        model.register_forward_hook(self._post_forward, prepend=True)
+        model.register_forward_hook(torch.compiler.disable(self._post_forward), prepend=True)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():  # an evaluation forward is no step

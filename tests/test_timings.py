@@ -348,3 +348,18 @@ def test_rank_0_reads_a_window_once_every_rank_wrote_it_and_the_store_stays_smal
     assert totals is None  # off rank 0: it sent its totals
     table = ranks[0].whole_run(wait=1.0)
     assert table is not None and table.window is None and [r.steps for r in table.ranks] == [105, 104]
+
+
+@pytest.mark.slow  # imports torch._dynamo (seconds)
+def test_a_compiled_wrapped_model_is_timed_without_dynamo_warnings() -> None:
+    import warnings
+
+    run = Timings(enabled=True, window=3)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    run.watch(model, torch.device("cpu"))
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # dynamo tracing into the hooks warns about time.perf_counter
+        for _ in range(7):
+            compiled(torch.randn(4, 8)).sum().backward()
+    assert run.latest is not None and run.latest.window == 1
