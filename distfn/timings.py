@@ -49,6 +49,7 @@ from torch import nn
 
 from . import stragglers
 from .checkin import default_store
+from .errors import ConfigError
 from .stragglers import Detector, RankTimes, TimingTable
 from .tree import tree_leaves
 
@@ -71,12 +72,13 @@ def enabled_by_env(env: Any = None) -> bool:
 
 
 def window_from_env(env: Any = None) -> int:
-    """``DISTFN_TIMINGS_WINDOW`` (steps per window), else `WINDOW`; a clear error for a bad value."""
+    """``DISTFN_TIMINGS_WINDOW`` (steps per window), else `WINDOW`; a `ConfigError` naming it for a bad value."""
     raw = (os.environ if env is None else env).get(ENV_WINDOW, "").strip()
     if not raw:
         return WINDOW
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{ENV_WINDOW}={raw!r}: expected a positive number of steps per window (default {WINDOW})")
+        raise ConfigError(f"{ENV_WINDOW}={raw!r}: expected a positive number of steps per window (default "
+                          f"{WINDOW}); unset it for the default")
     return int(raw)
 
 
@@ -182,7 +184,8 @@ class Recorder:
         now = self.clock.mark()
         if self._start is not None:
             self._closed.append(_Closed(self._start, now, self._comms, self._data))
-        self._start, self._data, self._comms = now, 0.0, []  # a collective before the first step is no step's
+        # a wait before the first step is no step's; one left open (an exception inside it) ends here
+        self._start, self._data, self._comms, self._comm_start = now, 0.0, [], None
         self.drain()
 
     def add_data(self, seconds: float) -> None:
@@ -370,14 +373,15 @@ class Timings:
 
     Attributes:
         enabled: measure at all (``DISTFN_TIMINGS``, on by default).
-        window: steps per window (``DISTFN_TIMINGS_WINDOW``, default `WINDOW`).
+        window: steps per window; ``None``: ``DISTFN_TIMINGS_WINDOW``, else `WINDOW`, read when the first model is
+            watched (so a bad value fails ``ctx.wrap`` with a `ConfigError`, inside the function, not the bootstrap).
         display: where rank 0's straggler warning goes: ``ctx.progress`` sets its own writer while a loop runs
             under it (so the line does not break the bar); otherwise a loguru warning.
         latest: rank 0's table of the newest window every rank has reported (``None`` elsewhere, or before).
     """
 
     enabled: bool = attrs.field(factory=enabled_by_env)
-    window: int = attrs.field(factory=window_from_env)
+    window: int | None = None
     display: Callable[[str], None] = _display
     latest: TimingTable | None = None
     _recorder: Recorder | None = None
@@ -403,6 +407,8 @@ class Timings:
     def start(self, rank: int, world_size: int, store: Any, clock: Clock) -> Recorder:
         """Begin this rank's accounting on ``store`` (``None``: this rank's rows only); returns the recorder the
         hooks feed. `watch` calls it with the process group's facts."""
+        if self.window is None:
+            self.window = window_from_env()
         self._exchange = Exchange.start(rank, world_size, store)
         self._recorder = Recorder(clock, self.window, self._window_done,
                                   on_step=self._retry_read if rank == 0 and world_size > 1 else None)
@@ -452,7 +458,7 @@ class Timings:
         if not self._unread or steps < due:
             return
         self._read_windows()
-        self._retry = (steps + gap, min(2 * gap, self.window))
+        self._retry = (steps + gap, min(2 * gap, self.window or WINDOW))
 
     def _read_windows(self) -> None:
         """Rank 0: turn every window all ranks have written into a table, oldest first."""

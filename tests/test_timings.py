@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from distfn import stragglers, timings
+from distfn.errors import ConfigError
 from distfn.progress import Progress
 from distfn.stragglers import Detector, Part, RankTimes, find_straggler, summarise
 from distfn.timings import CudaClock, HostClock, Recorder, Timings
@@ -85,7 +86,7 @@ def test_summary_of_samples_and_the_table_text() -> None:
 def test_bad_window_setting_is_a_clear_error() -> None:
     assert timings.window_from_env({}) == timings.WINDOW
     assert timings.window_from_env({"DISTFN_TIMINGS_WINDOW": "20"}) == 20
-    with pytest.raises(ValueError, match="DISTFN_TIMINGS_WINDOW='ten'"):
+    with pytest.raises(ConfigError, match="DISTFN_TIMINGS_WINDOW='ten'"):
         timings.window_from_env({"DISTFN_TIMINGS_WINDOW": "ten"})
     assert not timings.enabled_by_env({"DISTFN_TIMINGS": "0"}) and timings.enabled_by_env({})
 
