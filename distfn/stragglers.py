@@ -240,6 +240,10 @@ class Detector:
         self._warned.add(key)
         return straggler
 
+    def warned(self, straggler: Straggler) -> bool:
+        """Whether this straggler (its rank and cause) was warned about."""
+        return (straggler.rank, straggler.cause) in self._warned
+
 
 def to_payload(row: RankTimes) -> dict[str, Any]:
     """A row as plain JSON-able values (what a rank sends to rank 0)."""

@@ -364,3 +364,25 @@ def test_a_compiled_wrapped_model_is_timed_without_dynamo_warnings() -> None:
         for _ in range(7):
             compiled(torch.randn(4, 8)).sum().backward()
     assert run.latest is not None and run.latest.window == 1
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_summary_names_only_a_straggler_the_job_waited_for(persistent: bool) -> None:
+    store = FakeStore()
+    ranks = [Timings(enabled=True, window=4) for _ in range(2)]
+    recorders = [t.start(rank, 2, store, HostClock()) for rank, t in enumerate(ranks)]
+    for step in range(41):
+        for rec in recorders:
+            rec.boundary()
+        if persistent or step == 1:  # rank 1 waits for its data every step, or once for 0.3 s (a cold cache)
+            wait = 0.01 if persistent else 0.3
+            recorders[0].comm_begin()  # meanwhile rank 0 waits for rank 1 at the all-reduce
+            time.sleep(wait)
+            recorders[1].add_data(wait)
+            recorders[0].comm_end()
+    ranks[1].whole_run()
+    table = ranks[0].whole_run(wait=1.0)
+    assert table is not None and table.ranks[1].data.mean > 0.006 and table.ranks[0].comm.mean > 0.006
+    assert (table.straggler is not None) == persistent
+    if persistent:
+        assert (table.straggler.rank, table.straggler.cause) == (1, "data")  # type: ignore[union-attr]
