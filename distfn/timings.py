@@ -142,14 +142,10 @@ def clock_for(device: torch.device) -> Clock:
 
 
 # -- this rank's steps ---------------------------------------------------------------------------------------------
-@attrs.define
-class _Closed:
-    """A finished step whose marks may not be readable yet (CUDA)."""
-
-    start: Any
-    end: Any
-    comms: list[tuple[Any, Any]]
-    data: float
+#: A finished step whose marks may not be readable yet (CUDA): (start, end, comm (begin, end) pairs, data seconds).
+#: A tuple, not an attrs class: made every step, and the accounting must stay within microseconds per step.
+_Closed = tuple[Any, Any, list[tuple[Any, Any]], float]
+_NO_COMMS: Final[list[tuple[Any, Any]]] = []  # shared until a step records a wait (never appended to)
 
 
 @attrs.define(eq=False)
@@ -173,7 +169,7 @@ class Recorder:
     steps: int = 0
     sums: list[float] = attrs.field(factory=lambda: [0.0, 0.0, 0.0, 0.0])
     _start: Any = None  # the open step's start mark (None before the first step)
-    _comms: list[tuple[Any, Any]] = attrs.field(factory=list)
+    _comms: list[tuple[Any, Any]] = _NO_COMMS
     _comm_start: Any = None
     _data: float = 0.0
     _closed: deque[_Closed] = attrs.field(factory=deque)
@@ -183,9 +179,9 @@ class Recorder:
         """A training forward begins: close the open step (if any) and open the next one."""
         now = self.clock.mark()
         if self._start is not None:
-            self._closed.append(_Closed(self._start, now, self._comms, self._data))
+            self._closed.append((self._start, now, self._comms, self._data))
         # a wait before the first step is no step's; one left open (an exception inside it) ends here
-        self._start, self._data, self._comms, self._comm_start = now, 0.0, [], None
+        self._start, self._data, self._comms, self._comm_start = now, 0.0, _NO_COMMS, None
         self.drain()
 
     def add_data(self, seconds: float) -> None:
@@ -202,27 +198,33 @@ class Recorder:
     def comm_end(self) -> None:
         """The wait `comm_begin` started is over."""
         if self._comm_start is not None:
+            if self._comms is _NO_COMMS:
+                self._comms = []
             self._comms.append((self._comm_start, self.clock.mark()))
             self._comm_start = None
 
     def drain(self, *, block: bool = False) -> None:
         """Read the closed steps whose marks have completed (``block``: wait for all of them)."""
-        clock = self.clock
-        while self._closed:
-            step = self._closed[0]
+        clock, closed, sums = self.clock, self._closed, self.sums
+        while closed:
+            start, end, comms, data = closed[0]
             if block:
-                clock.wait(step.end)
-            elif not clock.ready(step.end):
+                clock.wait(end)
+            elif not clock.ready(end):
                 return  # the GPU is still behind: read it at a later boundary
-            self._closed.popleft()
-            total = clock.seconds(step.start, step.end)
-            comm = sum(clock.seconds(a, b) for a, b in step.comms)
-            data = min(step.data, total)
-            sample = (data, max(0.0, total - data - comm), comm, total)
+            closed.popleft()
+            total = clock.seconds(start, end)
+            comm = 0.0
+            for begin, done in comms:
+                comm += clock.seconds(begin, done)
+            data = min(data, total)
+            compute = max(0.0, total - data - comm)
+            sums[0] += data
+            sums[1] += compute
+            sums[2] += comm
+            sums[3] += total
             self.steps += 1
-            for i, value in enumerate(sample):
-                self.sums[i] += value
-            self._samples.append(sample)
+            self._samples.append((data, compute, comm, total))
             if len(self._samples) >= self.window:
                 samples, self._samples = self._samples, []
                 self.on_window(samples)
@@ -262,10 +264,16 @@ class _ModelHooks:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if module.training and torch.is_grad_enabled():
             tensor = _first_grad_tensor(output)
-            if tensor is not None:
+            if tensor is None:
+                return
+            # A pre-hook on the output's autograd node: measured ~3x cheaper per step than Tensor.register_hook
+            # (which builds a hook dict and a handle each time); a leaf output has no node, so it gets the latter.
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(self._backward_started)
+            else:
                 tensor.register_hook(self._backward_started)
 
-    def _backward_started(self, grad: torch.Tensor) -> None:
+    def _backward_started(self, *grads: Any) -> None:
         # Queued before DDP queues its end-of-backward callback (when its last bucket is ready), so it runs
         # first; it queues the second one, which the engine runs after DDP's.
         self._engine.queue_callback(self._compute_done)
