@@ -6,9 +6,10 @@ returned to the next):
 * **data**: the time spent inside the ``next()`` of ``ctx.dataloader``'s iterator (host time: what the input
   pipeline made this rank wait). A hand-built ``DataLoader`` is not seen; its wait counts as compute.
 * **comm**: the time blocked at the end of backward until DDP's gradient all-reduce is done. Two autograd
-  engine callbacks bracket DDP's own end-of-backward callback (queued from a hook on the model's output, so
-  they run just before and just after it), which is where DDP waits for its buckets: no comm hook, so the
-  user's own ``register_comm_hook`` still works. The rank that arrives last at the all-reduce waits least.
+  engine callbacks bracket DDP's own end-of-backward callback (queued from a pre-hook on the output's autograd
+  node, so they run just before and just after it), which is where DDP waits for its buckets: no comm hook, so
+  the user's own ``register_comm_hook`` still works. The rank that arrives last at the all-reduce waits least.
+  The time inside ``ctx`` collectives (``ctx.all_reduce``, ``ctx.barrier``, ...: `collective`) counts too.
 * **compute**: the rest of the step (forward, backward, optimizer, the user's code).
 
 On CUDA the step and comm boundaries are CUDA events recorded on the current stream and read lazily: a step's
