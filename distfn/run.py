@@ -93,8 +93,7 @@ class Run:
         """End the run on this rank: ranks still waiting in a check-in learn that this one will never join it.
         After a normal end it first waits (at most `PEER_START_WAIT` s) until every rank's process group is up, so
         an immediate return cannot break a peer's group set-up (see `distfn.checkin.CheckIn.finish`)."""
-        if not failed:
-            self.timings.finish()  # rank 0's end-of-run summary table (the other ranks send their totals)
+        self.timings.finish(failed=failed)  # rank 0's end-of-run summary table (the other ranks send their totals)
         if self.checkin is not None:
             self.checkin.finish(wait_for_peers=0.0 if failed else PEER_START_WAIT)
 

@@ -33,6 +33,7 @@ Imports: `distfn.stragglers` (the table and the rule), `distfn.checkin` (the sto
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -503,7 +504,7 @@ class Timings:
             return None
         payloads = [mine, *exchange.wait(f"total{number}", wait)]
         rows = [stragglers.totals_row(p["sums"], p["steps"], rank=p["rank"], host=p["host"])
-                for p in payloads if p.get("steps")]
+                for p in payloads if p.get("steps")]  # a rank that failed sent no steps
         if not rows:
             return None
         found = stragglers.find_straggler(rows)
@@ -513,12 +514,18 @@ class Timings:
             found = None
         return TimingTable(tuple(rows), steps=recorder.steps, straggler=found)
 
-    def finish(self) -> None:
-        """End of a normal run: rank 0 logs the whole-run summary table (every rank takes part; no collective).
+    def finish(self, *, failed: bool = False) -> None:
+        """End of the run: rank 0 logs the whole-run summary table (every rank takes part; no collective).
 
         Skipped when nothing was measured, or when the function itself took the whole-run table after its last
-        step (``distfn test`` prints it in its report)."""
-        recorder = self._recorder
+        step (``distfn test`` prints it in its report). A rank that ``failed`` sends empty totals instead, so that
+        rank 0 (whose own function may have returned) does not wait `FINAL_WAIT_S` for them."""
+        recorder, exchange = self._recorder, self._exchange
+        if failed:
+            if exchange is not None and exchange.rank != 0:
+                with contextlib.suppress(Exception):  # the store may be gone with the failure
+                    exchange.publish(f"total{self._totals}", {"steps": 0})
+            return
         if recorder is None or recorder.steps + len(recorder._closed) in (0, self._summarised):
             return
         try:

@@ -386,3 +386,17 @@ def test_the_summary_names_only_a_straggler_the_job_waited_for(persistent: bool)
     assert (table.straggler is not None) == persistent
     if persistent:
         assert (table.straggler.rank, table.straggler.cause) == (1, "data")  # type: ignore[union-attr]
+
+
+def test_a_failed_rank_does_not_keep_rank_0_waiting_for_its_totals() -> None:
+    store = FakeStore()
+    ranks = [Timings(enabled=True, window=4) for _ in range(2)]
+    recorders = [t.start(rank, 2, store, HostClock()) for rank, t in enumerate(ranks)]
+    for _ in range(6):
+        for rec in recorders:
+            rec.boundary()
+    ranks[1].finish(failed=True)
+    started = time.monotonic()
+    table = ranks[0].whole_run(wait=30.0)
+    assert time.monotonic() - started < 5.0
+    assert table is not None and [r.rank for r in table.ranks] == [0]
