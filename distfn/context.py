@@ -2,8 +2,9 @@
 
 It holds facts about this rank (frozen after start-up), the run's mutable state (`distfn.run.Run`, ``ctx.run``)
 and thin methods that forward to the modules that do the work (`collectives`, `data`, `precision`,
-`accumulation`, `progress`, `wrapping`, `checkpoint`), handing each the part of the run it needs, so each piece
-can be tested on its own.
+`accumulation`, `progress`, `wrapping`, `checkpoint`, `timings`), handing each the part of the run it needs, so
+each piece can be tested on its own. The collectives are wrapped by `distfn.timings.collective`: their wait counts
+as the step's comm time.
 """
 
 from __future__ import annotations
