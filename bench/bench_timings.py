@@ -72,7 +72,7 @@ def hook_cost(blocks: int, steps: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     timings = Timings(enabled=True, window=50)
     models = {name: nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)) for name in ("off", "on")}
-    timings.watch(models["on"], torch.device("cpu"))
+    timings.watch(models["on"], torch.device("cpu"), bracket=True)  # everything a DDP rank installs
     batches = [torch.randn(8, 32) for _ in range(steps)]
     out: dict[str, list[float]] = {"off": [], "on": []}
     for block in range(2 * blocks):

@@ -251,13 +251,16 @@ class _ModelHooks:
     recorder: Recorder
     _engine: Any = attrs.field(factory=lambda: torch.autograd.Variable._execution_engine)
 
-    def install(self, model: nn.Module) -> None:
+    def install(self, model: nn.Module, *, bracket: bool = True) -> None:
+        """Hook ``model``; ``bracket``: also time the end-of-backward wait (only worth its cost, about half of the
+        accounting's per step, when there are other ranks to wait for)."""
         # torch.compile of the wrapped model would trace into the hooks and warn about time.perf_counter; run them
         # eagerly instead (a clean graph break at the model's edges; ~2 us per call in eager mode, measured)
         model.register_forward_pre_hook(torch.compiler.disable(self._pre_forward))
-        # prepend: our output hook is registered before the hooks FSDP2's own post-forward puts on the output,
-        # so our first callback is queued before its end-of-backward one (DDP queues its own later in any case)
-        model.register_forward_hook(torch.compiler.disable(self._post_forward), prepend=True)
+        if bracket:
+            # prepend: our output hook is registered before the hooks FSDP2's own post-forward puts on the output,
+            # so our first callback is queued before its end-of-backward one (DDP queues its own later anyway)
+            model.register_forward_hook(torch.compiler.disable(self._post_forward), prepend=True)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():  # an evaluation forward is no step
@@ -405,14 +408,22 @@ class Timings:
     _summarised: int = -1  # steps the last whole-run table covered (the end-of-run log skips a repeat)
 
     # -- the hooks' entry points ----------------------------------------------------------------------------
-    def watch(self, model: nn.Module, device: torch.device) -> None:
+    def watch(self, model: nn.Module, device: torch.device, *, bracket: bool | None = None) -> None:
         """Measure the steps of ``model`` (what ``ctx.wrap`` returned). Only the run's first model is watched:
-        with two (a GAN), the second one's forward and backward count as compute of the first one's steps."""
+        with two (a GAN), the second one's forward and backward count as compute of the first one's steps.
+
+        Args:
+            model: the wrapped model.
+            device: this rank's device (CUDA: event marks).
+            bracket: time the end-of-backward wait for the gradient all-reduce; ``None``: when the process group
+                has other ranks (in a world of one there is nothing to wait for, so that part is not installed).
+        """
         if not self.enabled or self._recorder is not None:
             return
         active = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if active else (0, 1)
-        _ModelHooks(self.start(rank, world, default_store() if active else None, clock_for(device))).install(model)
+        recorder = self.start(rank, world, default_store() if active else None, clock_for(device))
+        _ModelHooks(recorder).install(model, bracket=world > 1 if bracket is None else bracket)
 
     def start(self, rank: int, world_size: int, store: Any, clock: Clock) -> Recorder:
         """Begin this rank's accounting on ``store`` (``None``: this rank's rows only); returns the recorder the

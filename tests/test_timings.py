@@ -170,7 +170,7 @@ class _FinalizeLikeDDP(nn.Module):
 def test_the_autograd_bracket_times_the_end_of_backward_wait() -> None:
     run = Timings(enabled=True, window=3)
     model = _FinalizeLikeDDP()
-    run.watch(model, torch.device("cpu"))
+    run.watch(model, torch.device("cpu"), bracket=True)  # in a world of one it is left out by default
     batches = run.timed_batches(_slow_batches(0.02))
     for _ in range(4):
         x = next(batches)
@@ -214,6 +214,13 @@ def test_a_ctx_collective_counts_as_comm_of_its_step() -> None:
     assert run.latest is not None
     comm = run.latest.ranks[0].comm
     assert 0.025 <= comm.mean <= 0.1 and comm.mean <= run.latest.ranks[0].step.mean
+
+
+def test_in_a_world_of_one_only_the_step_boundary_is_hooked() -> None:
+    run = Timings(enabled=True, window=3)
+    model = nn.Linear(2, 2)
+    run.watch(model, torch.device("cpu"))
+    assert len(model._forward_pre_hooks) == 1 and not model._forward_hooks
 
 
 def test_switched_off_nothing_is_installed() -> None:
@@ -284,7 +291,7 @@ def test_identical_ranks_get_no_warning_over_200_steps() -> None:
 def test_cuda_events_measure_a_real_step() -> None:
     run = Timings(enabled=True, window=5)
     model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512)).cuda()
-    run.watch(model, torch.device("cuda", 0))
+    run.watch(model, torch.device("cuda", 0), bracket=True)  # the autograd callbacks record events too
     x = torch.randn(256, 512, device="cuda")
     for _ in range(12):
         model(x).square().mean().backward()
@@ -357,7 +364,7 @@ def test_a_compiled_wrapped_model_is_timed_without_dynamo_warnings() -> None:
 
     run = Timings(enabled=True, window=3)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    run.watch(model, torch.device("cpu"))
+    run.watch(model, torch.device("cpu"), bracket=True)  # both hooks, as a DDP rank gets
     compiled = torch.compile(model, backend="eager")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # dynamo tracing into the hooks warns about time.perf_counter
