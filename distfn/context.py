@@ -2,8 +2,9 @@
 
 It holds facts about this rank (frozen after start-up), the run's mutable state (`distfn.run.Run`, ``ctx.run``)
 and thin methods that forward to the modules that do the work (`collectives`, `data`, `precision`,
-`accumulation`, `progress`, `wrapping`, `checkpoint`, `tracking`), handing each the part of the run it needs, so
-each piece can be tested on its own.
+`accumulation`, `progress`, `wrapping`, `checkpoint`, `tracking`, `timings`), handing each the part of the run it
+needs, so each piece can be tested on its own. The collectives are wrapped by `distfn.timings.collective`: their wait
+counts as the step's comm time.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .modules import unwrap_module
 from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 from .run import Run
+from .stragglers import TimingTable
+from .timings import collective
 
 
 @attrs.define(eq=False)
@@ -97,6 +100,7 @@ class Context:
         return collective_device(self.backend, self.device)
 
     @property
+    @collective  # its wait for the other ranks is comm time (distfn.timings)
     def should_stop(self) -> bool:
         """True on **every** rank once any of them received SIGTERM or SIGUSR2 (preemption, time limit).
 
@@ -158,8 +162,10 @@ class Context:
                 does not divide over go on with this per-rank batch (the default `"refuse"` raises).
         """
         return data.dataloader(dataset, batch_size, self.sampler, rank=self.rank, seed=self.seed, device=self.device,
-                               shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders, **kwargs)
+                               shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders,
+                               timer=self.run.timings.timed_batches, **kwargs)
 
+    @collective
     def gather_for_metrics(self, value: Any, loader: DistributedLoader | None = None) -> Any:
         """Per-sample `value` from every rank, concatenated in the sampler's order without
         `DistributedSampler`'s padding duplicates, so metrics over the gathered results are exact.
@@ -308,7 +314,22 @@ class Context:
             tqdm_kwargs: ``log_percent=`` / ``log_seconds=`` set that cadence (defaults 10 and 60); the rest go to
                 `tqdm` (`file`, `disable`, `mininterval`, ...).
         """
-        return progress.Progress(iterable, enabled=self.is_main, desc=desc, total=total, **tqdm_kwargs)
+        return progress.Progress(iterable, enabled=self.is_main, desc=desc, total=total, timings=self.run.timings,
+                                 **tqdm_kwargs)
+
+    def timings(self, *, whole_run: bool = False) -> TimingTable | None:
+        """Where each rank's step time goes (data wait / compute / comm, mean and p90), on rank 0.
+
+        Returns the table of the newest window of `distfn.timings.WINDOW` steps (``DISTFN_TIMINGS_WINDOW``) that
+        every rank has reported, with the straggler if the rule names one (see docs/loop.md, "Performance"). It
+        is `None` on the other ranks, before the first window, and with ``DISTFN_TIMINGS=0``. Steps are the
+        training forwards of the model `ctx.wrap` returned; data wait is seen through `ctx.dataloader`.
+
+        Args:
+            whole_run: the totals since the start instead (means only). Then **every rank must call it**: each
+                sends its totals and rank 0 waits (at most 10 s) for them; no collective.
+        """
+        return self.run.timings.whole_run() if whole_run else (self.run.timings.latest if self.is_main else None)
 
     def writer(self, log_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
         """A TensorBoard `SummaryWriter` on rank 0 and a no-op object with the same methods on the other
@@ -347,11 +368,13 @@ class Context:
             self.run.tracking.log_params(params)
 
     # -- collectives --------------------------------------------------------------------------------------
+    @collective
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op without a process group)."""
         self.run.sync_point()
         collectives.barrier(self.device)
 
+    @collective
     def all_reduce(self, value: Any, op: str = "mean") -> Any:
         """`value` reduced over all ranks (a collective: call it on every rank).
 
@@ -365,6 +388,7 @@ class Context:
             return collectives.all_reduce(value.to(device), op).to(value.device)
         return collectives.all_reduce(value, op, device=device)
 
+    @collective
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, as a list indexed by rank, on every rank (a collective).
 
@@ -374,6 +398,7 @@ class Context:
         self.run.sync_point()
         return collectives.gather_object(obj)
 
+    @collective
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank `src`'s `obj` on every rank (a collective; the other ranks' `obj` is ignored).
 

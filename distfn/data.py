@@ -78,7 +78,8 @@ class DistributedLoader(DataLoader):
     seeding (no ``generator`` was passed), the DataLoader workers' seeds are re-derived from
     ``(seed, rank, epoch)`` each epoch, so a resumed epoch sees the same random augmentations (with
     ``persistent_workers=True`` the workers keep their random streams across epochs instead). ``tracker``: the
-    run's `LastLoader`, told of every batch handed out.
+    run's `LastLoader`, told of every batch handed out. ``timer``: wraps each epoch's batch iterator (the run's
+    `distfn.timings.Timings.timed_batches`, which counts the time in ``next()`` as the step's data wait).
 
     The loader is state (`state_dict` / `load_state_dict`, so ``ctx.save({"loader": loader, ...})`` and
     ``ctx.resume`` keep it): its epoch, the global position reached in that epoch, the shuffle seed and the global
@@ -96,7 +97,8 @@ class DistributedLoader(DataLoader):
     sampler: DistributedSampler  # checked in __init__
 
     def __init__(self, *args: Any, seed_parts: tuple[int, int] | None = None, tracker: LastLoader | None = None,
-                 global_batch_change: GlobalBatchChange = "refuse", **kwargs: Any) -> None:
+                 global_batch_change: GlobalBatchChange = "refuse",
+                 timer: Callable[[Iterator[Any]], Iterator[Any]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, DistributedSampler):
             raise ConfigError("DistributedLoader needs a DistributedSampler; build it with ctx.dataloader")
@@ -108,6 +110,7 @@ class DistributedLoader(DataLoader):
         self.next_epoch = 0
         self._seed_parts = seed_parts  # (base seed, rank) when distfn seeds the workers, else None
         self._tracker = tracker
+        self._timer = timer
         self._batch = -1  # index of the batch most recently handed out in this epoch
         self._done = False  # True once this epoch's iteration ran to its end
         self._pending = False  # an iteration started and next_epoch has not moved past it yet
@@ -141,7 +144,8 @@ class DistributedLoader(DataLoader):
         self._start = self._start_of(epoch)[0]
         self._batch, self._done, self._pending = -1, False, True
         self._iterations += 1
-        return self._track(super().__iter__(), self._iterations)
+        batches = super().__iter__()
+        return self._track(batches if self._timer is None else self._timer(batches), self._iterations)
 
     def _track(self, batches: Iterator[Any], iteration: int) -> Iterator[Any]:
         for batch in batches:
@@ -284,6 +288,7 @@ def dataloader(
     drop_last: bool = False,
     tracker: LastLoader | None = None,
     global_batch_change: GlobalBatchChange = "refuse",
+    timer: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
     **kwargs: Any,
 ) -> DistributedLoader:
     """Build the ``DistributedLoader`` behind ``ctx.dataloader`` (see there).
@@ -293,9 +298,9 @@ def dataloader(
     devices. Unless ``generator`` is
     passed, the workers' base seed comes from a generator seeded with ``(seed, rank, epoch)``: without it,
     identically seeded ranks would give their DataLoader workers identical random streams (the same
-    "random" augmentation on every GPU). ``tracker``: the run's `LastLoader` (see `DistributedLoader`).
-    ``global_batch_change``: ``"refuse"`` (default) or ``"continue"``, when a restored global batch does not divide
-    over the ranks (see `DistributedLoader.load_state_dict`).
+    "random" augmentation on every GPU). ``tracker``, ``timer``: the run's `LastLoader` and data-wait timer (see
+    `DistributedLoader`). ``global_batch_change``: ``"refuse"`` (default) or ``"continue"``, when a restored global
+    batch does not divide over the ranks (see `DistributedLoader.load_state_dict`).
     """
     if isinstance(dataset, IterableDataset):
         raise ConfigError(
@@ -335,7 +340,7 @@ def dataloader(
         kwargs["generator"] = torch.Generator()
     loader = DistributedLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, seed_parts=seed_parts, tracker=tracker,
-        global_batch_change=global_batch_change, **kwargs
+        global_batch_change=global_batch_change, timer=timer, **kwargs
     )
     if rank == 0:
         replicas, size = sampler.num_replicas, len(dataset)  # type: ignore[arg-type]

@@ -8,6 +8,10 @@ Where the output is not a terminal (a batch job's log: ``sbatch``, ``nohup``, CI
 bar becomes plain log lines in distfn's log format instead: one every `LOG_PERCENT` % of the loop or every
 `LOG_SECONDS` seconds, whichever comes first (step, rate, ETA, the running means), and one at the end. That is
 what ``tail -f slurm-*.out`` shows of a long loop; a loop shorter than `MIN_GAP_S` logs only its end line.
+
+While a loop runs under ``ctx.progress``, rank 0's straggler warning (`distfn.timings`: "rank 3 (node7) is the
+straggler: data wait 210 ms/step vs 12 ms median — ...") is written through the bar (``tqdm.write``, so the bar
+is redrawn below it) or, off a terminal, logged as a WARNING line between the progress lines.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ import importlib.util
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from loguru import logger
+
+if TYPE_CHECKING:
+    from .timings import Timings
 
 T = TypeVar("T")
 
@@ -82,12 +89,13 @@ class Progress(Generic[T]):
         refresh_s: how often ``log`` refreshes the bar's postfix, in seconds.
         log_percent: off a terminal, a line every this many percent of the loop (default `LOG_PERCENT`).
         log_seconds: off a terminal, a line at least this often, in seconds (default `LOG_SECONDS`).
+        timings: the run's `distfn.timings.Timings`, whose straggler warning this loop shows while it runs.
         tqdm_kwargs: passed to ``tqdm`` (``file``, ``disable``, ``mininterval``, ...).
     """
 
     def __init__(self, iterable: Iterable[T], *, enabled: bool, desc: str | None = None,
                  total: int | None = None, refresh_s: float = 0.5, log_percent: float = LOG_PERCENT,
-                 log_seconds: float = LOG_SECONDS, **tqdm_kwargs: Any) -> None:
+                 log_seconds: float = LOG_SECONDS, timings: Timings | None = None, **tqdm_kwargs: Any) -> None:
         if log_percent <= 0 or log_seconds < 0:
             raise ValueError(f"ctx.progress needs log_percent > 0 and log_seconds >= 0 (got log_percent="
                              f"{log_percent!r}, log_seconds={log_seconds!r}); the defaults are {LOG_PERCENT:g} "
@@ -96,6 +104,7 @@ class Progress(Generic[T]):
         self.enabled = enabled
         self.desc = desc
         self.refresh_s = refresh_s
+        self.timings = timings
         self.log_percent = log_percent
         self.log_seconds = log_seconds
         self._sums: dict[str, Any] = {}  # floats, or detached tensors so log() never waits for the GPU
@@ -126,18 +135,33 @@ class Progress(Generic[T]):
         logs = self.enabled and not self.visible  # rank 0 off a terminal: log lines instead of the bar
         self._steps, self._started = 0, time.monotonic()
         self._last_line = (self._started, 0)
-        for item in self.iterable:
-            self._steps += 1
-            yield item
-            if self.visible:
-                self.bar.update(1)
-            elif logs and self._line_due():
-                self._log_line()
+        shown = self.timings if self.enabled else None  # rank 0 shows the straggler warning in the loop's output
+        before = shown.display if shown is not None else None
+        if shown is not None:
+            shown.display = self._warn
+        try:
+            for item in self.iterable:
+                self._steps += 1
+                yield item
+                if self.visible:
+                    self.bar.update(1)
+                elif logs and self._line_due():
+                    self._log_line()
+        finally:
+            if shown is not None and before is not None:
+                shown.display = before
         if self.visible:
             self._refresh()
             self.bar.close()
         elif logs:
             self._log_end()
+
+    def _warn(self, message: str) -> None:
+        """A warning from the run (the straggler line): through the bar when it is drawn, else logged."""
+        if self.visible:
+            self.bar.write(f"WARNING: {message}", file=self.bar.fp)  # where the bar is drawn (stderr)
+        else:
+            logger.warning(message)
 
     def _line_due(self) -> bool:
         """Whether the step just done gets a log line: the time or the percentage came up, the gap is kept."""

@@ -19,8 +19,8 @@ worker's stack pipe (`distfn.launch.local`) and the ledger of the main thread's 
 by the bootstrap for each run).
 
 Imports: `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `options`, `preemption`,
-`rng`, `tracking.session` (the types of its parts and the rules that pick them); nothing imports it but `context`,
-`worker` and
+`rng`, `timings`, `tracking.session` (the types of its parts and the rules that pick them); nothing imports it but
+`context`, `worker` and
 `checkpoint.policy` (and, for annotations, the services it is passed to).
 """
 
@@ -41,6 +41,7 @@ from .fsdp_options import FsdpOptions
 from .options import Mode, shards_state
 from .preemption import StopSignals
 from .rng import gather_wait
+from .timings import Timings
 from .tracking.session import Session
 
 #: Seconds a rank whose function ended normally waits for peers that have not yet started their process group.
@@ -69,6 +70,8 @@ class Run:
         saves: this rank's background checkpoint writer (``ctx.save(..., blocking=False)``, ``ctx.saves``), which
             every later checkpoint call, a true ``ctx.should_stop`` and the bootstrap (before the process group
             goes) wait for.
+        timings: this rank's step accounting (data wait / compute / comm, `distfn.timings`): ``ctx.wrap`` and
+            ``ctx.dataloader`` feed it, ``ctx.timings()`` reads it, `finish` logs its summary on rank 0.
     """
 
     mode: Mode = "single"
@@ -80,6 +83,7 @@ class Run:
     agreement: Agreement | None = None
     saves: Saves = attrs.field(factory=Saves)
     tracking: Session | None = None
+    timings: Timings = attrs.field(factory=Timings)
 
     def start_check_in(self, rank: int, world_size: int) -> None:
         """Start the check-in (call on every rank right after the process group is up; no collective).
@@ -99,6 +103,7 @@ class Run:
         """End the run on this rank: ranks still waiting in a check-in learn that this one will never join it.
         After a normal end it first waits (at most `PEER_START_WAIT` s) until every rank's process group is up, so
         an immediate return cannot break a peer's group set-up (see `distfn.checkin.CheckIn.finish`)."""
+        self.timings.finish(failed=failed)  # rank 0's end-of-run summary table (the other ranks send their totals)
         if self.checkin is not None:
             self.checkin.finish(wait_for_peers=0.0 if failed else PEER_START_WAIT)
 

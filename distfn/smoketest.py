@@ -3,7 +3,9 @@
 It starts 2 ranks the way a job would (the detected launcher, e.g. ``srun -N2 distfn test`` or
 ``torchrun --nproc_per_node=2 -m distfn test``, or self-spawned under a plain shell), runs an all-reduce, a
 barrier, a checkpoint save/load round trip and one DDP step, and prints a pass/fail line with the time of each.
-``--gpu`` runs it over NCCL on the GPUs. The exit status is non-zero when a check fails.
+Then it trains `TIMED_STEPS` more steps through ``ctx.dataloader`` and prints the per-rank timing table
+(`distfn.timings`: data / compute / comm share per rank, the straggler if any), the first look at where a step's
+time goes on this machine. ``--gpu`` runs it over NCCL on the GPUs. The exit status is non-zero when a check fails.
 
 Output here is for a person at a terminal, so this module prints (the library itself logs).
 """
@@ -19,12 +21,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from .checkpoint import load
 from .decorator import distributed
 from .errors import DistfnError, WorkerError
 
 __all__ = ["report", "run_test", "smoke_checks"]
+
+#: DDP steps timed after the checks (for the timing table in the report).
+TIMED_STEPS = 20
 
 
 def smoke_checks(cfg: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
@@ -63,9 +69,12 @@ def smoke_checks(cfg: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
             verdict = "equal" if same else "DIFFERENT"
             return same, f"{path.stat().st_size} bytes written atomically and read back: {verdict}"
 
+    wrapped: list[nn.Module] = []
+
     def ddp_step() -> tuple[bool, str]:
         wrap = time.perf_counter()
         model = ctx.wrap(nn.Linear(32, 4))
+        wrapped.append(model)
         wrap = time.perf_counter() - wrap
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(ctx.rank)  # different data on every rank
@@ -82,8 +91,23 @@ def smoke_checks(cfg: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
     check("barrier", barrier)
     check("save/load", save_load)
     check("ddp step", ddp_step)
+    timings = _timed_steps(ctx, wrapped[0]) if wrapped else None
     return {"rank": ctx.rank, "world_size": ctx.world_size, "launcher": ctx.launcher, "backend": ctx.backend,
-            "device": str(ctx.device), "checks": checks}
+            "device": str(ctx.device), "checks": checks, "timings": timings}
+
+
+def _timed_steps(ctx: Any, model: nn.Module) -> str | None:
+    """`TIMED_STEPS` DDP steps of ``model`` through ``ctx.dataloader``, then the whole-run timing table as text
+    (rank 0; ``None`` elsewhere, or with ``DISTFN_TIMINGS=0``). Every rank calls ``ctx.timings(whole_run=True)``."""
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(TIMED_STEPS * 4 * ctx.world_size, 32, generator=gen),
+                         torch.randn(TIMED_STEPS * 4 * ctx.world_size, 4, generator=gen))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in ctx.dataloader(data, batch_size=4):
+        ctx.backward(nn.functional.mse_loss(model(x.to(ctx.device)), y.to(ctx.device)))
+        ctx.step(opt)
+    table = ctx.timings(whole_run=True)
+    return None if table is None else str(table.format())
 
 
 def _format_seconds(seconds: float) -> str:
@@ -124,6 +148,8 @@ def report(result: Mapping[str, Any], seconds: float) -> tuple[str, int]:
     for c in result["checks"]:
         lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']:<12} {_format_seconds(c['seconds']):>9}  "
                      f"{c['detail']}")
+    if result.get("timings"):  # the DDP steps after the checks: where a step's time goes here
+        lines += ["  " + line for line in str(result["timings"]).splitlines()]
     verdict = f"{len(failed)} of {len(result['checks'])} checks FAILED: {', '.join(failed)}" if failed else \
         f"all {len(result['checks'])} checks passed"
     lines.append(f"{verdict} in {_format_seconds(seconds)}")

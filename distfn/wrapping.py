@@ -46,6 +46,7 @@ def wrap(
             `distfn.fsdp.wrap`).
         run: fsdp mode, the run whose `fsdp={...}` options are the defaults, whose sync point every forward
             notes and which remembers the sharded model (`distfn.run.Run`); `None`: the default options alone.
+            Every mode: the run's timings watch the returned model's steps (`distfn.timings`).
         ddp_kwargs: `DistributedDataParallel` options (ddp), or `fsdp={...}` option overrides (fsdp).
     """
     if not isinstance(model, nn.Module):
@@ -62,7 +63,7 @@ def wrap(
         model = fsdp.wrap(model, options, device, init=init, on_forward=run.sync_point if run is not None else None)
         if run is not None:
             run.wrapped.add(model)
-        return model
+        return _timed(model, run, device)
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         raise ConfigError(
             f"ctx.wrap got a model built on the meta device (no values), but mode={mode!r} keeps the whole model "
@@ -81,9 +82,16 @@ def wrap(
             ddp_kwargs.setdefault("output_device", device.index)
         wrapped = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
         wrapped.register_forward_pre_hook(LEDGER.count_ddp_step)  # the hang report's DDP step count
-        return wrapped
+        return _timed(wrapped, run, device)
     if mode == "dp":
-        return DataParallel(model)
+        return _timed(DataParallel(model), run, device)
+    return _timed(model, run, device)
+
+
+def _timed(model: nn.Module, run: Run | None, device: torch.device) -> nn.Module:
+    """``model``, its steps now measured by the run's `distfn.timings.Timings` (data / compute / comm)."""
+    if run is not None:
+        run.timings.watch(model, device)
     return model
 
 

@@ -1,0 +1,80 @@
+"""A 2-4 rank DDP job for tests/test_timings.py: ``python timings_job.py SCENARIO NPROCS STEPS``.
+
+SCENARIO: ``data`` (rank 1's dataset sleeps 50 ms per item), ``compute`` (rank 1 busy-loops 30 ms in forward) or
+``none`` (identical ranks, with the user's own DDP comm hook). Prints ``RESULT <json>`` with rank 0's view: the
+warnings logged during the loop, the last window's table and ``ctx.timings()`` on every rank. The end-of-run
+summary is logged to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import attrs
+import torch
+from loguru import logger
+from torch import nn
+
+from distfn import distributed
+
+SLOW_RANK = 1
+
+
+class Items(torch.utils.data.Dataset):
+    def __init__(self, sleep: float) -> None:
+        self.sleep = sleep
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sleep:
+            time.sleep(self.sleep)
+        return torch.full((16,), float(i % 7)), torch.ones(2)
+
+
+class Net(nn.Module):
+    def __init__(self, spin: float) -> None:
+        super().__init__()
+        self.spin = spin
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        end = time.perf_counter() + self.spin
+        while time.perf_counter() < end:  # extra compute on this rank
+            pass
+        return self.body(x)
+
+
+def job(cfg: dict, ctx) -> dict:
+    scenario, steps = cfg["scenario"], cfg["steps"]
+    slow = ctx.rank == SLOW_RANK
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(str(m).strip()), level="WARNING", format="{message}")
+    model = ctx.wrap(Net(0.03 if slow and scenario == "compute" else 0.0))
+    if scenario == "none":  # the timings use no comm hook: the user's own still registers (and is timed)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = ctx.dataloader(Items(0.05 if slow and scenario == "data" else 0.0), batch_size=1)
+    bar = ctx.progress(loader, desc="train", total=steps)
+    for i, (x, y) in enumerate(bar):
+        ctx.backward(nn.functional.mse_loss(model(x), y))
+        ctx.step(opt)
+        if i + 1 >= steps:
+            break
+    logger.remove(sink)
+    table = ctx.timings()
+    return {"rank": ctx.rank, "warnings": warnings, "table": None if table is None else attrs.asdict(table),
+            "text": None if table is None else table.format(),
+            "others_none": ctx.gather_object(table is None)}
+
+
+if __name__ == "__main__":
+    scenario, nprocs, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    result = distributed(mode="ddp", nprocs=nprocs, backend="gloo", seed=0)(job)({"scenario": scenario,
+                                                                                  "steps": steps})
+    print("RESULT " + json.dumps(result), flush=True)
