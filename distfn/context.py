@@ -11,7 +11,7 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
+from pathlib import PurePath
 from typing import Any
 
 import attrs
@@ -376,7 +376,7 @@ class Context:
         rng: bool = False,
         sharded: bool | None = None,
         blocking: bool = True,
-    ) -> Path:
+    ) -> PurePath:
         """Write ``obj`` to ``path`` as safetensors from rank 0; other ranks return at once.
 
         ``obj`` is a module (bare, DDP, DP or compiled: saved with the bare module's key names), a flat

@@ -56,7 +56,7 @@ def save(
     *,
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = None,
-) -> pathlib.Path:
+) -> pathlib.PurePath:
     """Write ``obj`` atomically and durably to ``path`` as one safetensors file.
 
     No collective and no rank logic in here: the caller decides who writes (``Context.save`` writes from rank
@@ -91,7 +91,7 @@ def save(
 
 
 def save_in_background(obj: Any, path: PathLike, *, metadata: Mapping[str, Any] | None = None,
-                       keep: int | None = None) -> pathlib.Path:
+                       keep: int | None = None) -> pathlib.PurePath:
     """`save` with ``blocking=False``: returns once ``obj`` is copied to host memory and checked; the write,
     fsync and renames run in a background thread (`distfn.checkpoint.background`). The next background save
     waits for it, and so does the interpreter at exit: a failed write is then reported on stderr and the exit
@@ -169,7 +169,7 @@ def verify(loc: Location) -> None:
         sharded.open_checkpoint(loc)
 
 
-def latest(directory: PathLike, prefix: str = "ckpt-") -> pathlib.Path | None:
+def latest(directory: PathLike, prefix: str = "ckpt-") -> pathlib.PurePath | None:
     """The complete step-numbered checkpoint with the highest step in ``directory``.
 
     Args:

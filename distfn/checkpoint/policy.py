@@ -85,7 +85,7 @@ def save_state(
     rng: bool = False,
     sharded: bool | None = None,
     blocking: bool = True,
-) -> pathlib.Path:
+) -> pathlib.PurePath:
     """``ctx.save``: see its docstring for the contract; the module docstring for the decisions.
 
     Returns:

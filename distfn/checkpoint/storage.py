@@ -169,7 +169,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def make_parents(target: Location) -> list[pathlib.Path]:
+def make_parents(target: Location) -> list[pathlib.PurePath]:
     """Create the directory that will hold ``target`` and its missing parents; return those created, deepest
     first (`remove_dirs` undoes them when the save fails).
 
@@ -194,7 +194,7 @@ def make_parents(target: Location) -> list[pathlib.Path]:
     return missing
 
 
-def remove_dirs(store: fs.FileSystem, created: list[pathlib.Path]) -> None:
+def remove_dirs(store: fs.FileSystem, created: list[pathlib.PurePath]) -> None:
     """Remove the directories `make_parents` created, deepest first, while empty (another writer may have
     started using them)."""
     for d in created:
@@ -221,7 +221,7 @@ def write(plan: fmt.Plan, target: Location, *, fetch: Callable[[fmt.Entry], torc
     remove_stale_tmps(target.parent)
     tmp = tmp_name(target)
     try:
-        stream = store.create(tmp.path)
+        stream = store.create(tmp.path, final=target.path)
     except OSError as exc:
         remove_dirs(store, created)
         raise CheckpointError(f"cannot create a temporary file next to '{target}': {exc}") from exc
@@ -232,7 +232,7 @@ def write(plan: fmt.Plan, target: Location, *, fetch: Callable[[fmt.Entry], torc
             stream.abort()
             raise
         stream.close()
-        store.commit(tmp.path, target.path)
+        store.publish(stream, tmp.path, target.path)
     except BaseException as exc:
         store.remove(tmp.path)
         remove_dirs(store, created)
@@ -268,7 +268,7 @@ def _write_plan(stream: fs.WriteStream, plan: fmt.Plan, fetch: Callable[[fmt.Ent
 # Reading
 
 
-def _refuse_pickle(path: pathlib.Path, why: str) -> CheckpointError:
+def _refuse_pickle(path: pathlib.PurePath, why: str) -> CheckpointError:
     out = path.with_suffix(".safetensors")
     return CheckpointError(
         f"'{path}' is not a safetensors file ({why}); it looks like a pickle-based torch.save file. distfn only "
