@@ -47,7 +47,8 @@ from . import fs
 
 __all__ = ["ATTEMPTS", "COMMIT_SUFFIX", "PART_BYTES", "RemoteFileSystem", "RemotePath", "locate"]
 
-#: Bytes per uploaded part (one part is all the host memory a streaming upload holds, plus one copy in flight).
+#: Bytes per uploaded part (one part is all the host memory a streaming upload holds, plus one copy in flight;
+#: S3 takes 5 MiB to 5 GiB, and at most 10,000 parts: 32 MiB parts make objects of up to 312 GiB).
 PART_BYTES = 32 << 20
 #: Attempts of one storage request before a throttling answer or a network error becomes a `CheckpointError`.
 ATTEMPTS = 5
@@ -450,14 +451,22 @@ class RemoteFileSystem(fs.FileSystem):
         raise OSError(f"cannot rename {path} on {self.protocol}:// (object stores have no rename)")
 
     def remove(self, path: pathlib.PurePath) -> None:
-        if path.name.startswith("."):
-            lease = self._lease(path)
-            if lease is not None:
-                self._release(path, lease)
-                return
+        if self._released(path):
+            return
         # the commit object first: a half-removed checkpoint is never taken for a committed one
         self._delete(self.commit_object(path))
         self._delete(path)
+
+    def _released(self, path: pathlib.PurePath) -> bool:
+        """When ``path`` is a lease (a writer's temporary name, given to `remove` or `remove_tree` by the cleaning of
+        killed writers' leftovers), clean what its writer left (`_release`); whether it was one."""
+        if not path.name.startswith("."):
+            return False
+        lease = self._lease(path)
+        if lease is None:
+            return False
+        self._release(path, lease)
+        return True
 
     def _lease(self, path: pathlib.PurePath) -> dict[str, Any] | None:
         info = self._info(path)
@@ -491,7 +500,7 @@ class RemoteFileSystem(fs.FileSystem):
     def remove_tree(self, path: pathlib.PurePath) -> None:
         key = self._key(path)
         with contextlib.suppress(Exception):  # never raises, as the interface says
-            if self._info(path) is None:
+            if self._released(path) or self._info(path) is None:
                 return
             index = self.commit_object(path / _INDEX)
             self._delete(index)  # the checkpoint's commit object first
@@ -543,12 +552,12 @@ _STORES: dict[str, RemoteFileSystem] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def _fsspec() -> Any:
+def _fsspec(url: str) -> Any:
     try:
         return importlib.import_module("fsspec")
     except ImportError:
-        raise CheckpointError("checkpoints at URLs need fsspec: pip install 'distfn[s3]' (fsspec and s3fs; for "
-                              "gs:// add gcsfs, for az:// adlfs)") from None
+        raise CheckpointError(f"cannot open {url}: checkpoints at URLs need fsspec: pip install 'distfn[s3]' (fsspec "
+                              "and s3fs; for gs:// add gcsfs, for az:// adlfs)") from None
 
 
 def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[RemoteFileSystem, RemotePath]:
@@ -563,9 +572,12 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
     Raises:
         CheckpointError: fsspec (or the protocol's library) is not installed, naming the extra to install.
     """
-    fsspec = _fsspec()
+    fsspec = _fsspec(url)
     protocol, _, rest = url.partition("://")
     protocol = protocol.lower()
+    if protocol in ("http", "https"):  # fsspec's HTTP file system reads only, and lists nothing: no checkpoints
+        raise CheckpointError(f"cannot use {url}: checkpoints need a store that can be written and listed (s3://, "
+                              "gs://, az://, file://, ...), not plain HTTP")
     bucket = rest.lstrip("/").split("/", 1)[0]
     if storage_options is not None:
         _OPTIONS[(protocol, bucket)] = dict(storage_options)
@@ -576,8 +588,8 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
         extra = _EXTRAS.get(protocol)
         hint = f"pip install 'distfn[{extra}]'" if extra == "s3" else f"install fsspec's library for {protocol}://"
         raise CheckpointError(f"cannot open {url}: {exc} ({hint})") from None
-    except ValueError as exc:  # an unknown protocol
-        raise CheckpointError(f"cannot open {url}: {exc}") from None
+    except (ValueError, TypeError, OSError) as exc:  # an unknown protocol, bad options, a missing native library
+        raise CheckpointError(f"cannot open {url}: {type(exc).__name__}: {exc}") from None
     token = f"{protocol}:{getattr(target, '_fs_token', id(target))}"
     with _STORES_LOCK:
         store = _STORES.get(token)

@@ -234,7 +234,8 @@ def write(plan: fmt.Plan, target: Location, *, fetch: Callable[[fmt.Entry], torc
         stream.close()
         store.publish(stream, tmp.path, target.path)
     except BaseException as exc:
-        store.remove(tmp.path)
+        with contextlib.suppress(OSError):  # cleaning up must not hide why the write failed (a server gone)
+            store.remove(tmp.path)
         remove_dirs(store, created)
         if isinstance(exc, OSError):
             raise CheckpointError(f"writing '{target}' failed ({exc}); the previous file, if any, is intact") from exc
@@ -409,6 +410,31 @@ class Reader:
             raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out.reshape(-1).view(torch.uint8).copy_(raw)
         return out
+
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` (along the first dimension) of the stored tensor ``name``, on the CPU, reading only
+        their bytes: a view of the memory map, or one ranged read of a remote object (a resharding load reads
+        only the rows of its slice). Not cached."""
+        info = self.header.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"'{self.header.path}' has no tensor '{name}' (corrupt metadata?)")
+        shape = [int(s) for s in info["shape"]]
+        if not shape:
+            return self._read(name, info)
+        dtype = fmt.FROM_CODE[info["dtype"]]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        row = math.prod(shape[1:]) * itemsize
+        begin = self.header.data_start + int(info["data_offsets"][0]) + start * row
+        count, out_shape = (stop - start) * row, [stop - start, *shape[1:]]
+        if count == 0:
+            return torch.empty(out_shape, dtype=dtype)
+        if self._map is not None and begin % itemsize == 0:
+            return torch.frombuffer(self._map, dtype=dtype, count=count // itemsize, offset=begin).view(out_shape)
+        data = self._file.read(begin, count) if self._map is None else bytes(self._map[begin:begin + count])
+        if len(data) != count:
+            raise CheckpointError(f"'{self.header.path}' is truncated at tensor '{name}'")
+        return torch.frombuffer(bytearray(data), dtype=dtype).view(out_shape)
 
 
 def open_reader(path: str | os.PathLike[str] | Location, device: str | torch.device) -> Reader:
