@@ -56,7 +56,10 @@ ATTEMPTS = 5
 COMMIT_SUFFIX: Final = ".distfn-commit"
 _LEASE_KEY: Final = "distfn-lease"
 _SMALL: Final = 1 << 16  # commit objects and leases are far smaller than this
-_CACHE_BLOCK: Final = 4 << 20  # small ranged reads (headers, tiny tensors) are served from one block of this size
+# Reads are served from one cached block of up to _READ_AHEAD bytes fetched from the offset asked for: a load reads its
+# tensors in file order, so one ranged GET serves many (a whole small file is one request); a read larger than the
+# block is one GET of exactly its bytes. The block is the only extra memory a read holds.
+_READ_AHEAD: Final = 64 << 20
 _THROTTLED: Final = ("SlowDown", "Throttl", "RequestLimitExceeded", "TooManyRequests", "reduce your request rate",
                      "503", "429")
 _DENIED: Final = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
@@ -226,8 +229,7 @@ class _Upload(fs.WriteStream):
 
 
 class _Download(fs.ReadHandle):
-    """Ranged reads of one committed object: large ones straight from the store, small ones (headers, tiny
-    tensors) from one cached block, so a file of many small tensors costs few requests. No memory map."""
+    """Ranged reads of one committed object through a read-ahead block (see `_READ_AHEAD`); no memory map."""
 
     def __init__(self, store: RemoteFileSystem, path: RemotePath, size: int) -> None:
         self._store, self._path, self.size = store, path, size
@@ -240,9 +242,9 @@ class _Download(fs.ReadHandle):
         start, block = self._block
         if start <= offset and end <= start + len(block):
             return block[offset - start:end - start]
-        if end - offset >= _CACHE_BLOCK:
+        if end - offset >= _READ_AHEAD:
             return self._store.read_range(self._path, offset, end)
-        block = self._store.read_range(self._path, offset, min(self.size, offset + _CACHE_BLOCK))
+        block = self._store.read_range(self._path, offset, min(self.size, offset + _READ_AHEAD))
         self._block = (offset, block)
         return block[:end - offset]
 
@@ -355,9 +357,12 @@ class RemoteFileSystem(fs.FileSystem):
                 return "dir"
             if info.get("type") != "file":
                 return "other"
-            marker = self._read_small(self.commit_object(path))
-            committed = isinstance(marker, dict) and marker.get("size") == info.get("size")
-            return "file" if committed else "missing"
+            return "file" if self._committed(path, info) else "missing"
+
+    def _committed(self, path: pathlib.PurePath, info: Mapping[str, Any]) -> bool:
+        """Whether the object ``path`` (whose fsspec ``info`` is given) has its commit object, of its size."""
+        marker = self._read_small(self.commit_object(path))
+        return isinstance(marker, dict) and marker.get("size") == info.get("size")
 
     def is_link(self, path: pathlib.PurePath) -> bool:
         return False
@@ -525,12 +530,14 @@ class RemoteFileSystem(fs.FileSystem):
     def open(self, path: pathlib.PurePath) -> fs.ReadHandle:
         if not isinstance(path, RemotePath):
             raise TypeError(f"{path!r} is not a path of a remote file system")
-        kind = self.kind(path)
-        if kind == "dir":
+        with _as_checkpoint_error():  # no access, no server: the user's news, not a missing file
+            info = self._info(path)
+            committed = info is not None and info.get("type") == "file" and self._committed(path, info)
+        if info is not None and info.get("type") == "directory":
             raise IsADirectoryError(21, f"{path} is a directory")
-        if kind != "file":
+        if info is None or not committed:
             raise FileNotFoundError(2, f"no committed object at {path}")
-        return _Download(self, path, self.size(path))
+        return _Download(self, path, int(info.get("size") or 0))
 
     def publish(self, stream: fs.WriteStream, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
         self.commit_stream(stream)
