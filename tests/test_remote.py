@@ -118,9 +118,23 @@ def test_a_missing_bucket_is_a_clear_error(s3: S3Server) -> None:
         checkpoint.load(url)
 
 
-def test_wrong_credentials_are_a_clear_error_naming_the_url() -> None:
-    """moto's server accepts any key unless IAM is set up, so the S3 answer to a wrong key is injected here: what
-    the user sees is the point (the URL, 'denied', where credentials come from), raised at once (no retry)."""
+def test_wrong_credentials_are_a_clear_error_naming_the_url(monkeypatch) -> None:
+    # moto checks keys once its free actions are spent: the bucket's creation is the one allowed here
+    server = start({"INITIAL_NO_AUTH_ACTION_COUNT": "1"})
+    try:
+        use(server, monkeypatch)
+        url = server.url("auth", "ckpt-1.safetensors")
+        for call in (lambda: checkpoint.save(_state(), url), lambda: checkpoint.latest(server.url("auth")),
+                     lambda: checkpoint.load(url)):
+            with pytest.raises(CheckpointError, match=r"access to s3://ckpt/auth\S* was denied: wrong or missing "
+                                                      "credentials"):
+                call()
+    finally:
+        server.stop()
+
+
+def test_a_denied_request_is_not_retried() -> None:
+    """The S3 answer to a wrong key, injected: raised at once, naming the URL and where credentials come from."""
     pytest.importorskip("botocore")
     from botocore.exceptions import ClientError
 

@@ -132,13 +132,13 @@ def explain(exc: BaseException, url: object) -> OSError:
     credentials, a missing bucket, an unreachable server, throttling."""
     text = _text(exc)
     if isinstance(exc, FileNotFoundError) and "NoSuchBucket" not in text and "bucket" not in text.lower():
-        return FileNotFoundError(2, f"no such object: {url}")
+        return FileNotFoundError(f"no such object: {url}")
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-        return FileNotFoundError(2, f"the bucket of {url} does not exist ({text}); create it first, or fix the URL")
+        return FileNotFoundError(f"the bucket of {url} does not exist ({text}); create it first, or fix the URL")
     if any(mark in text for mark in _DENIED) or isinstance(exc, PermissionError):
-        return PermissionError(13, f"access to {url} was denied: wrong or missing credentials? ({text}). distfn "
-                                   "uses fsspec's configuration: the storage library's environment variables and "
-                                   "config files, FSSPEC_<PROTOCOL>_* variables, or storage_options=")
+        return PermissionError(f"access to {url} was denied: wrong or missing credentials? ({text}). distfn "
+                               "uses fsspec's configuration: the storage library's environment variables and "
+                               "config files, FSSPEC_<PROTOCOL>_* variables, or storage_options=")
     if _throttled(exc):
         return ConnectionError(f"the storage service kept throttling requests for {url} after {ATTEMPTS} "
                                f"attempts ({text}); save less often or from fewer ranks, or raise its limits")
@@ -189,7 +189,6 @@ class _Upload(fs.WriteStream):
         self._store, self.path, self.lease = store, path, lease
         self.written = 0
         self._file: Any = _attempts("opening for writing", path, lambda: store.open_for_write(path))
-        self.closed = False
 
     def reserve(self, nbytes: int) -> None:
         pass  # nothing to allocate; a bucket's quota fails the upload, which is then aborted
@@ -213,7 +212,6 @@ class _Upload(fs.WriteStream):
             self._file.close()
         except Exception as exc:
             raise explain(exc, self.path) from exc
-        self.closed = True
 
     def complete(self) -> None:
         """Make the uploaded object exist (S3: complete the multipart upload)."""
@@ -272,7 +270,7 @@ class RemoteFileSystem(fs.FileSystem):
         self.protocol = protocol
         self.path_type = RemotePath.of(protocol, "/" if getattr(target, "root_marker", "") == "/" else "")
         self._local = "file" in _protocols(target) or "local" in _protocols(target)
-        self._leases: dict[RemotePath, RemotePath] = {}  # this process's directories written in place -> lease
+        self._leases: dict[pathlib.PurePath, pathlib.PurePath] = {}  # this process's in-place directories -> lease
         self._lock = threading.Lock()
 
     # -- paths and small objects ----------------------------------------------------------------------
@@ -373,7 +371,7 @@ class RemoteFileSystem(fs.FileSystem):
     def size(self, path: pathlib.PurePath) -> int:
         info = self._info(path)
         if info is None:
-            raise FileNotFoundError(2, f"no such object: {path}")
+            raise FileNotFoundError(f"no such object: {path}")
         return int(info.get("size") or 0)
 
     def listdir(self, directory: pathlib.PurePath) -> list[str]:
@@ -395,8 +393,8 @@ class RemoteFileSystem(fs.FileSystem):
             return
         bucket = self._key(directory).split("/", 1)[0]
         if bucket and self._info(self.path(bucket)) is None:  # an object store has prefixes, but buckets exist
-            raise FileNotFoundError(2, f"the bucket '{bucket}' of {directory} does not exist (or these credentials "
-                                       "cannot see it); create it first, or fix the URL")
+            raise FileNotFoundError(f"the bucket '{bucket}' of {directory} does not exist (or these credentials "
+                                    "cannot see it); create it first, or fix the URL")
 
     def make_dir(self, directory: pathlib.PurePath) -> None:
         self.make_dirs(directory)
@@ -435,7 +433,7 @@ class RemoteFileSystem(fs.FileSystem):
         if written != target:
             raise OSError(f"cannot rename {written} to {target} on {self.protocol}:// (object stores have no rename)")
         with self._lock:
-            lease = self._leases.pop(target, None)  # type: ignore[call-overload]
+            lease = self._leases.pop(target, None)
         if lease is not None:
             self._delete(lease)
 
@@ -513,7 +511,7 @@ class RemoteFileSystem(fs.FileSystem):
         with contextlib.suppress(Exception):
             self._abort_uploads(path / "")
         with self._lock:
-            lease = self._leases.pop(path, None)  # type: ignore[call-overload]
+            lease = self._leases.pop(path, None)
         if lease is not None:
             with contextlib.suppress(Exception):
                 self._delete(lease)
@@ -534,9 +532,9 @@ class RemoteFileSystem(fs.FileSystem):
             info = self._info(path)
             committed = info is not None and info.get("type") == "file" and self._committed(path, info)
         if info is not None and info.get("type") == "directory":
-            raise IsADirectoryError(21, f"{path} is a directory")
+            raise IsADirectoryError(f"{path} is a directory")
         if info is None or not committed:
-            raise FileNotFoundError(2, f"no committed object at {path}")
+            raise FileNotFoundError(f"no committed object at {path}")
         return _Download(self, path, int(info.get("size") or 0))
 
     def publish(self, stream: fs.WriteStream, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
