@@ -385,3 +385,15 @@ def test_background_saves_to_s3(s3: S3Server) -> None:
     path = checkpoint.save_in_background(_state(7), s3.url("bg", "ckpt-7.safetensors"))
     checkpoint.background.DEFAULT.wait()
     assert checkpoint.latest(s3.url("bg")) == path
+
+
+def test_huge_files_get_larger_parts_to_fit_the_part_limit() -> None:
+    store = remote.locate("memory://distfn-test/parts/x.safetensors")[0]
+    stream = store.create(store.path("/distfn-test/parts/x.safetensors"))
+    try:
+        stream.reserve(1 << 30)
+        assert isinstance(stream, remote._Upload) and stream.part == remote.PART_BYTES
+        stream.reserve(300 << 30)
+        assert stream.part % (1 << 20) == 0 and (300 << 30) / stream.part <= 9_000 < (300 << 30) / remote.PART_BYTES
+    finally:
+        stream.abort()

@@ -47,19 +47,22 @@ from . import fs
 
 __all__ = ["ATTEMPTS", "COMMIT_SUFFIX", "PART_BYTES", "RemoteFileSystem", "RemotePath", "locate"]
 
-#: Bytes per uploaded part (one part is all the host memory a streaming upload holds, plus one copy in flight;
-#: S3 takes 5 MiB to 5 GiB, and at most 10,000 parts: 32 MiB parts make objects of up to 312 GiB).
-PART_BYTES = 32 << 20
+#: Bytes per uploaded part: one part is all the host memory a streaming upload holds (plus the copy being sent). S3
+#: takes parts of 5 MiB to 5 GiB and at most 10,000 of them, so a file over `_MAX_PARTS` parts of this size gets
+#: larger parts (`_Upload.reserve`).
+PART_BYTES = 16 << 20
+_MAX_PARTS: Final = 9_000
 #: Attempts of one storage request before a throttling answer or a network error becomes a `CheckpointError`.
 ATTEMPTS = 5
 #: The commit object of ``<dir>/<name>`` is ``<dir>/.<name>`` + this suffix.
 COMMIT_SUFFIX: Final = ".distfn-commit"
 _LEASE_KEY: Final = "distfn-lease"
 _SMALL: Final = 1 << 16  # commit objects and leases are far smaller than this
-# Reads are served from one cached block of up to _READ_AHEAD bytes fetched from the offset asked for: a load reads its
-# tensors in file order, so one ranged GET serves many (a whole small file is one request); a read larger than the
-# block is one GET of exactly its bytes. The block is the only extra memory a read holds.
-_READ_AHEAD: Final = 64 << 20
+# A read of _DIRECT bytes or more (a tensor) is one ranged GET of exactly its bytes; smaller ones (the header, tiny
+# tensors) are served from one cached block of _BLOCK bytes fetched from the offset asked for, so a file of many
+# small tensors, read in file order, costs few requests. The block is the only extra memory a read holds.
+_DIRECT: Final = 1 << 20
+_BLOCK: Final = 8 << 20
 _THROTTLED: Final = ("SlowDown", "Throttl", "RequestLimitExceeded", "TooManyRequests", "reduce your request rate",
                      "503", "429")
 _DENIED: Final = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
@@ -189,16 +192,22 @@ class _Upload(fs.WriteStream):
         self._store, self.path, self.lease = store, path, lease
         self.written = 0
         self._file: Any = _attempts("opening for writing", path, lambda: store.open_for_write(path))
+        self.part = PART_BYTES
 
     def reserve(self, nbytes: int) -> None:
-        pass  # nothing to allocate; a bucket's quota fails the upload, which is then aborted
+        """Choose the part size (nothing to allocate: a bucket's quota fails the upload, which is then aborted)."""
+        mib = 1 << 20
+        per_part = -(-nbytes // _MAX_PARTS)  # rounded up, then to whole MiB
+        self.part = max(PART_BYTES, -(-per_part // mib) * mib)
+        if getattr(self._file, "blocksize", None) is not None:
+            self._file.blocksize = self.part  # read by fsspec at each write; nothing is buffered yet
 
     def write(self, data: memoryview) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         done, total = 0, len(view)
         while done < total:
             buffered = self._file.buffer.tell() if getattr(self._file, "buffer", None) is not None else 0
-            step = max(1, min(total - done, PART_BYTES - buffered))
+            step = max(1, min(total - done, self.part - buffered))
             try:
                 self._file.write(view[done:done + step])
             except Exception as exc:  # the storage library retried already: say what failed
@@ -227,7 +236,8 @@ class _Upload(fs.WriteStream):
 
 
 class _Download(fs.ReadHandle):
-    """Ranged reads of one committed object through a read-ahead block (see `_READ_AHEAD`); no memory map."""
+    """Ranged reads of one committed object, small ones through a read-ahead block (see `_DIRECT`); no memory
+    map."""
 
     def __init__(self, store: RemoteFileSystem, path: RemotePath, size: int) -> None:
         self._store, self._path, self.size = store, path, size
@@ -240,9 +250,9 @@ class _Download(fs.ReadHandle):
         start, block = self._block
         if start <= offset and end <= start + len(block):
             return block[offset - start:end - start]
-        if end - offset >= _READ_AHEAD:
+        if end - offset >= _DIRECT:
             return self._store.read_range(self._path, offset, end)
-        block = self._store.read_range(self._path, offset, min(self.size, offset + _READ_AHEAD))
+        block = self._store.read_range(self._path, offset, min(self.size, offset + _BLOCK))
         self._block = (offset, block)
         return block[:end - offset]
 

@@ -19,6 +19,7 @@ import pathlib
 import re
 import secrets
 import socket
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -407,7 +408,7 @@ class Reader:
             data = self._file.read(start, end - begin)
             if len(data) != end - begin:
                 raise CheckpointError(f"'{self.header.path}' is truncated at tensor '{name}'")
-            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            raw = _read_only_view(data)
         out.reshape(-1).view(torch.uint8).copy_(raw)
         return out
 
@@ -435,6 +436,14 @@ class Reader:
         if len(data) != count:
             raise CheckpointError(f"'{self.header.path}' is truncated at tensor '{name}'")
         return torch.frombuffer(bytearray(data), dtype=dtype).view(out_shape)
+
+
+def _read_only_view(data: bytes) -> torch.Tensor:
+    """A uint8 tensor over ``data`` without a copy (a remote read's bytes, only copied into a fresh tensor next:
+    copying them into a bytearray first would cost one more pass over every byte loaded)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def open_reader(path: str | os.PathLike[str] | Location, device: str | torch.device) -> Reader:
