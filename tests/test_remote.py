@@ -397,3 +397,15 @@ def test_huge_files_get_larger_parts_to_fit_the_part_limit() -> None:
         assert stream.part % (1 << 20) == 0 and (300 << 30) / stream.part <= 9_000 < (300 << 30) / remote.PART_BYTES
     finally:
         stream.abort()
+
+
+def test_the_benchmark_runs(tmp_path: Path) -> None:
+    """bench/bench_remote.py --tiny end to end: every table has its samples and its target evaluated."""
+    out = tmp_path / "remote.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "bench_remote.py"),
+                           "--tiny", "--json", str(out)], env=repo_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tables = json.loads(out.read_text())["tables"]
+    assert len(tables) == 4
+    assert all(row["samples"] for tab in tables for row in tab["rows"])
+    assert all(t["met"] is not None for tab in tables for t in tab["targets"])
