@@ -376,6 +376,7 @@ class Context:
         rng: bool = False,
         sharded: bool | None = None,
         blocking: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> PurePath:
         """Write ``obj`` to ``path`` as safetensors from rank 0; other ranks return at once.
 
@@ -407,9 +408,12 @@ class Context:
             blocking: `False` returns once the state is copied to host memory; the write, `fsync` and rename run
                 in a background thread. The next save, the function's end (return or exception) and a true
                 `ctx.should_stop` wait for it, so nothing is lost (docs/checkpoints.md, "Asynchronous saves").
+            storage_options: for a URL (`s3://bucket/...`), the fsspec file system's options (endpoint,
+                credentials); by default fsspec's configuration (docs/checkpoints.md, "Remote storage").
         """
         return policy.save_state(obj, path, mode=self.mode, rank=self.rank, run=self.run, metadata=metadata,
-                                 keep=keep, rng=rng, sharded=sharded, blocking=blocking)
+                                 keep=keep, rng=rng, sharded=sharded, blocking=blocking,
+                                 storage_options=storage_options)
 
     def load(
         self,
@@ -418,6 +422,7 @@ class Context:
         *,
         strict: bool = True,
         rng: policy.RngRestore = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Restore ``into`` (a module, or a mapping of modules/optimizers/schedulers/...) in place from ``path``
         on every rank, onto ``ctx.device``; returns the non-tensor values saved with it (``step``, ...).
@@ -436,9 +441,11 @@ class Context:
             strict: every tensor of `into` must be in the file and nothing extra (as `load_state_dict`).
             rng: restore this rank's random generator states: True (the file must hold them), ``"if-present"``
                 (when it holds them) or False (leave them alone; a saved ``"rng"`` entry is then returned).
+            storage_options: for a URL, the fsspec file system's options (as in `ctx.save`).
         """
         return policy.load_state(path, into, mode=self.mode, rank=self.rank, world_size=self.world_size,
-                                 device=self.device, run=self.run, strict=strict, rng=rng)
+                                 device=self.device, run=self.run, strict=strict, rng=rng,
+                                 storage_options=storage_options)
 
     def resume(
         self,
@@ -447,6 +454,7 @@ class Context:
         *,
         prefix: str = "ckpt-",
         strict: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> int:
         """Continue from the newest complete checkpoint in ``directory``: restore ``state`` and return its step.
 
@@ -461,10 +469,12 @@ class Context:
                 directories) are; missing or empty means a fresh start.
             prefix: the name before the step number.
             strict: as in `ctx.load`.
+            storage_options: for a URL, the fsspec file system's options (as in `ctx.save`).
 
         Returns:
             The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
             alone). Rank 0 picks the file and every rank loads that same one.
         """
         return policy.resume_state(state, directory, mode=self.mode, rank=self.rank, world_size=self.world_size,
-                                   device=self.device, run=self.run, prefix=prefix, strict=strict)
+                                   device=self.device, run=self.run, prefix=prefix, strict=strict,
+                                   storage_options=storage_options)

@@ -294,17 +294,21 @@ _JOB = textwrap.dedent(
         return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
     MODE = sys.argv[3]
+    # storage_options= instead of fsspec's environment, when the test gives the endpoint this way
+    OPTS = {"endpoint_url": os.environ["TEST_S3_ENDPOINT"]} if "TEST_S3_ENDPOINT" in os.environ else None
+
     @distributed(mode=MODE, nprocs=2, seed=0, **({"fsdp": {"min_params": 100}} if MODE == "fsdp" else {}))
     def job(cfg, ctx):
         base, what = cfg
         model, opt = fresh(ctx, 0)
         if what == "resume":
             losses = steps(model, opt, 1, 3, ctx)
-            ctx.save({"model": model, "optimizer": opt, "step": 3}, f"{base}/ckpt-3", sharded=True, keep=2)
+            ctx.save({"model": model, "optimizer": opt, "step": 3}, f"{base}/ckpt-3", sharded=True, keep=2,
+                     storage_options=OPTS)
             after = steps(model, opt, 4, 6, ctx)
             model, opt = fresh(ctx, 99)  # a different init: everything comes from the checkpoint
             state = {"model": model, "optimizer": opt, "step": 0}
-            step = ctx.resume(state, base)
+            step = ctx.resume(state, base, storage_options=OPTS)
             again = steps(model, opt, step + 1, 6, ctx)
             return {"step": step, "after": after, "again": again, "losses": losses}
         from distfn.checkpoint import remote
@@ -332,23 +336,29 @@ _JOB = textwrap.dedent(
 )
 
 
-def _job(tmp_path: Path, base: str, what: str, mode: str) -> dict:
+def _job(tmp_path: Path, base: str, what: str, mode: str, env: dict[str, str] | None = None) -> dict:
     script = tmp_path / "remote_job.py"
     script.write_text(_JOB)
-    done = subprocess.run([sys.executable, str(script), base, what, mode], env=repo_env(), capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
+    done = subprocess.run([sys.executable, str(script), base, what, mode], env=env or repo_env(),
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_two_ranks_save_sharded_to_s3_and_resume_bit_exactly(s3: S3Server, tmp_path: Path, mode: str) -> None:
-    base = s3.url(f"two-{mode}")
-    result = _job(tmp_path, base, "resume", mode)
+@pytest.mark.parametrize(("mode", "config"), [("fsdp", "environment"), ("ddp", "environment"),
+                                              ("ddp", "storage_options")])
+def test_two_ranks_save_sharded_to_s3_and_resume_bit_exactly(s3: S3Server, tmp_path: Path, mode: str,
+                                                            config: str) -> None:
+    base = s3.url(f"two-{mode}-{config}")
+    env = repo_env()
+    if config == "storage_options":  # ctx.save / ctx.resume(..., storage_options=) on every rank, no endpoint in env
+        env = {k: v for k, v in env.items() if k != "FSSPEC_S3_ENDPOINT_URL"}
+        env["TEST_S3_ENDPOINT"] = s3.endpoint
+    result = _job(tmp_path, base, "resume", mode, env)
     assert "error" not in result, result
     assert result["step"] == 3 and result["again"] == result["after"]  # bit-exact: the same floats
-    shards = [k for k in list_keys(s3, f"two-{mode}/ckpt-3/") if k.rsplit("/", 1)[1].startswith("shard-")]
+    shards = [k for k in list_keys(s3, f"two-{mode}-{config}/ckpt-3/") if k.rsplit("/", 1)[1].startswith("shard-")]
     assert len(shards) == 2  # every rank uploaded its own shard
     assert str(distfn.latest(base)) == f"{base}/ckpt-3"
 
