@@ -74,6 +74,10 @@ class ReadHandle(abc.ABC):
 class FileSystem(abc.ABC):
     """The operations checkpoints need from a storage backend (see the module docstring)."""
 
+    #: Whether directories exist on their own and must be created before a file goes in them (an object store
+    #: has none: a prefix exists once an object has it, so a writer creates nothing and checks nothing first).
+    directories: bool = True
+
     @abc.abstractmethod
     def kind(self, path: pathlib.PurePath) -> Kind:
         """What ``path`` names, following symlinks."""

@@ -280,6 +280,7 @@ class RemoteFileSystem(fs.FileSystem):
         self.protocol = protocol
         self.path_type = RemotePath.of(protocol, "/" if getattr(target, "root_marker", "") == "/" else "")
         self._local = "file" in _protocols(target) or "local" in _protocols(target)
+        self.directories = self._local
         self._leases: dict[pathlib.PurePath, pathlib.PurePath] = {}  # this process's in-place directories -> lease
         self._lock = threading.Lock()
 
@@ -329,9 +330,10 @@ class RemoteFileSystem(fs.FileSystem):
         except ValueError:
             return None
 
-    def _put_small(self, path: pathlib.PurePath, value: Any) -> None:
+    def _put_small(self, path: pathlib.PurePath, value: Any, *, shown: pathlib.PurePath | None = None) -> None:
+        """Write the small JSON object ``path`` (errors name ``shown``, the checkpoint it serves, when given)."""
         data = json.dumps(value).encode()
-        _attempts("writing", path, lambda: self._fs.pipe_file(self._key(path), data))
+        _attempts("writing", shown or path, lambda: self._fs.pipe_file(self._key(path), data))
 
     def _delete(self, path: pathlib.PurePath) -> None:
         key = self._key(path)
@@ -416,7 +418,8 @@ class RemoteFileSystem(fs.FileSystem):
         lease = None
         if target != path:  # the writer's temporary name: a lease naming the upload and its writer
             lease = path
-            self._put_small(lease, {_LEASE_KEY: target.name, "host": socket.gethostname(), "pid": os.getpid()})
+            self._put_small(lease, {_LEASE_KEY: target.name, "host": socket.gethostname(), "pid": os.getpid()},
+                            shown=target)
         try:
             return _Upload(self, target, lease)
         except BaseException:

@@ -178,6 +178,8 @@ def make_parents(target: Location) -> list[pathlib.PurePath]:
         CheckpointError: a parent is a file (``'afile' is a file, not a directory``), or cannot be created.
     """
     store, directory = target.fs, target.path.parent
+    if not store.directories:  # an object store: nothing to create (each level looked up would cost a request)
+        return []
     missing = []
     d = directory
     while (kind := store.kind(d)) != "dir" and d != d.parent:
