@@ -9,7 +9,7 @@ unchanged by meaning the same operations differently:
   upload is completed, and the previous object under that name stays readable until then). The temporary name the
   writer picked becomes a small **lease** object naming the upload and its writer's host and pid, so that a later
   save removes what a killed writer left (exactly as it removes a killed local writer's temporary file);
-- **a file exists only once its commit object exists**: `commit` completes the upload, checks the object's size
+- **a file exists only once its commit object exists**: `publish` completes the upload, checks the object's size
   against the bytes streamed, and only then writes ``.<name>.distfn-commit`` (a few bytes of JSON holding that
   size). `kind` says ``"missing"`` for an object without a commit object of its size, so `distfn.latest`,
   `distfn.load` and resumes never see a partial upload;
@@ -441,8 +441,8 @@ class RemoteFileSystem(fs.FileSystem):
             self._delete(stream.lease)
 
     def commit(self, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
-        # files are committed by `commit_stream` (called by `fs.FileSystem.finish`); what remains is a
-        # directory written in place: its index was committed last, the lease goes
+        # files are committed by `commit_stream` (called by `publish`); what remains is a directory written in
+        # place: its index was committed last, the lease goes
         if written != target:
             raise OSError(f"cannot rename {written} to {target} on {self.protocol}:// (object stores have no rename)")
         with self._lock:
@@ -502,15 +502,17 @@ class RemoteFileSystem(fs.FileSystem):
             self._abort_uploads(target)
         self._delete(path)
 
-    def _abort_uploads(self, path: pathlib.PurePath) -> None:
-        """S3: abort the unfinished multipart uploads to ``path`` (or under it), which hold storage until then."""
+    def _abort_uploads(self, path: pathlib.PurePath, *, under: bool = False) -> None:
+        """S3: abort the unfinished multipart uploads to ``path`` (``under``: to the keys under it), which hold
+        storage until then."""
         if not callable(getattr(self._fs, "list_multipart_uploads", None)):
             return  # other stores expire unfinished uploads themselves (GCS, Azure: about a week)
         key = self._key(path)
         bucket, _, prefix = key.partition("/")
         with contextlib.suppress(Exception):  # best effort: cleaning must never fail a save
             for upload in self._fs.list_multipart_uploads(bucket):
-                if str(upload.get("Key", "")).startswith(prefix):
+                name = str(upload.get("Key", ""))
+                if name.startswith(prefix + "/") if under else name == prefix:
                     self._fs.abort_mpu(bucket, upload["Key"], upload["UploadId"])
 
     def remove_tree(self, path: pathlib.PurePath) -> None:
@@ -522,7 +524,7 @@ class RemoteFileSystem(fs.FileSystem):
             self._delete(index)  # the checkpoint's commit object first
             self._fs.rm(key, recursive=True)
         with contextlib.suppress(Exception):
-            self._abort_uploads(path / "")
+            self._abort_uploads(path, under=True)
         with self._lock:
             lease = self._leases.pop(path, None)
         if lease is not None:
