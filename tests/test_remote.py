@@ -419,3 +419,15 @@ def test_the_benchmark_runs(tmp_path: Path) -> None:
     assert len(tables) == 4
     assert all(row["samples"] for tab in tables for row in tab["rows"])
     assert all(t["met"] is not None for tab in tables for t in tab["targets"])
+
+
+def test_a_load_reads_tensors_in_file_order_with_few_requests(monkeypatch) -> None:
+    state = {f"t{i}": torch.full((1 << 19,), float(i)) for i in range(8)}  # 8 tensors of 2 MiB
+    path = checkpoint.save(state, "memory://distfn-test/reads/ckpt-1.safetensors")
+    store = remote.locate(str(path))[0]
+    ranges: list[tuple[int, int]] = []
+    real = store.read_range
+    monkeypatch.setattr(store, "read_range", lambda p, a, b: (ranges.append((a, b)), real(p, a, b))[1])
+    equal_state(checkpoint.load(path), state)
+    assert len(ranges) == 2  # the header's block, then one sequential block for all eight tensors
+    assert sum(b - a for a, b in ranges) <= (16 << 20) + (1 << 20)  # nothing fetched twice (beyond the header)

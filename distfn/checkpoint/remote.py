@@ -58,11 +58,13 @@ ATTEMPTS = 5
 COMMIT_SUFFIX: Final = ".distfn-commit"
 _LEASE_KEY: Final = "distfn-lease"
 _SMALL: Final = 1 << 16  # commit objects and leases are far smaller than this
-# A read of _DIRECT bytes or more (a tensor) is one ranged GET of exactly its bytes; smaller ones (the header, tiny
-# tensors) are served from one cached block of _BLOCK bytes fetched from the offset asked for, so a file of many
-# small tensors, read in file order, costs few requests. The block is the only extra memory a read holds.
+# Reads go through one cached block fetched from the offset asked for: _BLOCK bytes for a small read (the header, a
+# tiny tensor), _SEQUENTIAL bytes for a read that starts where the previous one ended (a load reads its tensors in
+# file order, so one ranged GET serves several), never more than that: a larger read, or a small read elsewhere
+# than the block, is one ranged GET of exactly its bytes. The block is the only extra memory a read holds.
 _DIRECT: Final = 1 << 20
-_BLOCK: Final = 8 << 20
+_BLOCK: Final = 1 << 20
+_SEQUENTIAL: Final = 64 << 20
 _THROTTLED: Final = ("SlowDown", "Throttl", "RequestLimitExceeded", "TooManyRequests", "reduce your request rate",
                      "503", "429")
 _DENIED: Final = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
@@ -236,23 +238,25 @@ class _Upload(fs.WriteStream):
 
 
 class _Download(fs.ReadHandle):
-    """Ranged reads of one committed object, small ones through a read-ahead block (see `_DIRECT`); no memory
-    map."""
+    """Ranged reads of one committed object through a read-ahead block (see `_SEQUENTIAL`); no memory map."""
 
     def __init__(self, store: RemoteFileSystem, path: RemotePath, size: int) -> None:
         self._store, self._path, self.size = store, path, size
         self._block: tuple[int, bytes] = (0, b"")
+        self._end = -1  # where the last read ended
 
     def read(self, offset: int, nbytes: int) -> bytes:
         end = min(offset + nbytes, self.size)
         if end <= offset:
             return b""
+        sequential, self._end = offset == self._end, end
         start, block = self._block
         if start <= offset and end <= start + len(block):
             return block[offset - start:end - start]
-        if end - offset >= _DIRECT:
+        ahead = _SEQUENTIAL if sequential else _BLOCK if end - offset < _DIRECT else 0
+        if end - offset >= ahead:
             return self._store.read_range(self._path, offset, end)
-        block = self._store.read_range(self._path, offset, min(self.size, offset + _BLOCK))
+        block = self._store.read_range(self._path, offset, min(self.size, offset + ahead))
         self._block = (offset, block)
         return block[:end - offset]
 
