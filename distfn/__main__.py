@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="detect as @distributed(launcher=...) would: auto, spawn, torchrun, slurm, mpi, ray")
     sub.add_parser("version", help="print the distfn version")
     merge = sub.add_parser("consolidate", help="turn a sharded checkpoint directory into one .safetensors file")
-    merge.add_argument("directory", help="the sharded checkpoint (a directory with model.safetensors.index.json)")
+    merge.add_argument("directory", help="the sharded checkpoint: a directory or a URL (s3://bucket/run/ckpt-9) "
+                       "with model.safetensors.index.json")
     merge.add_argument("out", help="the .safetensors file to write (streamed, one tensor in memory at a time)")
     return parser
 

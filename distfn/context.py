@@ -12,7 +12,7 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
+from pathlib import PurePath
 from typing import Any
 
 import attrs
@@ -432,7 +432,8 @@ class Context:
         rng: bool = False,
         sharded: bool | None = None,
         blocking: bool = True,
-    ) -> Path:
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> PurePath:
         """Write ``obj`` to ``path`` as safetensors from rank 0; other ranks return at once.
 
         ``obj`` is a module (bare, DDP, DP or compiled: saved with the bare module's key names), a flat
@@ -463,9 +464,12 @@ class Context:
             blocking: `False` returns once the state is copied to host memory; the write, `fsync` and rename run
                 in a background thread. The next save, the function's end (return or exception) and a true
                 `ctx.should_stop` wait for it, so nothing is lost (docs/checkpoints.md, "Asynchronous saves").
+            storage_options: for a URL (`s3://bucket/...`), the fsspec file system's options (endpoint,
+                credentials); by default fsspec's configuration (docs/checkpoints.md, "Remote storage").
         """
         return policy.save_state(obj, path, mode=self.mode, rank=self.rank, run=self.run, metadata=metadata,
-                                 keep=keep, rng=rng, sharded=sharded, blocking=blocking)
+                                 keep=keep, rng=rng, sharded=sharded, blocking=blocking,
+                                 storage_options=storage_options)
 
     def load(
         self,
@@ -474,6 +478,7 @@ class Context:
         *,
         strict: bool = True,
         rng: policy.RngRestore = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Restore ``into`` (a module, or a mapping of modules/optimizers/schedulers/...) in place from ``path``
         on every rank, onto ``ctx.device``; returns the non-tensor values saved with it (``step``, ...).
@@ -492,9 +497,11 @@ class Context:
             strict: every tensor of `into` must be in the file and nothing extra (as `load_state_dict`).
             rng: restore this rank's random generator states: True (the file must hold them), ``"if-present"``
                 (when it holds them) or False (leave them alone; a saved ``"rng"`` entry is then returned).
+            storage_options: for a URL, the fsspec file system's options (as in `ctx.save`).
         """
         return policy.load_state(path, into, mode=self.mode, rank=self.rank, world_size=self.world_size,
-                                 device=self.device, run=self.run, strict=strict, rng=rng)
+                                 device=self.device, run=self.run, strict=strict, rng=rng,
+                                 storage_options=storage_options)
 
     def resume(
         self,
@@ -503,6 +510,7 @@ class Context:
         *,
         prefix: str = "ckpt-",
         strict: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> int:
         """Continue from the newest complete checkpoint in ``directory``: restore ``state`` and return its step.
 
@@ -517,10 +525,12 @@ class Context:
                 directories) are; missing or empty means a fresh start.
             prefix: the name before the step number.
             strict: as in `ctx.load`.
+            storage_options: for a URL, the fsspec file system's options (as in `ctx.save`).
 
         Returns:
             The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
             alone). Rank 0 picks the file and every rank loads that same one.
         """
         return policy.resume_state(state, directory, mode=self.mode, rank=self.rank, world_size=self.world_size,
-                                   device=self.device, run=self.run, prefix=prefix, strict=strict)
+                                   device=self.device, run=self.run, prefix=prefix, strict=strict,
+                                   storage_options=storage_options)

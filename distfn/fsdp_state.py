@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,7 +107,7 @@ def save(
     checked_in: bool = False,
     write: Any = None,
     run: Run | None = None,
-) -> Path:
+) -> PurePath:
     """``ctx.save`` in fsdp mode: gather full state dicts to CPU on rank 0, which writes one safetensors file.
 
     When ``obj`` holds a sharded module or optimizer this must run on every rank (checked through ``run``, see

@@ -298,19 +298,21 @@ def test_top_level_load_and_latest_take_prefixes(tmp_path: pathlib.Path) -> None
     assert distfn.latest is checkpoint.latest and distfn.load is checkpoint.load
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run1/ckpt-1.safetensors", "gs://b/ckpt-1.safetensors",
-                                 "https://example.com/ckpt-1.safetensors", "hdfs://nn/x/ckpt-1.safetensors"])
-def test_urls_are_refused_not_written_locally(tmp_path: pathlib.Path, monkeypatch, url: str) -> None:
-    """A remote URL used to be written to ./s3:/bucket/... and then 'found' by latest (issue 18 item 6)."""
+@pytest.mark.parametrize("url", ["gs://b/ckpt-1.safetensors", "https://example.com/ckpt-1.safetensors",
+                                 "hdfs://nn/x/ckpt-1.safetensors"])
+def test_urls_are_never_written_locally(tmp_path: pathlib.Path, monkeypatch, url: str) -> None:
+    """A remote URL used to be written to ./s3:/bucket/... and then 'found' by latest (issue 18 item 6). URLs now go
+    to fsspec (issue 28: tests/test_remote.py); one whose library is missing, or a store that cannot hold
+    checkpoints, is a clear error, and nothing is ever written locally."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match="is a URL"):
+    with pytest.raises(CheckpointError, match=r"cannot (open|use)"):
         checkpoint.save({"w": torch.ones(1)}, url)
-    with pytest.raises(CheckpointError, match="is a URL"):
+    with pytest.raises(CheckpointError, match=r"cannot (open|use)"):
         checkpoint.load(url)
-    with pytest.raises(CheckpointError, match="is a URL"):
+    with pytest.raises(CheckpointError, match=r"cannot (open|use)"):
         checkpoint.load_into(url, {})
-    with pytest.raises(CheckpointError, match="is a URL"):
+    with pytest.raises(CheckpointError, match=r"cannot (open|use)"):
         checkpoint.latest(url.rsplit("/", 1)[0])
-    with pytest.raises(CheckpointError, match="is a URL"):
+    with pytest.raises(CheckpointError, match=r"cannot (open|use)"):
         checkpoint.read_metadata(url)
     assert list(tmp_path.iterdir()) == []  # nothing was written locally

@@ -56,7 +56,8 @@ def save(
     *,
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = None,
-) -> pathlib.Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> pathlib.PurePath:
     """Write ``obj`` atomically and durably to ``path`` as one safetensors file.
 
     No collective and no rank logic in here: the caller decides who writes (``Context.save`` writes from rank
@@ -70,16 +71,18 @@ def save(
         metadata: JSON-like values stored in the header (string values also readable by other tools).
         keep: with a step-numbered name such as ``ckpt-1200.safetensors``, keep only the ``keep`` newest files
             with the same prefix in that directory (by step number; the file just written is always kept).
+        storage_options: for a URL (``s3://bucket/...``), the fsspec file system's options (``endpoint_url``,
+            ``key``, ...), remembered for later URLs of the same bucket; by default fsspec's own configuration.
 
     Returns:
-        The path written, absolute.
+        The path written, absolute (a `distfn.checkpoint.remote.RemotePath`, whose text is the URL, for a URL).
 
     Raises:
         CheckpointError: a value that cannot be stored (the message names its key path; raised before anything
             is written), an invalid ``keep``, a directory as the target or a file as a parent, or an I/O failure
             (the target is then left untouched).
     """
-    target = resolve(path)
+    target = resolve(path, storage_options)
     check_keep(keep, target, directory=False)
     check_file_target(target)
     plan = fmt.plan(obj, metadata)  # every error about the content is raised here, before touching the disk
@@ -91,7 +94,7 @@ def save(
 
 
 def save_in_background(obj: Any, path: PathLike, *, metadata: Mapping[str, Any] | None = None,
-                       keep: int | None = None) -> pathlib.Path:
+                       keep: int | None = None) -> pathlib.PurePath:
     """`save` with ``blocking=False``: returns once ``obj`` is copied to host memory and checked; the write,
     fsync and renames run in a background thread (`distfn.checkpoint.background`). The next background save
     waits for it, and so does the interpreter at exit: a failed write is then reported on stderr and the exit
@@ -113,7 +116,8 @@ def save_in_background(obj: Any, path: PathLike, *, metadata: Mapping[str, Any] 
 
 
 def load(
-    path: PathLike, device: str | torch.device = "cpu", *, prefix: str | None = None
+    path: PathLike, device: str | torch.device = "cpu", *, prefix: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read the tensors of a checkpoint into a plain ``{name: tensor}`` dict.
 
@@ -127,13 +131,14 @@ def load(
         device: where the tensors go.
         prefix: only the tensors under this key path, with it removed: ``load("ckpt-100.safetensors",
             prefix="model")`` is the model's state dict out of a training-state checkpoint.
+        storage_options: for a URL, the fsspec file system's options (see `save`).
 
     Returns:
         The tensors, in the file's header order. CPU tensors are copy-on-write views of a memory map of the
         file (read on first use): another tool must not rewrite the file *in place* while they are in use
         (distfn's own saves replace it by rename, which is safe); ``.clone()`` them to detach from the file.
     """
-    loc = resolve(path)
+    loc = resolve(path, storage_options)
     if loc.layout() in ("sharded", "dir"):  # a directory is read as a sharded checkpoint (or says why it is not)
         return sharded.load(loc, device, prefix=prefix)
     with storage.open_reader(loc, device) as reader:
@@ -169,13 +174,15 @@ def verify(loc: Location) -> None:
         sharded.open_checkpoint(loc)
 
 
-def latest(directory: PathLike, prefix: str = "ckpt-") -> pathlib.Path | None:
+def latest(directory: PathLike, prefix: str = "ckpt-", *,
+           storage_options: Mapping[str, Any] | None = None) -> pathlib.PurePath | None:
     """The complete step-numbered checkpoint with the highest step in ``directory``.
 
     Args:
         directory: where to look; a missing directory gives ``None``.
         prefix: the name before the step number (``ckpt-`` matches ``ckpt-1200.safetensors`` and a sharded
             ``ckpt-1200`` directory, ``snapshot-`` matches ``snapshot-3.safetensors``).
+        storage_options: for a URL, the fsspec file system's options (see `save`).
 
     Returns:
         The path of the newest complete checkpoint, or ``None`` when there is none. Files and directories that
@@ -184,7 +191,7 @@ def latest(directory: PathLike, prefix: str = "ckpt-") -> pathlib.Path | None:
         other names are not candidates: they are logged (a warning when nothing matched, so a resume that would
         start from scratch says why).
     """
-    d = resolve(directory)
+    d = resolve(directory, storage_options)
     if d.fs.kind(d.path) != "dir":
         return None
     candidates: list[tuple[int, str, Location]] = []

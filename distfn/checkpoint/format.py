@@ -339,13 +339,13 @@ def _dumps(value: Any, what: str = "state") -> str:
 class Header:
     """A checked safetensors header: where the data starts, the tensor entries and the string metadata."""
 
-    path: pathlib.Path
+    path: pathlib.PurePath
     data_start: int
     tensors: dict[str, dict[str, Any]]  # name -> {"dtype", "shape", "data_offsets"}
     metadata: dict[str, str]
 
 
-def parse_header(path: pathlib.Path, raw: bytes, size: int) -> Header:
+def parse_header(path: pathlib.PurePath, raw: bytes, size: int) -> Header:
     """Check the JSON header ``raw`` of the ``size``-byte file ``path`` (its 8-byte length prefix excluded).
 
     As strict as the safetensors library: every entry has a known dtype, a shape of non-negative ints and
@@ -380,7 +380,7 @@ def parse_header(path: pathlib.Path, raw: bytes, size: int) -> Header:
     return Header(path, 8 + n, header, metadata)
 
 
-def _span(path: pathlib.Path, name: str, info: Any) -> tuple[int, int]:
+def _span(path: pathlib.PurePath, name: str, info: Any) -> tuple[int, int]:
     """The checked ``data_offsets`` of one header entry."""
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"'{path}': corrupt entry for tensor '{name}' in the header: {what}")
@@ -496,7 +496,7 @@ DTYPE_NAMES: Final[dict[str, torch.dtype]] = {
 _FLOATS: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def check_tree(node: Any, tensors: Mapping[str, Any] | None, path: pathlib.Path | None = None) -> None:
+def check_tree(node: Any, tensors: Mapping[str, Any] | None, path: pathlib.PurePath | None = None) -> None:
     """Raise `CheckpointError` (naming ``path``) unless every tag in ``node`` holds what it may: a stored tensor's
     name (``tensors``; ``None``: no tensor references allowed), a float name, a known dtype or device, lists."""
     stack = [node]

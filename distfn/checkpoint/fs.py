@@ -6,7 +6,7 @@ final name (`FileSystem.commit`: an atomic rename on a local disk; an object sto
 small commit object last instead), list, remove, ask what a path is and how large, and read, by memory map where
 the backend has one and by ranged reads otherwise. `LocalFileSystem` is the first implementation; a remote backend
 (fsspec) is a second one, and everything above this module (the writer, the readers, ``keep=``, `latest`) works
-on it unchanged.
+on it unchanged: `distfn.checkpoint.remote` is that second one (any fsspec URL, with commit objects).
 
 Paths are `pathlib.PurePath` s naming places *in* the file system; turning a user's string into one (``~``, URLs)
 is `distfn.checkpoint.layout`'s job.
@@ -74,6 +74,10 @@ class ReadHandle(abc.ABC):
 class FileSystem(abc.ABC):
     """The operations checkpoints need from a storage backend (see the module docstring)."""
 
+    #: Whether directories exist on their own and must be created before a file goes in them (an object store
+    #: has none: a prefix exists once an object has it, so a writer creates nothing and checks nothing first).
+    directories: bool = True
+
     @abc.abstractmethod
     def kind(self, path: pathlib.PurePath) -> Kind:
         """What ``path`` names, following symlinks."""
@@ -103,8 +107,24 @@ class FileSystem(abc.ABC):
         """Create the one new directory ``directory`` (its parent exists); ``OSError`` if it exists already."""
 
     @abc.abstractmethod
-    def create(self, path: pathlib.PurePath) -> WriteStream:
-        """A new file at ``path`` (which must not exist), open for a streaming write."""
+    def create(self, path: pathlib.PurePath, final: pathlib.PurePath | None = None) -> WriteStream:
+        """A new file at ``path`` (which must not exist), open for a streaming write.
+
+        ``final`` is the name `publish` will give it. A local disk writes ``path`` and renames it; an object store,
+        which cannot rename, uploads straight to ``final`` (invisible until published) and keeps ``path`` as a
+        small lease that lets a later save clean up after a killed writer.
+        """
+
+    def publish(self, stream: WriteStream, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
+        """Publish the file ``stream`` (closed) wrote at ``written`` (`create`'s ``path``) as ``target``: `commit`
+        here; an object store completes the upload and writes its commit object instead."""
+        self.commit(written, target)
+
+    def stage_dir(self, tmp: pathlib.PurePath, target: pathlib.PurePath) -> pathlib.PurePath:
+        """Create the place where a new directory that `commit` will publish as ``target`` is written, and return
+        it: the new directory ``tmp`` here; an object store writes ``target`` itself (``tmp`` is then its lease)."""
+        self.make_dir(tmp)
+        return tmp
 
     @abc.abstractmethod
     def commit(self, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
@@ -291,7 +311,7 @@ class LocalFileSystem(FileSystem):
     def make_dir(self, directory: pathlib.PurePath) -> None:
         os.mkdir(directory)
 
-    def create(self, path: pathlib.PurePath) -> WriteStream:
+    def create(self, path: pathlib.PurePath, final: pathlib.PurePath | None = None) -> WriteStream:
         # 0o666 & ~umask, exactly like open(..., "w"); mkstemp / NamedTemporaryFile would force 0o600.
         return _LocalStream(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666))
 

@@ -6,8 +6,8 @@ directory). `Location.layout` says what is there: one ``.safetensors`` file, a s
 holds `INDEX`), another directory, or nothing. The names of step-numbered families live here too, for both
 layouts: ``<prefix><step>.safetensors`` files and ``<prefix><step>`` directories (`step_of`).
 
-URLs (``s3://``, any ``scheme://``) are refused with a clear error until a remote `distfn.checkpoint.fs` backend
-exists; that backend plugs in here, in `resolve`, and nowhere else.
+URLs (``s3://``, ``gs://``, ``memory://``, ``file://``: any fsspec protocol) resolve to the remote backend
+(`distfn.checkpoint.remote`, over fsspec, with commit objects); everything above this module works on both.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-from typing import Final, Literal
+from collections.abc import Mapping
+from typing import Any, Final, Literal
 
 import attrs
 from loguru import logger
 
 from ..errors import CheckpointError
 from ..options import Mode, shards_state
-from . import fs
+from . import fs, remote
 
 __all__ = [
     "INDEX",
@@ -54,7 +55,8 @@ class Location:
     """A checkpoint path resolved: the file system, the absolute path in it, and the text the user gave."""
 
     fs: fs.FileSystem
-    path: pathlib.Path
+    #: A `pathlib.Path` on a local disk; a `distfn.checkpoint.remote.RemotePath` (whose text is the URL) remote.
+    path: pathlib.PurePath
     given: str
     #: The text ended in a separator (``"out/"``): the user named a directory.
     names_directory: bool = False
@@ -88,22 +90,23 @@ class Location:
         return str(self.path)
 
 
-def resolve(path: str | os.PathLike[str] | Location) -> Location:
-    """The `Location` ``path`` names: ``~`` expanded, made absolute; a URL is a `CheckpointError` (never a local
-    directory named ``s3:``)."""
+def resolve(path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None) -> Location:
+    """The `Location` ``path`` names: ``~`` expanded and made absolute for a local path; a URL
+    (``s3://bucket/run``) on its fsspec file system (`distfn.checkpoint.remote.locate`, which takes
+    ``storage_options``), never a local directory named ``s3:``."""
     if isinstance(path, Location):
         return path
     text = os.fspath(path)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
-    if _URL.match(text):
-        raise CheckpointError(
-            f"'{text}' is a URL; distfn reads and writes checkpoints on a local or mounted file system only. Save "
-            "to a local path (or a mounted bucket) and copy it with your storage tool."
-        )
     if not text:
         raise CheckpointError("the checkpoint path is empty")
     trailing = text.endswith(("/", os.sep)) and text.strip("/" + os.sep) != ""
+    if _URL.match(text):
+        store, where = remote.locate(text, storage_options)
+        return Location(store, where, text, trailing)
+    if storage_options is not None:
+        raise CheckpointError(f"storage_options= is for URLs (s3://...), not for the local path '{text}'")
     return Location(fs.LOCAL, pathlib.Path(text).expanduser().absolute(), text, trailing)
 
 

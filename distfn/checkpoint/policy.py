@@ -85,7 +85,8 @@ def save_state(
     rng: bool = False,
     sharded: bool | None = None,
     blocking: bool = True,
-) -> pathlib.Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> pathlib.PurePath:
     """``ctx.save``: see its docstring for the contract; the module docstring for the decisions.
 
     Returns:
@@ -94,7 +95,7 @@ def save_state(
     run.saves.wait()  # the previous (asynchronous) save first; its failure is raised here
     if run.tracking is not None:  # rank 0: the tracked run's key, so that a re-run which resumes continues it
         metadata = run.tracking.stamp(metadata)
-    target = resolve(path)
+    target = resolve(path, storage_options)
     as_directory = wants_sharded(path, mode, sharded)
     if not as_directory:  # checks that need no collective fail on every rank alike, before any collective
         check_keep(keep, target, directory=False)
@@ -137,6 +138,7 @@ def load_state(
     run: Run,
     strict: bool = True,
     rng: RngRestore = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``ctx.load``: the reader is chosen by what ``path`` is (a sharded directory: every rank reads its own
     slices, any world size and mode; a file: FSDP scatter in fsdp mode, else a plain restore).
@@ -149,7 +151,7 @@ def load_state(
         raise ConfigError(f"ctx.load(..., rng={rng!r}): rng takes True (restore the saved RNG states, an error when "
                           f"the checkpoint has none), {IF_PRESENT!r} (restore them when saved) or False")
     run.saves.wait()  # a pending asynchronous save (perhaps of this very path) lands first
-    loc = resolve(path)
+    loc = resolve(path, storage_options)
     if loc.layout() in ("sharded", "dir"):  # a directory is read as a sharded checkpoint (or says why it is not)
         values = directories.load_into(loc, into, device=device, strict=strict)
     elif shards_state(mode):
@@ -179,10 +181,12 @@ def resume_state(
     run: Run,
     prefix: str = "ckpt-",
     strict: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> int:
     """``ctx.resume``: rank 0 picks the newest complete checkpoint (`distfn.checkpoint.latest`), every rank loads
     that one and restores its RNG states when they were saved; returns its step (0: none, ``state`` untouched)."""
     run.saves.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
+    resolve(directory, storage_options)  # on every rank: a URL's options are remembered for the load below too
     last = api.latest(directory, prefix=prefix) if rank == 0 else None
     run.sync_point()  # the broadcast below is a collective every rank makes
     last = collectives.broadcast_object(None if last is None else str(last))

@@ -19,6 +19,7 @@ import pathlib
 import re
 import secrets
 import socket
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -169,7 +170,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def make_parents(target: Location) -> list[pathlib.Path]:
+def make_parents(target: Location) -> list[pathlib.PurePath]:
     """Create the directory that will hold ``target`` and its missing parents; return those created, deepest
     first (`remove_dirs` undoes them when the save fails).
 
@@ -177,6 +178,8 @@ def make_parents(target: Location) -> list[pathlib.Path]:
         CheckpointError: a parent is a file (``'afile' is a file, not a directory``), or cannot be created.
     """
     store, directory = target.fs, target.path.parent
+    if not store.directories:  # an object store: nothing to create (each level looked up would cost a request)
+        return []
     missing = []
     d = directory
     while (kind := store.kind(d)) != "dir" and d != d.parent:
@@ -194,7 +197,7 @@ def make_parents(target: Location) -> list[pathlib.Path]:
     return missing
 
 
-def remove_dirs(store: fs.FileSystem, created: list[pathlib.Path]) -> None:
+def remove_dirs(store: fs.FileSystem, created: list[pathlib.PurePath]) -> None:
     """Remove the directories `make_parents` created, deepest first, while empty (another writer may have
     started using them)."""
     for d in created:
@@ -221,7 +224,7 @@ def write(plan: fmt.Plan, target: Location, *, fetch: Callable[[fmt.Entry], torc
     remove_stale_tmps(target.parent)
     tmp = tmp_name(target)
     try:
-        stream = store.create(tmp.path)
+        stream = store.create(tmp.path, final=target.path)
     except OSError as exc:
         remove_dirs(store, created)
         raise CheckpointError(f"cannot create a temporary file next to '{target}': {exc}") from exc
@@ -232,9 +235,10 @@ def write(plan: fmt.Plan, target: Location, *, fetch: Callable[[fmt.Entry], torc
             stream.abort()
             raise
         stream.close()
-        store.commit(tmp.path, target.path)
+        store.publish(stream, tmp.path, target.path)
     except BaseException as exc:
-        store.remove(tmp.path)
+        with contextlib.suppress(OSError):  # cleaning up must not hide why the write failed (a server gone)
+            store.remove(tmp.path)
         remove_dirs(store, created)
         if isinstance(exc, OSError):
             raise CheckpointError(f"writing '{target}' failed ({exc}); the previous file, if any, is intact") from exc
@@ -268,7 +272,7 @@ def _write_plan(stream: fs.WriteStream, plan: fmt.Plan, fetch: Callable[[fmt.Ent
 # Reading
 
 
-def _refuse_pickle(path: pathlib.Path, why: str) -> CheckpointError:
+def _refuse_pickle(path: pathlib.PurePath, why: str) -> CheckpointError:
     out = path.with_suffix(".safetensors")
     return CheckpointError(
         f"'{path}' is not a safetensors file ({why}); it looks like a pickle-based torch.save file. distfn only "
@@ -406,9 +410,42 @@ class Reader:
             data = self._file.read(start, end - begin)
             if len(data) != end - begin:
                 raise CheckpointError(f"'{self.header.path}' is truncated at tensor '{name}'")
-            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            raw = _read_only_view(data)
         out.reshape(-1).view(torch.uint8).copy_(raw)
         return out
+
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` (along the first dimension) of the stored tensor ``name``, on the CPU, reading only
+        their bytes: a view of the memory map, or one ranged read of a remote object (a resharding load reads
+        only the rows of its slice). Not cached."""
+        info = self.header.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"'{self.header.path}' has no tensor '{name}' (corrupt metadata?)")
+        shape = [int(s) for s in info["shape"]]
+        if not shape:
+            return self._read(name, info)
+        dtype = fmt.FROM_CODE[info["dtype"]]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        row = math.prod(shape[1:]) * itemsize
+        begin = self.header.data_start + int(info["data_offsets"][0]) + start * row
+        count, out_shape = (stop - start) * row, [stop - start, *shape[1:]]
+        if count == 0:
+            return torch.empty(out_shape, dtype=dtype)
+        if self._map is not None and begin % itemsize == 0:
+            return torch.frombuffer(self._map, dtype=dtype, count=count // itemsize, offset=begin).view(out_shape)
+        data = self._file.read(begin, count) if self._map is None else bytes(self._map[begin:begin + count])
+        if len(data) != count:
+            raise CheckpointError(f"'{self.header.path}' is truncated at tensor '{name}'")
+        return torch.frombuffer(bytearray(data), dtype=dtype).view(out_shape)
+
+
+def _read_only_view(data: bytes) -> torch.Tensor:
+    """A uint8 tensor over ``data`` without a copy (a remote read's bytes, only copied into a fresh tensor next:
+    copying them into a bytearray first would cost one more pass over every byte loaded)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def open_reader(path: str | os.PathLike[str] | Location, device: str | torch.device) -> Reader:

@@ -270,7 +270,7 @@ def load(path: str | os.PathLike[str] | Location, device: str | torch.device = "
         chunks.close()
 
 
-def consolidate(path: str | os.PathLike[str] | Location, out: str | os.PathLike[str] | Location) -> pathlib.Path:
+def consolidate(path: str | os.PathLike[str] | Location, out: str | os.PathLike[str] | Location) -> pathlib.PurePath:
     """Turn a sharded checkpoint directory into one ``.safetensors`` file, streaming, with bounded memory.
 
     The file is an ordinary distfn checkpoint (same tree, same names), so `distfn.load`, ``ctx.load`` and every

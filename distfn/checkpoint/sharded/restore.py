@@ -2,8 +2,9 @@
 
 `load_into` checks the directory whole (`distfn.checkpoint.sharded.read.open_checkpoint`), then every target of
 ``into`` against it (names, shapes, param groups) before anything changes; sharded (FSDP2) modules and optimizers
-then read only their own slices through torch's resharding reader (``HuggingFaceStorageReader``, which
-memory-maps each shard), plain ones whole tensors. Each rank plans its own reads: no collective.
+then read only their own slices through torch's resharding load and `distfn.checkpoint.sharded.reader.ShardReader`
+(memory-mapped shards on a local disk, ranged reads on an object store), plain ones whole tensors. Each rank plans
+its own reads: no collective.
 
 torch's checkpoint modules cost ~0.3 s to import: they are imported inside the functions that use them.
 """
@@ -115,14 +116,14 @@ class _Restore:
 
     def run(self) -> None:
         from torch.distributed.checkpoint import load as dcp_load  # ~0.3 s, paid by sharded loads only
-        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+        from .reader import ShardReader  # imports torch's checkpoint modules too
 
         if self.targets:
             # no_dist: each rank plans its own reads (its slices only); no collective, so no rank can hang here
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                reader = HuggingFaceStorageReader(str(self.directory.path))
-                dcp_load(self.targets, storage_reader=reader, no_dist=True)
+                dcp_load(self.targets, storage_reader=ShardReader(self.chunks.checkpoint), no_dist=True)
         for tensor, stored in self.ties:
             with torch.no_grad():
                 tensor.copy_(self.targets[stored])

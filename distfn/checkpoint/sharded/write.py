@@ -92,6 +92,9 @@ def _rank_world() -> tuple[int, int, bool]:
 def _publish(tmp: Location, target: Location) -> None:
     """Commit the complete temporary directory as ``target`` (an older checkpoint there is moved aside first)."""
     store, old = target.fs, None
+    if tmp.path == target.path:  # written in place (an object store): its index, committed last, made it visible
+        store.commit(tmp.path, target.path)
+        return
     if store.is_link(target.path) or target.layout() == "file":
         store.remove(target.path)
     elif target.layout() != "missing":
@@ -110,7 +113,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = None,
     blocking: bool = True,
-) -> pathlib.Path:
+) -> pathlib.PurePath:
     """Write ``obj`` as a sharded checkpoint directory; **every rank** calls it (a collective) and writes its shards.
 
     Outside a process group it writes one shard. Sharded models and optimizers (FSDP2 ``DTensor`` s) are written
@@ -279,15 +282,16 @@ class _ShardJob:
 
 
 def _make_tmp(target: Location) -> str:
-    """Rank 0: create the hidden temporary directory next to ``target``; its name."""
+    """Rank 0: create the hidden temporary directory next to ``target`` (`distfn.checkpoint.fs.FileSystem.stage_dir`:
+    an object store writes ``target`` itself); the name of the directory the ranks write into."""
     try:
         storage.make_parents(target)
         remove_partials(target.parent)
         tmp = storage.tmp_name(target, PARTIAL)
-        target.fs.make_dir(tmp.path)
+        staged = target.fs.stage_dir(tmp.path, target.path)  # tmp itself, or (object stores) the target
     except OSError as exc:
         raise CheckpointError(f"cannot create the checkpoint directory next to '{target}': {exc}") from exc
-    return tmp.name
+    return staged.name
 
 
 def _plan_shards(tensors: Mapping[str, torch.Tensor], target: Location, group: Any) -> _ShardJob:

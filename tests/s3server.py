@@ -1,0 +1,130 @@
+"""A real S3 API on loopback for the remote-checkpoint tests: moto's standalone server (``moto[server]``).
+
+`s3_server` starts ``moto_server`` on 127.0.0.1 on a free port, creates the bucket ``ckpt``, points fsspec at it
+through the environment (``FSSPEC_S3_ENDPOINT_URL`` and the ``AWS_*`` variables, so that spawned ranks, which
+inherit the environment, use it too) and always stops it. Tests skip, naming what to install, when moto or the
+``distfn[s3]`` extra (fsspec, s3fs) is missing. Nothing here reaches the internet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+
+BUCKET = "ckpt"
+#: Few, quick attempts: a test that stops the server must fail in seconds, not minutes.
+FAST_FAILURE = {"config_kwargs": {"connect_timeout": 2, "read_timeout": 20,
+                                                 "retries": {"max_attempts": 2}}}
+
+needs_s3 = pytest.mark.skipif(
+    importlib.util.find_spec("fsspec") is None or importlib.util.find_spec("s3fs") is None
+    or shutil.which("moto_server", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    is None,
+    reason="needs the 'distfn[s3]' extra (fsspec, s3fs) and moto's S3 server: pip install -e '.[s3]' 'moto[server]'")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@attrs.define
+class S3Server:
+    """A running moto server: its endpoint, the environment that points fsspec at it, and its process."""
+
+    endpoint: str
+    env: dict[str, str]
+    process: subprocess.Popen[bytes]
+
+    def url(self, *parts: str) -> str:
+        """``s3://ckpt/<parts...>``."""
+        return "s3://" + "/".join([BUCKET, *parts])
+
+    def stop(self) -> None:
+        """Stop the server (tests of a server gone mid-upload call this themselves)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+def start(env_extra: dict[str, str] | None = None) -> S3Server:
+    """Start a moto server with the bucket `BUCKET` (the caller stops it)."""
+    port = _free_port()
+    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    assert exe is not None
+    process = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env={**os.environ, **(env_extra or {})})
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=2).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.2)
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=10).close()
+    env = {"FSSPEC_S3_ENDPOINT_URL": endpoint, "FSSPEC_S3": json.dumps(FAST_FAILURE),
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    return S3Server(endpoint, env, process)
+
+
+def use(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point this process's fsspec (and the environment its subprocesses inherit) at ``server``."""
+    import fsspec.config
+
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {**FAST_FAILURE, "endpoint_url": server.endpoint})
+
+
+@pytest.fixture(scope="module")
+def s3_module() -> Iterator[S3Server]:
+    server = start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_module: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The module's moto server, with fsspec pointed at it for this test."""
+    use(s3_module, monkeypatch)
+    return s3_module
+
+
+def list_keys(server: S3Server, prefix: str = "") -> list[str]:
+    """Every key in the bucket under ``prefix`` (straight from the server, no cache)."""
+    import s3fs
+
+    s3 = s3fs.S3FileSystem(endpoint_url=server.endpoint, key="testing", secret="testing", skip_instance_cache=True,
+                           use_listings_cache=False)
+    return sorted(p[len(BUCKET) + 1:] for p in s3.find(f"{BUCKET}/{prefix}"))
+
+
+def uploads(server: S3Server) -> list[str]:
+    """The keys of the unfinished multipart uploads in the bucket."""
+    import s3fs
+
+    s3 = s3fs.S3FileSystem(endpoint_url=server.endpoint, key="testing", secret="testing", skip_instance_cache=True)
+    return sorted(u["Key"] for u in s3.list_multipart_uploads(BUCKET))
+
+
+REPO = Path(__file__).resolve().parents[1]
