@@ -12,6 +12,7 @@ Output here is for a person at a terminal, so this module prints (the library it
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -29,6 +30,9 @@ from .errors import DistfnError, WorkerError
 
 __all__ = ["report", "run_test", "smoke_checks"]
 
+#: Carries ``distfn test``'s start time (``time.time()``) to its ranks.
+_T0_ENV = "DISTFN_TEST_T0"
+
 #: DDP steps timed after the checks (for the timing table in the report).
 TIMED_STEPS = 20
 
@@ -39,7 +43,7 @@ def smoke_checks(cfg: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
     A wrong value is a failed check (the ranks agree on it, so they all go on); an exception on a rank ends the
     job with a `WorkerError` naming that rank, which ``distfn test`` reports as the failure.
     """
-    started = time.time() - cfg["t0"]
+    started = time.time() - float(os.environ[_T0_ENV])
     checks: list[dict[str, Any]] = [
         {"name": "start", "ok": True, "seconds": started,
          "detail": f"{ctx.world_size} ranks up, {ctx.backend} process group on {ctx.device} ({ctx.launcher})"}]
@@ -129,7 +133,10 @@ def run_test(*, gpu: bool = False, nprocs: int | None = None, timeout: float = 1
     else:
         options.update(backend="gloo", nprocs=nprocs or 2)
     try:
-        result = distributed(**options)(smoke_checks)({"t0": t0})
+        # The command's start time reaches the ranks through the environment, not the cfg: under a launcher each
+        # process has its own, and a cfg that differs between ranks is an error (distfn.fingerprint).
+        os.environ[_T0_ENV] = repr(t0)
+        result = distributed(**options)(smoke_checks)({})
     except (WorkerError, DistfnError) as exc:
         print(f"distfn test: FAILED after {_format_seconds(time.time() - t0)}\n{exc}", file=sys.stderr)
         return 1

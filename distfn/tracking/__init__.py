@@ -16,9 +16,15 @@ Importing this package imports no tracking package (mlflow, wandb, tensorboard).
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import KEY_ENV, Backend, Handle, OnError, Row, RunInfo, Status
+
+if TYPE_CHECKING:  # for type checkers and the API page's reader (griffe); at run time `__getattr__` loads them
+    from .csv_backend import CSV
+    from .mlflow_backend import MLflow
+    from .tensorboard_backend import TensorBoard
+    from .wandb_backend import WandB
 
 __all__ = ["CSV", "KEY_ENV", "Backend", "Handle", "MLflow", "OnError", "Row", "RunInfo", "Status", "TensorBoard",
            "WandB"]
