@@ -107,7 +107,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     """
     mark_active(True)
     log = logs.setup(topology.rank, topology.world_size)
-    started_group = failed = False
+    started_group = False
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
     stop, stop_handlers = preemption.install(opt_in=preemption.polls(fn))
     run_state = Run(mode=opts.mode, fsdp=opts.fsdp or fsdp.FsdpOptions(), stop=stop,
@@ -155,7 +155,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         _requeue_if_stopped(opts, topology, ctx)
         return result
     except BaseException as exc:
-        failed, error = True, exc
+        error = exc
         with contextlib.suppress(Exception):
             run_state.saves.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
         if responder is not None:
@@ -171,10 +171,11 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     finally:
         if responder is not None:
             responder.stop()
-        run_state.finish(failed=failed)  # peers waiting in a check-in learn that this rank will never join it
+        # peers waiting in a check-in learn that this rank will never join it
+        run_state.finish(failed=error is not None)
         _close_tracking(run_state, error)  # after a failure it was closed above, before the report
         if started_group:
-            rendezvous.leave_process_group(failed=failed)
+            rendezvous.leave_process_group(failed=error is not None)
         logs.teardown()
         preemption.restore_handlers(stop_handlers)
         mark_active(False)
