@@ -1,9 +1,10 @@
 """The validated arguments of ``@distributed``, and the rules that follow from them alone.
 
-This module sits at the bottom of the import graph: it imports nothing from distfn except `errors`,
-`fsdp_options` (plain values, no FSDP runtime) and `tracking.spec` (the backends' settings, no tracking
-package), so the decorator, the launcher, the rank bootstrap and the `Context` can all take an `Options` without
-import cycles.
+This module sits at the bottom of the import graph: it imports nothing from distfn except `errors`, and,
+only when the argument is given, `fsdp_options` (plain values, no FSDP runtime) for ``fsdp=`` and `tracking.spec`
+(the backends' settings, no tracking package) for ``track=``: each defines attrs classes, whose creation costs
+~0.7 ms apiece at import (python -X importtime: ~4 ms together), paid by every decorating script otherwise. So the
+decorator, the launcher, the rank bootstrap and the `Context` can all take an `Options` without import cycles.
 Every argument is checked here once (a `ConfigError` naming the argument and the fix), and the rules that
 depend only on the arguments live here too: which modes run one process (`Options.one_process`), which start a
 process group (`Options.multi_rank`) and how many processes to start (`requested_nprocs`, `default_nprocs`).
@@ -15,15 +16,15 @@ import datetime
 import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, get_args
 
 import attrs
 import torch.distributed as dist
 
 from .errors import ConfigError
-from .fsdp_options import parse_options as parse_fsdp_options
-from .tracking.base import Backend
-from .tracking.spec import parse_track
+
+if TYPE_CHECKING:
+    from .tracking.base import Backend
 
 #: A mode of ``@distributed(mode=...)``. The closed sets below are `Literal` types, so strict mypy rejects a
 #: misspelled value (``mode == "fdsp"`` is a non-overlapping comparison); ask `Options` (or the predicates
@@ -305,7 +306,18 @@ def check_fsdp(value: Any) -> Any:
     """``fsdp={...}`` -> ``distfn.fsdp_options.FsdpOptions`` (unknown keys are an error naming the valid ones)."""
     if value is None:
         return None
-    return parse_fsdp_options(value)
+    from .fsdp_options import parse_options  # deferred: only for fsdp= (see the module's docstring)
+
+    return parse_options(value)
+
+
+def check_track(value: Any) -> tuple[Backend, ...]:
+    """``track=`` -> the backends' settings (`distfn.tracking.spec.parse_track`); ``None``: no tracking."""
+    if value is None:
+        return ()
+    from .tracking.spec import parse_track  # deferred: only for track= (see the module's docstring)
+
+    return parse_track(value)
 
 
 @attrs.frozen
@@ -329,7 +341,7 @@ class Options:
     fsdp: Any = attrs.field(default=None, converter=check_fsdp)  # distfn.fsdp_options.FsdpOptions | None
     max_restarts: int = attrs.field(default=0, converter=check_max_restarts)
     requeue: bool = attrs.field(default=False, converter=check_requeue)
-    track: tuple[Backend, ...] = attrs.field(default=None, converter=parse_track)
+    track: tuple[Backend, ...] = attrs.field(default=None, converter=check_track)
 
     def __attrs_post_init__(self) -> None:
         if self.one_process and self.nprocs not in (None, 1):

@@ -26,7 +26,7 @@ import attrs
 
 from . import topology
 from .errors import ConfigError
-from .launch import pernode, ray_rules
+from .launch import pernode
 from .options import NPROCS_ENV, Options, default_nprocs, fixed_nprocs, requested_nprocs, with_env
 from .topology import Topology
 
@@ -123,6 +123,10 @@ def _source(opts: Options, env: Mapping[str, str], gpus: int | None) -> str:
 
 
 def _ray(opts: Options, env: Mapping[str, str]) -> CallPlan:
+    # deferred: only for launcher="ray"; its three attrs classes cost ~2 ms at import (python -X importtime),
+    # paid by every decorating script otherwise
+    from .launch import ray_rules
+
     ray_rules.check_options(opts)
     nprocs = fixed_nprocs(opts, env)
     where = env.get("RAY_ADDRESS") or "the one started on this machine (RAY_ADDRESS unset), else a new one"
