@@ -9,9 +9,10 @@ bit-identical across variants and rounds (Lightning's parity-test design). Targe
 ``--gpu``: the same comparison on CUDA over NCCL, one rank per GPU (``min(2, GPUs)`` ranks), for distfn and the
 hand-written loop only (what ``bench/gpu_check.sh`` runs on the first machine with a GPU).
 
-The "distfn, no ledger" row is distfn with the hang report's ledger taken off the wrapped model (its DDP step
-counter, `distfn.ledger`): the ledger's share of the step time. The notes add the ledger's cost per collective
-(one entry recorded, measured in this process).
+The "distfn, no step hooks" row is distfn with its per-step Python hooks off: the hang report's DDP step counter
+(`distfn.ledger`, taken off the wrapped model) and the step accounting (`distfn.timings`, ``DISTFN_TIMINGS=0``):
+their share of the step time; what is left between it and the hand-written loop is not per-step work of distfn's.
+The notes add the ledger's cost per collective (one entry recorded, measured in this process).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def _write(out: str, times: list[float], module: Any) -> None:
 # -- variant 1: distfn ------------------------------------------------------------------------------------------
 def distfn_job(cfg: dict[str, Any], ctx: Any) -> None:
     model = ctx.wrap(make_model(cfg["width"]))
-    if cfg.get("no_ledger"):
-        model._forward_pre_hooks.clear()  # the ledger's DDP step counter is the only hook distfn puts there
+    if cfg.get("no_hooks"):
+        # with DISTFN_TIMINGS=0 (set by _round), the ledger's DDP step counter is the only hook distfn puts there
+        model._forward_pre_hooks.clear()
     times = train_loop(model, ctx.rank, cfg)
     if ctx.is_main:
         _write(cfg["out"], times, ctx.unwrap(model))
@@ -159,12 +161,12 @@ def _worker_main(kind: str, cfg: dict[str, Any]) -> None:
         from accelerate import notebook_launcher
 
         notebook_launcher(accelerate_job, args=(cfg,), num_processes=WORLD)
-    elif kind in ("distfn", "distfn-no-ledger"):
+    elif kind in ("distfn", "distfn-no-hooks"):
         from distfn import distributed
 
         backend = "nccl" if cfg["gpu"] else "gloo"
         distributed(nprocs=cfg["world"], seed=SEED, backend=backend)(distfn_job)(
-            {**cfg, "no_ledger": kind == "distfn-no-ledger"})
+            {**cfg, "no_hooks": kind == "distfn-no-hooks"})
     else:
         import torch.multiprocessing as mp
 
@@ -179,8 +181,9 @@ def _round(kind: str, cfg: dict[str, Any], runs: list[Path], warmup: int, python
 
     out = Path(tempfile.mkdtemp(prefix=f"step-{kind}-", dir=cfg["tmp"]))
     # every variant's ranks talk over loopback, as distfn's self-spawned ones do
+    extra = {"DISTFN_TIMINGS": "0"} if kind == "distfn-no-hooks" else {}
     c.timed_run([python, __file__, "--worker", kind, "--cfg", json.dumps({**cfg, "out": str(out)})],
-                env=c.clean_env(GLOO_SOCKET_IFNAME="lo"), timeout=600)
+                env=c.clean_env(GLOO_SOCKET_IFNAME="lo", **extra), timeout=600)
     runs.append(out)
     times = json.loads((out / "times.json").read_text())
     return statistics.median(times[warmup:])
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-python", default=sys.executable,
                    help="interpreter with lightning / accelerate installed (their loops join the table)")
     p.add_argument("--gpu", action="store_true", help="on CUDA over NCCL, one rank per GPU (at most 2); no peers")
-    p.add_argument("--worker", choices=("distfn", "distfn-no-ledger", "handwritten", *PEERS), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("distfn", "distfn-no-hooks", "handwritten", *PEERS), help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -246,11 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                 p.error("--gpu: no CUDA GPU is visible")
         cfg = {"steps": args.steps, "batch": args.batch, "width": args.width, "tmp": tmp, "gpu": args.gpu,
                "world": world}
-        runs: dict[str, list[Path]] = {"distfn": [], "hand-written DDP": [], "distfn, no ledger": []}
+        runs: dict[str, list[Path]] = {"distfn": [], "hand-written DDP": [], "distfn, no step hooks": []}
         variants = {
             "hand-written DDP": lambda: _round("handwritten", cfg, runs["hand-written DDP"], args.warmup),
             "distfn": lambda: _round("distfn", cfg, runs["distfn"], args.warmup),
-            "distfn, no ledger": lambda: _round("distfn-no-ledger", cfg, runs["distfn, no ledger"], args.warmup),
+            "distfn, no step hooks": lambda: _round("distfn-no-hooks", cfg, runs["distfn, no step hooks"],
+                                                    args.warmup),
         }
         peer_runs: dict[str, list[Path]] = {}
         for kind, module in ([] if args.tiny or args.gpu else PEERS.items()):
