@@ -67,23 +67,33 @@ def interleave(variants: Mapping[str, Callable[[], float]], rounds: int,
 
 
 def table(title: str, unit: str, samples: Mapping[str, Sequence[float]], baseline: str | None,
-          targets: Sequence[Mapping[str, Any]] = (), notes: Mapping[str, str] | None = None) -> dict[str, Any]:
+          targets: Sequence[Mapping[str, Any]] = (), notes: Mapping[str, str] | None = None,
+          floors: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A result table: median per variant and its ratio to ``baseline``'s median.
 
     ``targets`` are ``{"variant": name, "max_ratio": x}`` or ``{"variant": name, "max_value": x}``; each gets
     ``"median"``/``"ratio"`` and ``"met"`` filled in (``None`` when the variant has no samples).
+    ``floors`` gives a variant its own baseline (a scaling curve: ``{"distfn, 4 workers": "raw fork, 4 workers"}``):
+    its ratio, and a ``max_ratio`` target on it, are then against that row's median (the target records it as
+    ``"floor"``).
     """
     medians = {k: statistics.median(v) for k, v in samples.items() if v}
     base = medians.get(baseline) if baseline else None
+    floors = floors or {}
     rows = []
     for name, values in samples.items():
         med = medians.get(name)
+        if name in floors:
+            floor = medians.get(floors[name])
+            ratio = (med / floor) if med is not None and floor else None
+        else:
+            ratio = (med / base) if med is not None and base else None
         rows.append({
             "variant": name,
             "median": med,
             "min": min(values) if values else None,
             "samples": list(values),
-            "ratio": (med / base) if med is not None and base else None,
+            "ratio": ratio,
             "note": (notes or {}).get(name, ""),
         })
     by_name = {row["variant"]: row for row in rows}
@@ -92,6 +102,8 @@ def table(title: str, unit: str, samples: Mapping[str, Sequence[float]], baselin
         t = dict(target)
         row = by_name.get(t["variant"], {})
         if "max_ratio" in t:
+            if t["variant"] in floors:
+                t["floor"] = floors[t["variant"]]
             value = row.get("ratio")
             t["ratio"] = value
             t["met"] = None if value is None else value <= t["max_ratio"]
@@ -132,7 +144,7 @@ def format_table(tab: Mapping[str, Any]) -> str:
 def describe_target(target: Mapping[str, Any], tab: Mapping[str, Any]) -> tuple[str, str, str]:
     """``(goal, measured, verdict)`` of one target of ``tab``, e.g. ``("≤ 1.1× raw fork", "1.001×", "met")``."""
     if "max_ratio" in target:
-        goal = f"≤ {target['max_ratio']}× {tab.get('baseline')}"
+        goal = f"≤ {target['max_ratio']}× {target.get('floor') or tab.get('baseline')}"
         got = f"{target['ratio']:.3f}×" if target.get("ratio") is not None else "no data"
     else:
         goal = f"≤ {_fmt(target['max_value'], tab['unit'])}"

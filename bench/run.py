@@ -31,7 +31,7 @@ import _common as c
 _common = c
 
 #: Benchmarks in the order they are shown; any other bench_*.py found is run after these.
-ORDER = ("launch", "import", "step", "checkpoint", "accumulation")
+ORDER = ("launch", "import", "step", "checkpoint", "sharded", "collectives", "restart", "accumulation")
 RESULTS = c.BENCH_DIR / "results"
 ASSETS = c.REPO / "docs" / "assets"
 
@@ -125,9 +125,12 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
     md = [f"All figures below come from one run of `python bench/run.py` at commit `{machine.get('commit', '?')}`, "
           f"{machine.get('when', '?')}, on `{machine.get('host', '?')}`: {machine.get('cpus', '?')} CPUs, no GPU, "
           f"torch {machine.get('torch', '?')}, Python {machine.get('python', '?')}. "
-          "It is a small machine shared with other work"
-          + (f" (load average {load} when the run started)" if load else "")
-          + ": absolute times vary from run to run, the ratios (variants interleaved round by round) much less.",
+          + (f"Load average {load} when the run started" if load else "")
+          + (f", {machine['load_end']} when it ended" if machine.get("load_end") else "")
+          + (" (1-, 5- and 15-minute averages on these CPUs)" if load else "")
+          + (f"; the run took {machine['minutes']} minutes" if machine.get("minutes") else "")
+          + (". " if load or machine.get("minutes") else "")
+          + "Absolute times vary from run to run, the ratios (variants interleaved round by round) much less.",
           "", "| benchmark | target | measured | met? |", "| --- | --- | ---: | --- |"]
     for res in results:
         for tab in res["tables"]:
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.out / f"parts-{stamp}"
     results = [run_one(n, parts / f"{n}.json", args.tiny, args.rounds, args.timeout, args.peers_python)
                for n in names]
+    machine["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    machine["minutes"] = round(sum(r.get("seconds", 0) for r in results) / 60, 1)
     table = summary(results)
     print("## Summary\n\n" + table, flush=True)
     combined = {"machine": machine, "tiny": args.tiny, "benchmarks": results}
