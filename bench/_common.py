@@ -170,6 +170,11 @@ def machine() -> dict[str, Any]:
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                         text=True, timeout=10).stdout.strip() or None
+        # figures of code that no commit holds must not be credited to the commit
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "distfn", "bench"],
+                                 cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        if info["commit"] and changed:
+            info["commit"] += " + uncommitted changes to distfn/ or bench/"
     except (OSError, subprocess.SubprocessError):
         info["commit"] = None
     return info
