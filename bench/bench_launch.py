@@ -455,18 +455,35 @@ def scaling_table(workdir: Path, counts: list[int], rounds: int,
     floors = {f"distfn, {_workers(n)}": f"raw fork, {_workers(n)}" for n in counts}
     tab = c.table("Launch latency by number of workers (ratio: distfn vs raw fork with the same N)", "s", samples,
                   baseline=None, targets=[{"variant": name, "max_ratio": 1.1} for name in floors],
-                  notes={"distfn, 1 worker": "runs in place: no worker process"})
+                  notes={"distfn, 1 worker": "runs in place: no worker process",
+                         **{f"distfn, {_workers(n)}": "each worker adds 2 loguru sinks (CPU, so it grows with N "
+                            "on 2 cores: see the notebook table's sink row)" for n in counts if n > 1}})
     return against_floors(tab, floors, "raw fork with the same N")
 
 
-def torchrun_table(samples: dict[str, list[float]]) -> dict[str, Any]:
-    """distfn's script run in place by torchrun against torchrun running the plain script: what distfn adds."""
+def launch_import_cost() -> float:
+    """Seconds ``import distfn.execute`` (what a call loads: the launch and in-place machinery) takes after
+    ``import torch`` in a fresh interpreter: a cost every rank pays in place under torchrun, which the plain
+    script lacks."""
+    code = ("import time, torch\nstart = time.perf_counter()\nimport distfn.execute\n"
+            "print('OK', time.perf_counter() - start)")
+    out = subprocess.run([sys.executable, "-c", code], env=c.clean_env(), capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    return float(out.split("OK ", 1)[1])
+
+
+def torchrun_table(samples: dict[str, list[float]], tiny: bool) -> dict[str, Any]:
+    """distfn's script run in place by torchrun against torchrun running the plain script: what distfn adds
+    (with the measured import of the machinery a rank loads in place, in the row's note)."""
     pair = {k: samples[k] for k in ("torchrun", "distfn under torchrun")}
+    imports = "" if tiny else (f"; of which importing distfn.execute after torch: "
+                               f"{sorted(launch_import_cost() for _ in range(3))[1] * 1000:.0f} ms per rank")
     return c.table("In place under torchrun: the distfn script vs the plain torch script, `torchrun "
                    "--nproc_per_node=2`, init + one all_reduce + exit", "s", pair, baseline="torchrun",
                    targets=[{"variant": "distfn under torchrun", "max_ratio": 1.02}],
                    notes={"torchrun": "the plain script: init_process_group + all_reduce",
-                          "distfn under torchrun": "the `distfn` script: each rank runs the function in place"})
+                          "distfn under torchrun": "the `distfn` script: each rank runs the function in place"
+                                                   + imports})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -503,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                    "distfn, notebook-like __main__": "python -c, after a torch op: shipped by value",
                    "distfn, torch op before decoration": "fork server: a fresh interpreter started at decoration",
                    "distfn under torchrun": "in place: see the torchrun table"},
-        ), torchrun_table(samples)]
+        ), torchrun_table(samples, args.tiny)]
         if not args.tiny and not args.no_scaling:
             tables.append(scaling_table(work, [1, 2, 4, 8], args.scaling_rounds,
                                         {args.workers: (samples["distfn"], samples["raw fork"])}))
