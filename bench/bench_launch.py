@@ -85,6 +85,55 @@ if __name__ == "__main__":
         torch.cuda.is_available()
     print("OK", job(None))
 """,
+    # Later calls in one process (fork is safe: no op), each timed in the process: what a call costs beyond a
+    # raw fork once everything is imported. DIAG_CACHE_SINKS=1 caches what loguru computes for every new sink
+    # (a diagnostic, not what users run: it shows how much of the difference distfn's log sinks are).
+    "per_call": """
+import functools, os, socket, statistics, sys, tempfile, time
+if os.environ.get("DIAG_CACHE_SINKS"):
+    import loguru._better_exceptions as be
+    be.ExceptionFormatter._get_lib_dirs = staticmethod(functools.lru_cache(None)(be.ExceptionFormatter._get_lib_dirs))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from distfn import distributed
+
+N, CALLS, WHICH = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+@distributed(nprocs=N, backend="gloo")
+def job(cfg, ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+def worker(rank, n, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(str(t.item()))
+    dist.destroy_process_group()
+
+def raw():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(N, port, OUT), nprocs=N, start_method="fork")
+    return float(open(OUT).read())
+
+OUT = os.path.join(tempfile.mkdtemp(), "result")
+
+if __name__ == "__main__":
+    call = raw if WHICH == "raw" else lambda: job(None)
+    call()  # the first call imports what a call needs
+    times = []
+    for _ in range(CALLS):
+        start = time.perf_counter()
+        assert call() == float(N)
+        times.append(time.perf_counter() - start)
+    print("OK", statistics.median(times))
+""",
     "raw": """
 import sys
 import torch
@@ -472,6 +521,30 @@ def launch_import_cost() -> float:
     return float(out.split("OK ", 1)[1])
 
 
+def _per_call(script: Path, n: int, which: str, **env: str) -> float:
+    out = subprocess.run([sys.executable, str(script), str(n), "6", which], env=c.clean_env(**env),
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 or "OK " not in out.stdout:
+        raise RuntimeError(f"per-call script failed: {out.stderr.strip().splitlines()[-3:]}")
+    return float(out.stdout.split("OK ", 1)[1])
+
+
+def per_call_table(workdir: Path, rounds: int, n: int = 2) -> dict[str, Any]:
+    """Later calls in one process, each timed in the process (median of 6 per round): distfn, distfn with
+    loguru's per-sink work cached (a diagnostic), raw fork. What distfn adds per call, and how much of it its log
+    sinks are (3 added per call in the launching process, 2 in each worker)."""
+    script = workdir / "launch_per_call.py"
+    cached = "distfn, loguru's per-sink work cached (diagnostic)"
+    variants = {"distfn": partial(_per_call, script, n, "distfn"),
+                cached: partial(_per_call, script, n, "distfn", DIAG_CACHE_SINKS="1"),
+                "raw fork": partial(_per_call, script, n, "raw")}
+    c.log(f"launch per call: {', '.join(variants)}; {rounds} round(s)")
+    return c.table(f"One later call in a process that called before, {n} workers, fork (timed in the process)", "s",
+                   c.interleave(variants, rounds, c.log), baseline="raw fork",
+                   notes={cached: "the same with loguru's ExceptionFormatter lib-dir scan cached: the part of "
+                                  "distfn's per-call cost that is its log sinks (distfn/logs.py)"})
+
+
 def torchrun_table(samples: dict[str, list[float]], tiny: bool) -> dict[str, Any]:
     """distfn's script run in place by torchrun against torchrun running the plain script: what distfn adds
     (with the measured import of the machinery a rank loads in place, in the row's note)."""
@@ -524,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.tiny and not args.no_scaling:
             tables.append(scaling_table(work, [1, 2, 4, 8], args.scaling_rounds,
                                         {args.workers: (samples["distfn"], samples["raw fork"])}))
+        if not args.tiny:
+            tables.append(per_call_table(work, args.scaling_rounds))
         if not args.no_notebook and _has(sys.executable, "ipykernel") and _has(sys.executable, "jupyter_client"):
             tables.append(notebook_rows(1 if args.tiny else args.notebook_rounds, tiny=args.tiny))
     c.emit({"benchmark": "launch", "tables": tables,
