@@ -7,6 +7,7 @@ Other benchmark owners: append one function per benchmark below.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -50,6 +51,20 @@ def test_launch_import_step_benchmarks_run_once(tmp_path: Path) -> None:
         assert len(rows[variant]["samples"]) == 1, variant
     assert rows["raw fork"]["ratio"] == 1.0 and rows["distfn"]["ratio"] > 0
     assert launch["targets"][0]["variant"] == "distfn" and launch["targets"][0]["met"] in (True, False)
+    tables = {t["title"].split(":")[0]: t for t in results["launch"]["tables"]}
+    torchrun = tables["In place under torchrun"]  # distfn's script in place vs the plain one, both under torchrun
+    assert torchrun["baseline"] == "torchrun" and len(torchrun["rows"]) == 2
+    assert all(len(r["samples"]) == 1 for r in torchrun["rows"])
+    assert torchrun["targets"] == [{**torchrun["targets"][0], "variant": "distfn under torchrun", "max_ratio": 1.02}]
+    if importlib.util.find_spec("ipykernel") and importlib.util.find_spec("jupyter_client"):
+        # the notebook flow through a real kernel: each call cell timed, each against raw fork's call in a kernel
+        nb = tables["Notebook flow through a Jupyter kernel"]
+        rows = {r["variant"]: r for r in nb["rows"]}
+        assert len(rows["distfn, first call 2 s after decoration"]["samples"]) == 1
+        assert len(rows["distfn, later call"]["samples"]) == 2
+        assert rows["raw fork in a kernel, first call (floor)"]["ratio"] == 1.0
+        assert [t["max_ratio"] for t in nb["targets"]] == [1.3, 1.1]
+        assert all(t["met"] in (True, False) for t in nb["targets"])
 
     imp = results["import"]
     assert len(imp["tables"][0]["rows"][0]["samples"]) == 1
