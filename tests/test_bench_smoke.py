@@ -194,3 +194,34 @@ def test_tracking_bench_smoke(tmp_path: Path) -> None:
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in steps["rows"])
     assert steps["targets"][0]["max_ratio"] == 1.01 and steps["targets"][0]["met"] in (True, False)
     assert all(r["median"] > 0 for r in calls["rows"]) and len(calls["rows"]) == 2
+
+
+@pytest.mark.slow
+def test_collectives_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_collectives.py --tiny: at 2 and 4 ranks every variant (distfn's collectives and the raw
+    torch.distributed floors) ran and returned the right value on every rank; each question has its target."""
+    result = _run_module_tiny(tmp_path, "collectives")
+    assert result["correct"] is True
+    tables = result["tables"]
+    assert [t["world_size"] for t in tables] == [2] * 4 + [4] * 4
+    for table in tables:
+        assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in table["rows"])
+        (target,) = table["targets"]
+        assert target["variant"].startswith("ctx.") and target["max_ratio"] == 1.1 and target["met"] in (True, False)
+        assert table["rows"][0]["variant"] == table["baseline"] and table["rows"][0]["ratio"] == 1.0
+    assert {t["targets"][0]["variant"] for t in tables} == {
+        "ctx.all_reduce(float)", "ctx.all_reduce(dict)", "ctx.gather_for_metrics(rows)", "ctx.gather_object(float)"}
+
+
+@pytest.mark.slow
+def test_restart_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_restart.py --tiny: one uninterrupted run and one run whose rank 1 dies and is restarted; the
+    restarted run ends with the uninterrupted run's weights and both times were taken."""
+    result = _run_module_tiny(tmp_path, "restart")
+    assert result["identical_weights"] is True
+    (table,) = result["tables"]
+    assert table["workers"] == 2 and table["identical_weights"] is True
+    rows = {r["variant"]: r for r in table["rows"]}
+    assert set(rows) == {"fresh launch (call → first step)", "restart (death → restarted first step)"}
+    assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in rows.values())
+    assert table["targets"][0]["max_ratio"] == 1.5 and table["targets"][0]["met"] in (True, False)
