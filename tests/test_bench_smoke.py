@@ -208,7 +208,7 @@ def test_collectives_bench_smoke(tmp_path: Path) -> None:
     tables = result["tables"]
     assert [t["world_size"] for t in tables] == [2] * 4 + [4] * 4
     for table in tables:
-        assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in table["rows"])
+        assert all(len(r["samples"]) == 1 and r["median"] > 0 and r["cpu_median"] >= 0 for r in table["rows"])
         (target,) = table["targets"]
         assert target["variant"].startswith("ctx.") and target["max_ratio"] == 1.1 and target["met"] in (True, False)
         assert table["rows"][0]["variant"] == table["baseline"] and table["rows"][0]["ratio"] == 1.0
