@@ -33,6 +33,9 @@ JOB = str(SCRIPTS / "rel_job.py")
 sys.path.insert(0, str(SCRIPTS))
 from rel_leftovers import alive, processes, shm_segments, shm_snapshot
 
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_restart  # the restart case: the restart benchmark's job, run the same way
+
 # In-process cases: what the report must say (every needle), or for "ok"/"env_ok" what the value must hold.
 EXPECT: dict[str, list[str]] = {
     "ok": ["'ranks': [0, 1]"],
@@ -54,7 +57,6 @@ SAVE_CASES = ("save-kill",)
 # max_restarts=1: rank 1 is SIGKILLed at step 10 of attempt 0; the restarted job resumes from its checkpoint and
 # must end with the weights of an uninterrupted run. "seconds": the death -> first step of the restarted job.
 RESTART_CASES = ("restart",)
-RESTART_JOB = str(SCRIPTS / "restart_job.py")
 _SAVER = """
 import sys, torch, distfn.checkpoint as c
 c.save({"w": torch.randn(int(sys.argv[2]))}, sys.argv[1])
@@ -175,26 +177,17 @@ def run_save_kill_case(numel: int = 64 * 2**20) -> dict[str, Any]:
         return {"passed": killed_mid_save and not left, "seconds": round(seconds, 3), "leftovers": left}
 
 
-def _restart_run(tmp: str, name: str, kill_at: int | None) -> tuple[str, dict[tuple[str, int], float]]:
-    marks = Path(tmp, f"{name}.marks")
-    argv = [sys.executable, RESTART_JOB, str(Path(tmp, name)), str(marks)] + ([] if kill_at is None else [str(kill_at)])
-    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
-    result = next((ln.split()[1] for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), "")
-    times = {}
-    for line in marks.read_text().splitlines():
-        event, attempt, t = line.split()
-        times[(event, int(attempt))] = float(t)
-    return result, times
-
-
 def run_restart_case() -> dict[str, Any]:
-    """An uninterrupted run and a run killed once; "ratio" = (death -> restarted first step) / (call -> first
-    step of a fresh launch)."""
+    """An uninterrupted run and a run killed once (`bench_restart.run_job`, the restart benchmark's runner of the
+    same job); "ratio" = (death -> restarted first step) / (call -> first step of a fresh launch)."""
     with tempfile.TemporaryDirectory(prefix="stress-restart-") as tmp:
-        reference, fresh = _restart_run(tmp, "reference", None)
-        result, killed = _restart_run(tmp, "killed", 10)
-        launch = fresh[("first-step", 0)] - fresh[("call", 0)]
-        restart = killed.get(("first-step", 1), float("nan")) - killed.get(("death", 0), float("nan"))
+        reference, fresh = bench_restart.run_job(Path(tmp), "reference", None)
+        result, killed = bench_restart.run_job(Path(tmp), "killed", 10)
+        launch = bench_restart.launch_seconds(fresh)
+        try:
+            restart = bench_restart.restart_seconds(killed)
+        except KeyError:  # the killed run never reached a restarted first step: the case failed
+            restart = float("nan")
         return {"passed": bool(reference) and result == reference, "seconds": round(restart, 3),
                 "ratio": round(restart / launch, 3), "leftovers": []}
 

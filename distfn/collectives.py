@@ -10,7 +10,8 @@ these.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any, Final, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ from .ledger import LEDGER
 T = TypeVar("T")
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
+#: where Python numbers travel by default; a device object, not the string "cpu", which torch parses on every call
+#: (measured: 2 µs of a 5 µs `torch.tensor`), and not ``None``, which would follow `torch.set_default_device`
+_CPU: Final = torch.device("cpu")
 
 def active() -> bool:
     """True when a default process group is initialised in this process."""
@@ -44,43 +48,81 @@ def barrier(device: torch.device | None = None) -> None:
             dist.barrier()
 
 
+#: distfn's op names to torch's (the mean is a sum divided by the world size afterwards).
+_TORCH_OPS: Final[dict[str, Any]] = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                     "min": dist.ReduceOp.MIN}
+
+Number = bool | int | float
+
+
 def _reduce_op(op: str) -> Any:
-    if op not in REDUCE_OPS:
-        raise ConfigError(f"all_reduce op={op!r} is not supported; use one of {', '.join(REDUCE_OPS)}")
-    return {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN}[op]
+    try:
+        return _TORCH_OPS[op]
+    except KeyError:
+        raise ConfigError(f"all_reduce op={op!r} is not supported; use one of {', '.join(REDUCE_OPS)}") from None
 
 
 def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None) -> T:
     """Reduce ``value`` over all ranks and return the result; the input is not modified.
 
-    ``value`` is a tensor (any shape; integer tensors are promoted to float for ``"mean"``) or a Python
-    ``int``/``float``/``bool`` (returned as ``float`` for ``"mean"``, else as the input's type).
-    ``device`` is where a Python number travels (must be a CUDA device for NCCL); defaults to CPU.
+    ``value`` is a tensor (any shape; integer tensors are promoted to float for ``"mean"``), a Python
+    ``int``/``float``/``bool`` (returned as ``float`` for ``"mean"``, else as the input's type), or a dict of
+    Python numbers (what a loop logs: ``{"loss": 0.31, "acc": 0.9}``), reduced key by key in **one** collective
+    and returned as a new dict with each value typed as above. Every rank passes the same keys in the same order
+    (the same code builds the dict): the values travel as one tensor, matched by position.
+    ``device`` is where Python numbers travel (must be a CUDA device for NCCL); defaults to CPU.
     """
     torch_op = _reduce_op(op)
     if isinstance(value, torch.Tensor):
-        out = value.detach().clone()
-        if op == "mean" and not (out.is_floating_point() or out.is_complex()):
-            out = out.to(torch.float64)
-        if active():
-            with LEDGER.entered("all_reduce"):
-                dist.all_reduce(out, op=torch_op)
-            if op == "mean":
-                out /= dist.get_world_size()
-        return out  # type: ignore[return-value]
+        return _reduce_tensor(value, op, torch_op)  # type: ignore[return-value]
     if isinstance(value, (bool, int, float)):
-        t = torch.tensor(float(value), dtype=torch.float64, device=device or "cpu")
-        with LEDGER.entered("all_reduce"):  # .item() included: under NCCL that is where the rank waits
-            reduced = all_reduce(t, op)
-            result = reduced.item()
-        if op == "mean":
-            return float(result)  # type: ignore[return-value]
-        return type(value)(result)
+        (result,) = _reduce_numbers((value,), op, torch_op, device)
+        return result  # type: ignore[return-value]
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(item, (bool, int, float)):
+                raise ConfigError(
+                    f"all_reduce of a dict takes Python numbers as values, got {type(item).__name__} for key "
+                    f"{key!r}; pass a number (e.g. loss.item()) or reduce that tensor in a call of its own"
+                )
+        return dict(zip(value, _reduce_numbers(tuple(value.values()), op, torch_op, device), strict=True))  # type: ignore[return-value]
     raise ConfigError(
-        f"all_reduce takes a tensor or a Python number, got {type(value).__name__}; "
+        f"all_reduce takes a tensor, a Python number or a dict of Python numbers, got {type(value).__name__}; "
         "for arbitrary objects use gather_object"
     )
+
+
+def _reduce_tensor(value: torch.Tensor, op: str, torch_op: Any) -> torch.Tensor:
+    out = value.detach().clone()
+    if op == "mean" and not (out.is_floating_point() or out.is_complex()):
+        out = out.to(torch.float64)
+    if active():
+        with LEDGER.entered("all_reduce"):
+            dist.all_reduce(out, op=torch_op)
+        if op == "mean":
+            out /= dist.get_world_size()
+    return out
+
+
+def _reduce_numbers(values: tuple[Number, ...], op: str, torch_op: Any, device: torch.device | None) -> list[Number]:
+    """``values`` reduced over all ranks in one collective of a float64 tensor, each typed as `all_reduce` says.
+
+    The numbers travel in a tensor this function made, so it is reduced in place (no copy), and the mean is
+    divided in Python (float64 either way: the same result as a division of the tensor, without a tensor op).
+    """
+    if not active():
+        reduced = [float(v) for v in values]
+    else:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device or _CPU)
+        with LEDGER.entered("all_reduce"):  # .tolist() included: under NCCL that is where the rank waits
+            dist.all_reduce(t, op=torch_op)
+            reduced = t.tolist()
+        if op == "mean":
+            world = dist.get_world_size()
+            return [r / world for r in reduced]
+    if op == "mean":
+        return reduced
+    return [type(v)(r) for v, r in zip(values, reduced, strict=True)]
 
 
 def gather_object(obj: Any, *, group: Any = None) -> list[Any]:

@@ -379,7 +379,8 @@ class Context:
         """`value` reduced over all ranks (a collective: call it on every rank).
 
         Args:
-            value: a tensor or a Python number; a number comes back as a number (`float` for `"mean"`).
+            value: a tensor, a Python number, or a dict of Python numbers (reduced in one collective); a number
+                comes back as a number (`float` for `"mean"`), a dict as a new dict of numbers.
             op: `"mean"`, `"sum"`, `"max"` or `"min"`.
         """
         self.run.sync_point()

@@ -27,14 +27,16 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
 
 from .failures import ranks_phrase
 
-_SKIPPED = (os.path.dirname(os.path.abspath(__file__)), contextlib.__file__)  # distfn, and `entered`'s own frame
+# distfn's own frames, and contextlib's (the frames between one of distfn's generator-based context managers and
+# the code that entered it)
+_SKIPPED = (os.path.dirname(os.path.abspath(__file__)), contextlib.__file__)
 
 __all__ = ["LEDGER", "Entry", "Ledger", "RankState", "disagreement"]
 
@@ -90,15 +92,58 @@ class RankState:
         return f"not in a collective (last left {self.last.text()})"
 
 
+def _site_name(path: str) -> str | None:
+    """The basename a frame of ``path`` is reported as, or ``None`` for a frame the call site skips (distfn's
+    own, ``contextlib``'s, torch's ``nn`` module call machinery)."""
+    if path.startswith(_SKIPPED) or "torch" + os.sep + "nn" + os.sep in path:
+        return None
+    return os.path.basename(path)
+
+
+#: `_site_name` per source path, filled as frames are seen: a collective's frame walk is then a dictionary
+#: look-up per frame instead of string tests (a program has few source files, so it stays small).
+_SITE_NAMES: dict[str, str | None] = {}
+
+
 def call_site() -> str:
     """``file:line`` of the first frame outside distfn (and outside torch's ``nn`` module call machinery)."""
     frame = sys._getframe(1)
+    names = _SITE_NAMES
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_SKIPPED) and "torch" + os.sep + "nn" + os.sep not in path:
-            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        try:
+            name = names[path]
+        except KeyError:
+            name = names[path] = _site_name(path)
+        if name is not None:
+            return f"{name}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return "?"
+
+
+class _Entered:
+    """The ``with`` block of one collective (`Ledger.entered`): a plain class rather than a generator-based
+    context manager, which costs about twice as much per call, paid on every collective."""
+
+    __slots__ = ("_ledger", "_op", "_recorded")
+
+    def __init__(self, ledger: Ledger, op: str) -> None:
+        self._ledger, self._op, self._recorded = ledger, op, False
+
+    def __enter__(self) -> None:
+        book = self._ledger
+        if threading.get_ident() != book._main or book.inside_since is not None:  # another thread, or nested
+            return
+        self._recorded = True
+        book.seq += 1
+        book.entries.append(Entry(book.seq, self._op, call_site()))
+        book.inside_since, book.failed = time.monotonic(), False
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if self._recorded:
+            book = self._ledger
+            book.failed = kind is not None  # a collective that raised (a timeout): the rank is still "in" it
+            book.inside_since = None
 
 
 @attrs.define
@@ -122,23 +167,11 @@ class Ledger:
         self.failed = False
         self._main = threading.get_ident()
 
-    @contextlib.contextmanager
-    def entered(self, op: str) -> Iterator[None]:
+    def entered(self, op: str) -> contextlib.AbstractContextManager[None]:
         """Record ``op`` for the duration of the ``with`` block (the collective itself); other threads are not
-        recorded (the ledger describes the main thread, whose stack the report shows)."""
-        if threading.get_ident() != self._main or self.inside_since is not None:  # another thread, or nested
-            yield
-            return
-        self.seq += 1
-        self.entries.append(Entry(self.seq, op, call_site()))
-        self.inside_since, self.failed = time.monotonic(), False
-        try:
-            yield
-        except BaseException:
-            self.failed = True
-            raise
-        finally:
-            self.inside_since = None
+        recorded (the ledger describes the main thread, whose stack the report shows), nor a collective inside
+        another (e.g. the tensor all-reduce inside that of a Python number)."""
+        return _Entered(self, op)
 
     def count_ddp_step(self, *_: Any) -> None:
         """A forward pre-hook of a DDP-wrapped model: one more step whose backward all-reduces the gradients."""

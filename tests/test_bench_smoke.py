@@ -195,9 +195,12 @@ def test_gpu_check_script_fits_in_eight_minutes() -> None:
     script = BENCH / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     limits = [int(line.split()[2]) for line in script.read_text().splitlines() if line.startswith("step ")]
-    assert len(limits) == 3 and sum(limits) + 10 * len(limits) < 8 * 60
+    assert len(limits) == 5 and sum(limits) + 10 * len(limits) < 8 * 60
     text = script.read_text()
     assert "tests/test_gpu.py" in text and "distfn test --gpu" in text and "bench_step.py --gpu" in text
+    # issue 32: launch on GPUs, the save from GPU memory and the async blocked time, and summary.json last
+    assert "bench_gpu.py --gpu --only launch" in text and "bench_gpu.py --gpu --only save" in text
+    assert text.rstrip().splitlines()[-3].startswith('python bench/bench_gpu.py --summary "$out"')
 
 
 @pytest.mark.slow
@@ -209,3 +212,67 @@ def test_tracking_bench_smoke(tmp_path: Path) -> None:
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in steps["rows"])
     assert steps["targets"][0]["max_ratio"] == 1.01 and steps["targets"][0]["met"] in (True, False)
     assert all(r["median"] > 0 for r in calls["rows"]) and len(calls["rows"]) == 2
+
+
+@pytest.mark.slow
+def test_collectives_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_collectives.py --tiny: at 2 and 4 ranks every variant (distfn's collectives and the raw
+    torch.distributed floors) ran and returned the right value on every rank; each question has its target."""
+    result = _run_module_tiny(tmp_path, "collectives")
+    assert result["correct"] is True
+    tables = result["tables"]
+    assert [t["world_size"] for t in tables] == [2] * 4 + [4] * 4
+    for table in tables:
+        assert all(len(r["samples"]) == 1 and r["median"] > 0 and r["cpu_median"] >= 0 for r in table["rows"])
+        (target,) = table["targets"]
+        assert target["variant"].startswith("ctx.") and target["max_ratio"] == 1.1 and target["met"] in (True, False)
+        assert table["rows"][0]["variant"] == table["baseline"] and table["rows"][0]["ratio"] == 1.0
+    assert {t["targets"][0]["variant"] for t in tables} == {
+        "ctx.all_reduce(float)", "ctx.all_reduce(dict)", "ctx.gather_for_metrics(rows)", "ctx.gather_object(float)"}
+
+
+@pytest.mark.slow
+def test_restart_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_restart.py --tiny: one uninterrupted run and one run whose rank 1 dies and is restarted; the
+    restarted run ends with the uninterrupted run's weights and both times were taken."""
+    result = _run_module_tiny(tmp_path, "restart")
+    assert result["identical_weights"] is True
+    (table,) = result["tables"]
+    assert table["workers"] == 2 and table["identical_weights"] is True
+    rows = {r["variant"]: r for r in table["rows"]}
+    assert set(rows) == {"fresh launch (call → first step)", "restart (death → restarted first step)"}
+    assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in rows.values())
+    assert table["targets"][0]["max_ratio"] == 1.5 and table["targets"][0]["met"] in (True, False)
+
+
+@pytest.mark.slow
+def test_gpu_bench_skips_without_cuda_and_its_rehearsal_runs_every_part(tmp_path: Path) -> None:
+    """bench/bench_gpu.py: without CUDA it exits 0 with the "no CUDA: skipped" note and no table; --rehearse runs
+    the launch, save and asynchronous-save code on the CPU (every variant once, the saved state read back intact);
+    --summary lists every figure of the results beside the steps of gpu_check.sh."""
+    import torch
+
+    if torch.cuda.device_count() == 0:
+        skipped = _run_module_tiny(tmp_path, "gpu", "--gpu")
+        assert skipped["skipped"] is True and skipped["tables"] == [] and skipped["notes"] == ["no CUDA: skipped"]
+    result = _run_module_tiny(tmp_path, "gpu", "--rehearse")
+    assert result["skipped"] is False and result["rehearsal"] is True
+    launch, saves, blocked = result["tables"]
+    assert {r["variant"] for r in launch["rows"]} == {"raw fork", "distfn", "raw spawn"}
+    assert {r["variant"] for r in saves["rows"]} == {"save_file+fsync", "distfn.checkpoint.save", "torch.save+fsync"}
+    assert {r["variant"] for r in blocked["rows"]} == {"ctx.save (blocking)", "ctx.save(blocking=False), blocked"}
+    for table in (launch, saves, blocked):
+        assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in table["rows"])
+        assert table["targets"][0]["met"] in (True, False)
+    assert "state written and read back intact: True" in result["notes"]
+    (tmp_path / "steps.txt").write_text("gpu-tests 0 12\ngpu-save 124 75\n")
+    done = subprocess.run([sys.executable, str(BENCH / "bench_gpu.py"), "--summary", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == [{"step": "gpu-tests", "exit": 0, "seconds": 12},
+                                {"step": "gpu-save", "exit": 124, "seconds": 75}]
+    assert summary["all_steps_passed"] is False
+    rows = [f for f in summary["figures"] if "variant" in f]
+    assert len(rows) == 8 and {f["variant"] for f in rows if f["target"]} == {
+        "distfn", "distfn.checkpoint.save", "ctx.save(blocking=False), blocked"}

@@ -3,6 +3,7 @@ warning; the NCCL barrier pinned to the rank's own GPU (CUDA faked)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,81 @@ def test_barrier_on_nccl_uses_this_ranks_gpu(monkeypatch: pytest.MonkeyPatch) ->
     collectives.barrier()
     # NCCL's barrier is an all-reduce on a GPU: without device_ids torch picks global_rank % local GPUs.
     assert calls == [{"device_ids": [3]}, {"device_ids": [3]}, {}, {}]
+
+
+_DICT_JOB = """
+from distfn import distributed
+from distfn.ledger import LEDGER
+
+@distributed(mode="ddp", nprocs=2, seed=0)
+def job(cfg, ctx):
+    metrics = {"loss": 1.0 + ctx.rank, "correct": 3 * (ctx.rank + 1), "finite": True}
+    before = LEDGER.seq
+    mean = ctx.all_reduce(metrics)  # DICT-LINE
+    one_collective = LEDGER.seq - before == 1 and LEDGER.entries[-1].site.endswith(":9")
+    return (mean, ctx.all_reduce(metrics, op="sum"), ctx.all_reduce(metrics, op="max"),
+            ctx.all_reduce(0.5 + ctx.rank), ctx.all_reduce(ctx.rank + 1, op="sum"), one_collective, metrics)
+
+if __name__ == "__main__":
+    print("RESULT", job())
+"""
+
+
+def test_all_reduce_of_a_dict_of_numbers_is_one_collective_typed_per_key(tmp_path: Path) -> None:
+    """Issue 32: what a loop logs (a dict of floats) is reduced in one collective, not one per key; each value
+    comes back typed as a Python number's all_reduce types it (float for the mean, else the input's type), on
+    every rank, and the ledger names the user's line."""
+    script = tmp_path / "dict_job.py"
+    script.write_text(_DICT_JOB)
+    assert "DICT-LINE" in _DICT_JOB.splitlines()[8]  # the ":9" the job checks
+    done = run_python([str(script)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mean = {"loss": 1.5, "correct": 4.5, "finite": 1.0}
+    total = {"loss": 3.0, "correct": 9, "finite": True}  # bool sum 2 -> True, as all_reduce(True, "sum") is
+    top = {"loss": 2.0, "correct": 6, "finite": True}
+    mine = {"loss": 1.0, "correct": 3, "finite": True}  # rank 0's input, unchanged
+    assert f"RESULT ({mean!r}, {total!r}, {top!r}, 1.0, 3, True, {mine!r})" in done.stdout, done.stdout[-2000:]
+
+
+def test_all_reduce_without_a_group_is_an_identity_with_the_documented_types() -> None:
+    assert collectives.all_reduce(3) == 3.0 and isinstance(collectives.all_reduce(3), float)
+    assert collectives.all_reduce(3, op="sum") == 3 and isinstance(collectives.all_reduce(3, op="max"), int)
+    assert collectives.all_reduce(True, op="min") is True
+    assert collectives.all_reduce({"a": 2, "b": 0.5}) == {"a": 2.0, "b": 0.5}
+    assert collectives.all_reduce({"a": 2, "b": False}, op="sum") == {"a": 2, "b": False}
+    assert collectives.all_reduce({}) == {}
+    t = torch.tensor([1, 2])
+    out = collectives.all_reduce(t)
+    assert out.dtype == torch.float64 and out.tolist() == [1.0, 2.0] and out is not t
+
+
+def test_all_reduce_refuses_what_it_cannot_reduce_naming_it() -> None:
+    with pytest.raises(Exception, match=r"got Tensor for key 'loss'.*loss\.item\(\)"):
+        collectives.all_reduce({"acc": 0.5, "loss": torch.tensor(1.0)})
+    with pytest.raises(Exception, match="a tensor, a Python number or a dict of Python numbers, got str"):
+        collectives.all_reduce("1.0")
+    with pytest.raises(Exception, match="op='avg' is not supported; use one of mean, sum, max, min"):
+        collectives.all_reduce(1.0, op="avg")
+
+
+def test_a_python_number_is_one_ledger_entry_at_the_callers_line(tmp_path: Path) -> None:
+    """The number path reduces the tensor it made in place under one ledger entry (not a nested tensor
+    all-reduce), and the entry names the caller's line; checked in a one-rank gloo group in this process."""
+    from distfn.ledger import Ledger
+
+    book = Ledger()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        original, collectives.LEDGER = collectives.LEDGER, book  # type: ignore[misc]
+        try:
+            reduce = collectives.all_reduce
+            line = sys._getframe().f_lineno + 1
+            values = [reduce(2.5), reduce(7, op="sum"), reduce({"x": 1.5, "n": 2}, op="max"), reduce(torch.ones(2))]
+        finally:
+            collectives.LEDGER = original  # type: ignore[misc]
+    finally:
+        dist.destroy_process_group()
+    assert values[:3] == [2.5, 7, {"x": 1.5, "n": 2}] and values[3].tolist() == [1.0, 1.0]
+    assert [(e.seq, e.op, e.site) for e in book.entries] == [
+        (i, "all_reduce", f"test_collectives.py:{line}") for i in (1, 2, 3, 4)]
+    assert not book.state(0).inside

@@ -1,5 +1,6 @@
-"""A 2-rank job that resumes from its newest checkpoint; with KILL_AT=k, rank 1 SIGKILLs itself at step k of
-attempt 0 and ``max_restarts=1`` starts the job again. Used by bench/stress_faults.py (restart case).
+"""A 2-rank job (``DISTFN_NPROCS`` overrides the count) that resumes from its newest checkpoint; with KILL_AT=k,
+rank 1 SIGKILLs itself at step k of attempt 0 and ``max_restarts=1`` starts the job again. Used by
+bench/bench_restart.py and bench/stress_faults.py (restart case).
 
     python tests/scripts/restart_job.py CKPT_DIR MARKS_FILE [KILL_AT]
 
