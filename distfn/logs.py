@@ -7,8 +7,8 @@ rank. Lines the user's own code logs with loguru during the job get the same sha
 * ``DISTFN_LOG_LEVEL`` (default INFO) is the lowest level shown, in the launcher and in the ranks.
 * In the ranks, INFO and below come from rank 0 only, WARNING and above from every rank;
   ``DISTFN_LOG_RANKS=all`` shows every rank at the chosen level.
-* Only loguru's own default stderr handler is replaced while a job runs; sinks the user added stay, and the
-  default handler comes back afterwards.
+* loguru's stock stderr handler is replaced, at the first job, by distfn's one sink, which outside a job prints
+  the user's lines as that handler did (``LOGURU_FORMAT``, ``LOGURU_LEVEL``, stderr); sinks the user added stay.
 
 Outside a job distfn is silent, as loguru asks of libraries: ``logger.disable("distfn")`` at import, enabled
 by `setup` for the job and put back as it was by `teardown`. A plain `distfn.checkpoint.save` therefore prints
@@ -25,10 +25,10 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 import attrs
-from loguru import logger
+from loguru import _defaults, logger  # _defaults: LOGURU_FORMAT / LOGURU_LEVEL, what loguru's stock handler uses
 
 __all__ = ["FORMAT", "launcher", "setup", "teardown"]
 
@@ -36,31 +36,99 @@ __all__ = ["FORMAT", "launcher", "setup", "teardown"]
 FORMAT = ("<green>{{time:HH:mm:ss.SSS}}</green> | <level>{{level: <7}}</level> | <cyan>{origin}</cyan> | "
           "<level>{{message}}</level>")
 
+#: What loguru's stock stderr handler prints (``LOGURU_FORMAT``), which distfn's sink prints outside a job.
+_DEFAULT_FORMAT: Final = _defaults.LOGURU_FORMAT + "\n{exception}"
+
 logger.disable("distfn")  # a library is quiet unless asked (loguru's convention); setup() enables it for a job
+
+
+@attrs.frozen
+class _View:
+    """What distfn's sink shows while a job runs: the line's ORIGIN, the lowest level, and whether INFO and below
+    pass on this process (rank 0, the launcher, or ``DISTFN_LOG_RANKS=all``)."""
+
+    format: str  # FORMAT with the origin filled in, plus loguru's "\n{exception}"
+    min_no: int
+    show_all: bool
+    warn_no: int
 
 
 @attrs.define
 class _State:
     stack: list[tuple[int | None, int | None]] = attrs.field(factory=list)  # (rank, world_size); rank None: launcher
-    handler: int | None = None  # distfn's sink
-    default: int = 0  # loguru's stock stderr handler: 0 at import, a new id once distfn gave it back
-    removed_default: bool = False
+    view: _View | None = None  # None: no job runs in this process
+    handler: int | None = None  # distfn's sink, added once per process (see `_ensure_sink`)
+    stream: Any = None  # the sys.stderr it writes to
+    as_default: bool = False  # it stands in for loguru's stock stderr handler, which distfn removed
+    default_no: int = 0  # that handler's level (LOGURU_LEVEL), which the sink keeps outside a job
+    probes: int = 0  # probe records sent (`_probe`), and the last one the sink saw
+    last_seen: int = 0
     was_enabled: bool = False  # the user had called logger.enable("distfn") before the job
     bad_level: str | None = None  # an invalid DISTFN_LOG_LEVEL already reported
 
 
 _state = _State()
+_PROBE: Final = "distfn_probe"
+# A record from a module that is not distfn's, so that logger.disable("distfn") does not drop it: it tells whether
+# distfn's sink is still installed (the user may have called logger.remove() since the last job).
+_FOREIGN_PROBE: Final = compile("log.trace('is the sink of distfn installed?')", "<distfn.logs>", "exec")
 
 
-def _distfn_enabled() -> bool:
-    """Whether loguru currently lets records of the ``distfn`` modules through (asked with a throwaway sink)."""
-    seen: list[bool] = []
-    probe = logger.add(lambda _: seen.append(True), level=0, filter=lambda r: r["extra"].get("distfn_probe", False))
-    try:
-        logger.bind(distfn_probe=True).trace("distfn's job logging starts")  # a record of distfn.logs itself
-    finally:
-        logger.remove(probe)
-    return bool(seen)
+def _filter(record: Any) -> bool:
+    """distfn's sink: inside a job the job's view; outside one, what loguru's stock handler would show (when the
+    sink stands in for it) or nothing."""
+    extra = record["extra"]
+    if _PROBE in extra:
+        _state.last_seen = extra[_PROBE]
+        return False
+    no = record["level"].no
+    view = _state.view
+    if view is None:
+        return _state.as_default and no >= _state.default_no
+    return no >= view.min_no and (view.show_all or no >= view.warn_no)
+
+
+def _format(record: Any) -> str:
+    view = _state.view
+    return view.format if view is not None else _DEFAULT_FORMAT
+
+
+def _probe(foreign: bool) -> bool:
+    """Whether distfn's sink sees a record now: from a foreign module (is the sink installed?) or from this one
+    (is ``distfn`` enabled, given the sink is installed?)."""
+    _state.probes = token = _state.probes + 1
+    log = logger.bind(**{_PROBE: token})
+    if foreign:
+        exec(_FOREIGN_PROBE, {"__name__": "_distfn_probe", "log": log})  # a constant, compiled above
+    else:
+        log.trace("distfn's job logging starts")  # a record of distfn.logs itself
+    return _state.last_seen == token
+
+
+def _ensure_sink() -> None:
+    """Install distfn's one sink for this process, unless it is installed and writes to the current sys.stderr.
+
+    One sink for the process's life, not one per job, rank, or nesting: ``logger.add`` costs ~5 ms (loguru's
+    exception formatter scans every install scheme's paths; measured), paid on the critical path of every call in
+    the launcher and of every rank's start. The first time, loguru's stock stderr handler is removed (it would
+    print every line a second time, in loguru's own format) and the sink stands in for it outside a job: same
+    stream, format (LOGURU_FORMAT) and level (LOGURU_LEVEL), so the user's own lines look as before.
+    """
+    if _state.handler is not None and _state.stream is sys.stderr and _probe(foreign=True):
+        return
+    if _state.handler is None:  # first time in this process (a forked rank inherits the launcher's)
+        try:
+            logger.remove(0)  # loguru's stock handler, installed at loguru's import
+            _state.as_default = True
+        except ValueError:
+            _state.as_default = False  # the user removed or replaced it: only distfn's lines are added
+        _state.default_no = _level_no(_defaults.LOGURU_LEVEL) or 0
+    else:
+        _remove(_state.handler)
+        if _state.stream is sys.stderr:  # gone: the user removed it (logger.remove()), and the default with it
+            _state.as_default = False
+    _state.handler = logger.add(sys.stderr, level=0, filter=_filter, format=_format)
+    _state.stream = sys.stderr
 
 
 def _level_no(name: str) -> int | None:
@@ -77,24 +145,16 @@ def _remove(handler: int | None) -> None:
             logger.remove(handler)
 
 
-def _install(rank: int | None, world_size: int | None) -> None:
-    _remove(_state.handler)
-    _state.handler = None
+def _show(rank: int | None, world_size: int | None) -> None:
+    """Point the sink at this job level's view (the launcher, or rank r/n)."""
     origin = "launcher" if rank is None else f"rank {rank}/{world_size}"
     level = os.environ.get("DISTFN_LOG_LEVEL", "INFO")
     min_no = _level_no(level)
     show_all = rank is None or rank == 0 or os.environ.get("DISTFN_LOG_RANKS", "").strip().lower() == "all"
-    warn_no = logger.level("WARNING").no
-
-    def keep(record: Any) -> bool:
-        no = record["level"].no
-        if record["extra"].get("distfn_probe") or no < (min_no if min_no is not None else info_no):
-            return False
-        return show_all or no >= warn_no
-
-    info_no = logger.level("INFO").no
-    _state.handler = logger.add(sys.stderr, level=0, filter=keep, format=FORMAT.format(origin=origin))
-    if min_no is None and _state.bad_level != level:  # said once, after the sink exists so that it is seen
+    _state.view = _View(format=FORMAT.format(origin=origin) + "\n{exception}",
+                        min_no=min_no if min_no is not None else logger.level("INFO").no, show_all=show_all,
+                        warn_no=logger.level("WARNING").no)
+    if min_no is None and _state.bad_level != level:  # said once, after the view exists so that it is seen
         _state.bad_level = level
         logger.warning("DISTFN_LOG_LEVEL={!r} is not a loguru level; using INFO", level)
 
@@ -102,19 +162,16 @@ def _install(rank: int | None, world_size: int | None) -> None:
 def setup(rank: int | None = None, world_size: int | None = None) -> Any:
     """Start distfn's logging for a rank (``rank`` given) or for the launching process (``rank=None``).
 
-    Enables the ``distfn`` loggers, replaces loguru's default stderr handler with distfn's sink, and returns
-    ``logger`` bound with the rank (``ctx.log``). Undo it with `teardown`; calls nest.
+    Enables the ``distfn`` loggers, shows distfn's lines on its sink (which stands in for loguru's default stderr
+    handler) in the job's format, and returns ``logger`` bound with the rank (``ctx.log``). Undo it with
+    `teardown`; calls nest.
     """
     if not _state.stack:
-        _state.was_enabled = _distfn_enabled()
-        try:
-            logger.remove(_state.default)  # would print every line a second time, in loguru's own format
-            _state.removed_default = True
-        except ValueError:
-            _state.removed_default = False  # the user removed or replaced it: only distfn's sink is added
+        _ensure_sink()
+        _state.was_enabled = _probe(foreign=False)
     logger.enable("distfn")
     _state.stack.append((rank, world_size))
-    _install(rank, world_size)
+    _show(rank, world_size)
     return logger.bind(rank=rank, world_size=world_size) if rank is not None else logger.bind(origin="launcher")
 
 
@@ -123,13 +180,9 @@ def teardown() -> None:
     if _state.stack:
         _state.stack.pop()
     if _state.stack:
-        _install(*_state.stack[-1])
+        _show(*_state.stack[-1])
         return
-    _remove(_state.handler)
-    _state.handler = None
-    if _state.removed_default:
-        _state.default = logger.add(sys.stderr)
-        _state.removed_default = False
+    _state.view = None
     if not _state.was_enabled:
         logger.disable("distfn")
 

@@ -109,3 +109,56 @@ def test_an_invalid_level_is_said_once_and_info_applies(monkeypatch, capsys) -> 
     assert err.count("DISTFN_LOG_LEVEL='LOUD' is not a loguru level; using INFO") == 1
     assert "shown line" in err and "hidden line" not in err
     assert all(LINE.match(line) for line in _log_lines(err)), err
+
+
+def test_one_sink_per_process_not_one_per_job(monkeypatch, capsys) -> None:
+    """``logger.add`` costs ~5 ms (loguru scans every install scheme's paths): distfn adds its sink once per
+    process, not once per call, rank or nesting; the user's lines outside a job still print once."""
+    from loguru import logger
+
+    from distfn import distributed
+
+    adds: list[int] = []
+    real_add = logger.add
+    monkeypatch.setattr(logger, "add", lambda *a, **k: adds.append(1) or real_add(*a, **k))
+
+    @distributed(mode="single")
+    def job(cfg, ctx):
+        ctx.log.info("a line of the job")
+
+    job()
+    first = len(adds)
+    job()
+    job()
+    logger.info("the user's own line")
+    err = capsys.readouterr().err
+    assert first <= 1 and len(adds) == first  # the first job in this stream adds it; later ones add nothing
+    assert err.count("a line of the job") == 3 and err.count("the user's own line") == 1
+
+
+_REMOVED = """
+import sys
+from loguru import logger
+import distfn
+
+@distfn.distributed(mode="single")
+def job(cfg, ctx):
+    ctx.log.info("job line")
+
+job()
+logger.info("user line 1")  # printed by the handler standing in for loguru's default
+logger.remove()  # the user takes over: every handler gone, distfn's too
+logger.info("user line 2")  # nowhere
+job()  # distfn's lines are shown again in the job
+logger.info("user line 3")  # still nowhere: the user removed the default handler
+"""
+
+
+def test_the_user_removing_every_handler_between_jobs(tmp_path: Path) -> None:
+    script = tmp_path / "removed.py"
+    script.write_text(_REMOVED)
+    done = run_python([str(script)], timeout=120)
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert err.count("job line") == 2 and all(LINE.match(line) for line in err.splitlines() if "job line" in line)
+    assert "user line 1" in err and "user line 2" not in err and "user line 3" not in err
