@@ -30,7 +30,7 @@ from typing import Any, Final
 import attrs
 from loguru import _defaults, logger  # _defaults: LOGURU_FORMAT / LOGURU_LEVEL, what loguru's stock handler uses
 
-__all__ = ["FORMAT", "launcher", "setup", "teardown"]
+__all__ = ["FORMAT", "install_sink", "launcher", "setup", "teardown"]
 
 #: The one line format; ``{origin}`` is ``launcher`` or ``rank r/n``.
 FORMAT = ("<green>{{time:HH:mm:ss.SSS}}</green> | <level>{{level: <7}}</level> | <cyan>{origin}</cyan> | "
@@ -129,6 +129,12 @@ def _ensure_sink() -> None:
             _state.as_default = False
     _state.handler = logger.add(sys.stderr, level=0, filter=_filter, format=_format)
     _state.stream = sys.stderr
+
+
+def install_sink() -> None:
+    """Install distfn's sink now, before any job (the fork server does, so that the ranks it forks inherit it
+    instead of each adding its own at start-up)."""
+    _ensure_sink()
 
 
 def _level_no(name: str) -> int | None:

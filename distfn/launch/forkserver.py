@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from loguru import logger
 
-from .. import preflight
+from .. import logs, preflight
 from ..errors import ConfigError
 from .lifeline import die_with_parent
 
@@ -116,6 +116,7 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int) -> Non
     die_with_parent(parent_pid, SERVER_NAME, sig=signal.SIGTERM)
     try:
         _preload()  # before the loop: a launch that comes sooner waits in the listener's queue
+        logs.install_sink()  # once here, so the ranks forked from this server do not each add one (~5 ms)
         forkserver.main(listener_fd, alive_r, [])  # preload nothing more: done above
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
