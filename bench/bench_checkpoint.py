@@ -10,9 +10,10 @@ What is measured (float32 tensors, ``--size-mib`` in total, split into ``--tenso
   child before timing): the raw disk floor. The processes are interleaved over ``--rounds`` rounds (the order
   rotates each round); medians and the spread (min-max) are reported.
 * **save and load vs size** (``--sizes``, default 64 MiB, 256 MiB, 1 GiB, 4 GiB; ``--curve-rounds`` interleaved
-  rounds): in this process, ``distfn.save`` and ``save_file`` + fsync beside ``dd`` + fdatasync of the same bytes
-  (each after ``os.sync()``), and ``distfn.load`` beside ``load_file`` (warm page cache, every page touched); one
-  table per curve with each size's ratio to its floor at that size and the bandwidth in GB/s.
+  rounds up to 1 GiB, proportionally fewer above: one at 4 GiB): in this process, ``distfn.save`` and
+  ``save_file`` + fsync beside ``dd`` + fdatasync of the same bytes (each after ``os.sync()``), and ``distfn.load``
+  beside ``load_file`` (warm page cache, every page touched); one table per curve with each size's ratio to its
+  floor at that size and the bandwidth in GB/s.
 * **peak extra RSS** during each save, measured in a child process: ``VmHWM`` after the save minus
   ``VmRSS`` before it (the high-water mark is reset through ``/proc/self/clear_refs``; where that is not
   allowed, RSS is sampled every millisecond instead).
@@ -217,7 +218,8 @@ def bench_curve(sizes: list[int], tensors: int, workdir: pathlib.Path,
                 rounds: int) -> dict[int, dict[str, list[float]]]:
     """Seconds per variant at each size (MiB): durable saves (after ``os.sync()``, interleaved, in this process)
     and loads plus a touch of every page (warm page cache: each file was just written and read once)."""
-    return {size: _curve_point(size, tensors, workdir, rounds) for size in sizes}
+    # above 1 GiB fewer rounds (one at 4 GiB): one round of the three saves there takes ~30 s on this machine
+    return {size: _curve_point(size, tensors, workdir, max(1, min(rounds, rounds * 1024 // size))) for size in sizes}
 
 
 def _curve_point(size: int, tensors: int, workdir: pathlib.Path, rounds: int) -> dict[str, list[float]]:
@@ -397,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2, help="saves after the first one in each process (default 2)")
     parser.add_argument("--sizes", default="64,256,1024,4096",
                         help="MiB of the save/load-vs-size curves ('' for none; default 64,256,1024,4096)")
-    parser.add_argument("--curve-rounds", type=int, default=3, help="interleaved rounds per curve size (default 3)")
+    parser.add_argument("--curve-rounds", type=int, default=3,
+                        help="interleaved rounds per curve size up to 1 GiB, proportionally fewer above (default 3)")
     parser.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--save-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
