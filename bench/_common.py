@@ -115,6 +115,25 @@ def table(title: str, unit: str, samples: Mapping[str, Sequence[float]], baselin
     return {"title": title, "unit": unit, "baseline": baseline, "rows": rows, "targets": checked}
 
 
+def curve_table(title: str, points: Mapping[str, Mapping[str, Sequence[float]]], variants: Sequence[str], floor: str,
+                limits: Mapping[str, float], nbytes: Mapping[str, float], note: str) -> dict[str, Any]:
+    """One table for a scaling curve (seconds): a row per variant and point (``"64 MiB"``, ``"2 ranks"``), its
+    ratio to ``floor``'s median *at the same point*, the bandwidth ``nbytes[point] / median`` in the note, and one
+    target per point for each variant in ``limits`` (``variant -> max ratio``)."""
+    samples = {f"{name}, {point}": points[point][name] for point in points for name in variants}
+    tab = table(title, "s", samples, baseline=None)
+    for row in tab["rows"]:
+        name, point = row["variant"].rsplit(", ", 1)
+        row["ratio"] = row["median"] / statistics.median(points[point][floor])
+        row["note"] = f"{nbytes[point] / row['median'] / 1e9:.2f} GB/s" + ("; the floor" if name == floor else "")
+        if name in limits:
+            tab["targets"].append({"variant": row["variant"], "max_ratio": limits[name], "ratio": row["ratio"],
+                                   "met": row["ratio"] <= limits[name]})
+    tab["baseline"] = f"{floor} at the same point"
+    tab["note"] = note
+    return tab
+
+
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"

@@ -9,6 +9,11 @@ What is measured (float32 tensors, ``--size-mib`` in total, split into ``--tenso
   and ``dd bs=1M conv=fdatasync`` copying the same bytes (the checkpoint file, read into the page cache by the
   child before timing): the raw disk floor. The processes are interleaved over ``--rounds`` rounds (the order
   rotates each round); medians and the spread (min-max) are reported.
+* **save and load vs size** (``--sizes``, default 64 MiB, 256 MiB, 1 GiB, 4 GiB; ``--curve-rounds`` interleaved
+  rounds up to 1 GiB, proportionally fewer above: one at 4 GiB): in this process, ``distfn.save`` and
+  ``save_file`` + fsync beside ``dd`` + fdatasync of the same bytes (each after ``os.sync()``), and ``distfn.load``
+  beside ``load_file`` (warm page cache, every page touched); one table per curve with each size's ratio to its
+  floor at that size and the bandwidth in GB/s.
 * **peak extra RSS** during each save, measured in a child process: ``VmHWM`` after the save minus
   ``VmRSS`` before it (the high-water mark is reset through ``/proc/self/clear_refs``; where that is not
   allowed, RSS is sampled every millisecond instead).
@@ -18,7 +23,8 @@ What is measured (float32 tensors, ``--size-mib`` in total, split into ``--tenso
 
 Targets from the checkpoint issues: first save <= 1.3x ``dd`` + fdatasync of the same bytes and never slower than
 ``save_file`` + fsync, peak extra RSS <= largest tensor + 64 MiB, load (with touch) at least as fast as
-``load_file`` (a 5 % noise margin applies).
+``load_file`` (a 5 % noise margin applies); at every size of the curves, save <= 1.3x ``dd`` + fdatasync
+and load <= 1.05x ``load_file``.
 
 Usage::
 
@@ -57,6 +63,7 @@ from distfn import checkpoint
 import _common as c
 
 MIB = 1 << 20
+LOAD_ROUNDS = 21  # the fewest interleaved rounds of a load comparison
 
 
 def make_state(size_mib: int, tensors: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -196,8 +203,57 @@ def bench_load(state: dict[str, torch.Tensor], workdir: pathlib.Path, rounds: in
 
         return run
 
-    touched = c.interleave({name: timed(name) for name in methods}, max(rounds, 3), c.log)
+    # a load takes ~10 ms, and one round's noise on a shared 2-core machine is ~5 % of it: many rounds, cheaply
+    touched = c.interleave({name: timed(name) for name in methods}, max(rounds * 5, LOAD_ROUNDS), c.log)
     return {"call": lazy, "with_touch": touched}
+
+
+# -- scaling curves: save and load vs size ------------------------------------------------------------
+
+CURVE_SAVES = ("distfn.save", "save_file+fsync", "dd+fdatasync")
+CURVE_LOADS = ("distfn.load", "load_file")
+
+
+def bench_curve(sizes: list[int], tensors: int, workdir: pathlib.Path,
+                rounds: int) -> dict[int, dict[str, list[float]]]:
+    """Seconds per variant at each size (MiB): durable saves (after ``os.sync()``, interleaved, in this process)
+    and loads plus a touch of every page (warm page cache: each file was just written and read once)."""
+    # above 1 GiB fewer rounds (one at 4 GiB): one round of the three saves there takes ~30 s on this machine
+    return {size: _curve_point(size, tensors, workdir, max(1, min(rounds, rounds * 1024 // size))) for size in sizes}
+
+
+def _curve_point(size: int, tensors: int, workdir: pathlib.Path, rounds: int) -> dict[str, list[float]]:
+    state = make_state(size, tensors, seed=size)
+    reference = workdir / f"curve-{size}.safetensors"
+    target = workdir / f"curve-out-{size}.bin"
+    checkpoint.save(state, reference)
+    _warm(reference)  # dd copies these bytes from memory, as the savers copy theirs
+    methods = save_methods(state, str(reference), reference.stat().st_size)
+
+    def saver(name: str) -> Callable[[], float]:
+        def run() -> float:
+            os.sync()  # no save pays for the previous one's dirty pages
+            start = time.perf_counter()
+            methods[name](str(target))
+            took = time.perf_counter() - start
+            target.unlink()
+            return took
+        return run
+
+    samples = c.interleave({name: saver(name) for name in CURVE_SAVES}, rounds, c.log)
+    loaders = {"distfn.load": lambda: checkpoint.load(reference), "load_file": lambda: load_file(reference)}
+
+    def loader(name: str) -> Callable[[], float]:
+        def run() -> float:
+            start = time.perf_counter()
+            _touch(loaders[name]())
+            return time.perf_counter() - start
+        return run
+
+    _warm(reference)
+    samples.update(c.interleave({name: loader(name) for name in CURVE_LOADS}, max(rounds * 5, LOAD_ROUNDS), c.log))
+    reference.unlink()
+    return samples
 
 
 # -- peak RSS, measured in a child process -------------------------------------------------------
@@ -282,7 +338,7 @@ def _spread(samples: dict[str, list[float]]) -> dict[str, str]:
 
 def build_result(first: dict[str, list[float]], repeated: dict[str, list[float]],
                  load: dict[str, dict[str, list[float]]], rss: dict[str, dict[str, Any]],
-                 config: dict[str, Any]) -> dict[str, Any]:
+                 config: dict[str, Any], curve: dict[int, dict[str, list[float]]] | None = None) -> dict[str, Any]:
     """The benchmark's JSON (the ``bench/_common`` convention) with its tables and targets."""
     largest_mib = config["size_mib"] / config["tensors"]
     what = f"{config['size_mib']} MiB float32 in {config['tensors']} tensors"
@@ -307,6 +363,17 @@ def build_result(first: dict[str, list[float]], repeated: dict[str, list[float]]
             targets=[{"variant": "distfn.save", "max_value": largest_mib + 64}],
             notes={k: v["how"] for k, v in rss.items()},
         ))
+    if curve:
+        points = {f"{size} MiB": samples for size, samples in curve.items()}
+        nbytes = {f"{size} MiB": size * MIB for size in curve}
+        tables.append(c.curve_table(
+            f"checkpoint save vs size ({config['tensors']} float32 tensors; durable: each save after os.sync(), "
+            "fsync/fdatasync included)", points, CURVE_SAVES, "dd+fdatasync", {"distfn.save": 1.3}, nbytes,
+            "target at every size: distfn.save <= 1.3x dd + fdatasync (linear, no cliff)"))
+        tables.append(c.curve_table(
+            "checkpoint load + touch of every page vs size (warm page cache: each file just written and read once)",
+            points, CURVE_LOADS, "load_file", {"distfn.load": 1.05}, nbytes,
+            "target at every size: distfn.load <= 1.05x load_file"))
     notes = [
         f"largest tensor {largest_mib:.1f} MiB; RSS target = largest tensor + 64 MiB",
         f"written to {config['dir']} ({config['filesystem']}); each save starts after os.sync(); every save "
@@ -330,11 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     parser.add_argument("--repeat", type=int, default=2, help="saves after the first one in each process (default 2)")
+    parser.add_argument("--sizes", default="64,256,1024,4096",
+                        help="MiB of the save/load-vs-size curves ('' for none; default 64,256,1024,4096)")
+    parser.add_argument("--curve-rounds", type=int, default=3,
+                        help="interleaved rounds per curve size up to 1 GiB, proportionally fewer above (default 3)")
     parser.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--save-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    sizes = sorted({int(w) for w in args.sizes.split(",") if w.strip()})
     if args.tiny:
         args.size_mib, args.rounds, args.repeat = min(args.size_mib, 4), 1, 1
+        sizes, args.curve_rounds = [1, 2] if sizes else [], 1
     if args.size_mib < 1 or args.tensors < 1 or args.rounds < 1 or args.repeat < 0:
         parser.error("--size-mib, --tensors and --rounds must be >= 1, --repeat >= 0")
     logger.remove()  # distfn logs each save at DEBUG; keep the output readable
@@ -359,7 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         load = bench_load(state, workdir, args.rounds)
         del state
         rss = {} if args.no_rss else bench_rss(args.size_mib, args.tensors, workdir)
-        result = build_result(first, repeated, load, rss, config)
+        c.log(f"checkpoint curves: {sizes} MiB, {args.curve_rounds} rounds")
+        curve = bench_curve(sizes, args.tensors, workdir, args.curve_rounds)
+        config.update(sizes=sizes, curve_rounds=args.curve_rounds)
+        result = build_result(first, repeated, load, rss, config, curve)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     c.emit(result, args.json)

@@ -1,5 +1,5 @@
 """Sharded checkpoints of fsdp state (issue 14): distfn's sharded save vs the one-file gather to rank 0 vs torch
-DCP's default ``FileSystemWriter`` on 2 and 4 ranks, the host memory each needs, how long an asynchronous save
+DCP's default ``FileSystemWriter`` on 1, 2 and 4 ranks, the host memory each needs, how long an asynchronous save
 blocks training, and what saving every N steps costs a training loop.
 
 Every world size in ``--ranks`` is its own ``mode="fsdp"`` launch (gloo, CPU) holding a model of ``--layers``
@@ -30,9 +30,13 @@ one async save). Saves come after steps every, 2*every, ... < steps, so each asy
 to overlap. The loop has its own model, ``--train-width``/``--train-layers`` (default 72 MiB of state): one
 step of the save model takes ~5 s on 2 CPU cores (gloo all-gathers of 400 MB per step).
 
-Targets: distfn sharded <= 1.0x DCP; extra memory of distfn sharded and async <= shard + 64 MiB; async blocked
-<= 0.10x a blocking save; async saves every N steps <= 1.05x the loop without saves.
-Run: ``python bench/bench_sharded.py [--tiny] [--json out.json] [--ranks 2,4] [--train-ranks 2]``.
+The save-vs-ranks curve is one table of the ``distfn sharded`` and ``DCP FileSystemWriter`` samples of every world
+size, with each rank's bandwidth (its shard, state / world size, over the save's time) and the ratio to DCP at the
+same world size.
+
+Targets: distfn sharded <= 1.0x DCP (at every world size); extra memory of distfn sharded and async <= shard +
+64 MiB; async blocked <= 0.10x a blocking save; async saves every N steps <= 1.05x the loop without saves.
+Run: ``python bench/bench_sharded.py [--tiny] [--json out.json] [--ranks 1,2,4] [--train-ranks 2]``.
 """
 
 from __future__ import annotations
@@ -208,6 +212,10 @@ def _job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
 # Tables
 
 
+def _world(w: int) -> str:
+    return f"{w} rank" + ("s" if w != 1 else "")
+
+
 def _ranks(text: str) -> list[int]:
     return sorted({int(w) for w in text.split(",") if w.strip()})
 
@@ -219,14 +227,14 @@ def _tables(out: dict[str, Any], args: Any, notes: list[str]) -> dict[str, dict[
         mib = out["state_bytes"] / MIB
         shard = mib / w
         tabs["save"] = c.table(
-            f"save of {mib:.0f} MiB of fsdp state (model + Adam), {w} ranks", "s", out["times"],
+            f"save of {mib:.0f} MiB of fsdp state (model + Adam), {_world(w)}", "s", out["times"],
             baseline="DCP FileSystemWriter", targets=[{"variant": "distfn sharded", "max_ratio": 1.0}],
             notes={"distfn async (blocked)": "time training is blocked; the write finishes in the background"})
         blocking = {"distfn sharded (blocking)": out["times"]["distfn sharded"],
                     "distfn async (blocked)": out["times"]["distfn async (blocked)"],
                     "distfn async (until written)": out["written"]}
         tabs["async"] = c.table(
-            f"async save of {mib:.0f} MiB, {w} ranks: time training is blocked vs a blocking save", "s", blocking,
+            f"async save of {mib:.0f} MiB, {_world(w)}: time training is blocked vs a blocking save", "s", blocking,
             baseline="distfn sharded (blocking)", targets=[{"variant": "distfn async (blocked)", "max_ratio": 0.10}],
             notes={"distfn async (until written)": "from the call until the background write's wait() returned"})
         memory = out["memory"]
@@ -235,7 +243,7 @@ def _tables(out: dict[str, Any], args: Any, notes: list[str]) -> dict[str, dict[
             rows.update({("distfn async (incl. background write)" if n.startswith("distfn async") else n):
                          [v / MIB for v in memory[n]] for n in VARIANTS})
             tabs["memory"] = c.table(
-                f"peak extra host memory per rank during a save of {mib:.0f} MiB, {w} ranks (max over ranks)", "MiB",
+                f"peak extra host memory per rank during a save of {mib:.0f} MiB, {_world(w)} (max over ranks)", "MiB",
                 rows, baseline="shard (state / world size)",
                 targets=[{"variant": "distfn sharded", "max_value": shard + 64},
                          {"variant": "distfn async (incl. background write)", "max_value": shard + 64}],
@@ -245,7 +253,7 @@ def _tables(out: dict[str, Any], args: Any, notes: list[str]) -> dict[str, dict[
             notes.append(f"{w} ranks: peak memory not measured (/proc/self/clear_refs cannot reset VmHWM here)")
     if "train" in out:
         tabs["train"] = c.table(
-            f"training step, {w} ranks, saving {args.train_state_mib:.0f} MiB every {args.every} steps "
+            f"training step, {_world(w)}, saving {args.train_state_mib:.0f} MiB every {args.every} steps "
             f"({args.steps} steps per sample)", "s", out["train"], baseline="no saves",
             targets=[{"variant": "async save every N", "max_ratio": 1.05}],
             notes={"async save every N": "ctx.save(..., blocking=False, keep=2)",
@@ -255,7 +263,8 @@ def _tables(out: dict[str, Any], args: Any, notes: list[str]) -> dict[str, dict[
 
 def main(argv: list[str] | None = None) -> int:
     p = c.parser(__doc__.splitlines()[0], rounds=3)
-    p.add_argument("--ranks", default="2,4", help="world sizes of the save benchmark, one launch each (default 2,4)")
+    p.add_argument("--ranks", default="1,2,4",
+                   help="world sizes of the save benchmark, one launch each (default 1,2,4: the scaling curve)")
     p.add_argument("--width", type=int, default=4096, help="save model: Linear width (default 4096)")
     p.add_argument("--layers", type=int, default=6, help="save model: layers (default 6: 1.1 GiB with Adam)")
     p.add_argument("--train-ranks", default="2", help="world sizes of the training loop ('' for none; default 2)")
@@ -265,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60, help="training steps per sample (default 60)")
     p.add_argument("--every", type=int, default=5, help="save every N training steps (default 5: a harsh cadence, "
                    "so that blocking saves cost visibly)")
-    p.add_argument("--train-rounds", type=int, default=5, help="interleaved rounds of the training loop (default 5)")
+    p.add_argument("--train-rounds", type=int, default=4,
+                   help="interleaved rounds of the training loop (default 4: the default run stays near 8 minutes)")
     args = p.parse_args(argv)
     if args.tiny:
         args.width, args.layers, args.rounds, args.train_rounds = 256, 2, 1, 1
@@ -280,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.steps} steps, {args.train_rounds} rounds, ranks {args.train_ranks or 'none'}; gloo, CPU",
              "memory: max over ranks of VmHWM - VmRSS around each save, after malloc_trim and a VmHWM reset; an "
              "async save's figure includes what its first run kept in memory (reused host buffers)"]
+    scaling: dict[int, tuple[dict[str, list[float]], int]] = {}  # world -> (save seconds, state bytes)
     tmp = Path(tempfile.mkdtemp(prefix="bench-sharded-"))
     try:
         for w in sorted(set(ranks) | set(train_ranks)):
@@ -289,11 +300,20 @@ def main(argv: list[str] | None = None) -> int:
                        "save": w in ranks, "train": w in train_ranks, "train_width": args.train_width,
                        "train_layers": args.train_layers, "batch": args.batch, "steps": args.steps,
                        "every": args.every, "train_rounds": args.train_rounds})
+            if "times" in out:
+                scaling[w] = (out["times"], out["state_bytes"])
             for kind, tab in _tables(out, args, notes).items():
                 by_kind[kind].append(tab)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     tables = [tab for kind in by_kind.values() for tab in kind]  # side by side: each question's world sizes
+    if scaling:
+        tables.append(c.curve_table(
+            "sharded save vs ranks: per-rank bandwidth (each rank writes state / world size)",
+            {_world(w): times for w, (times, _) in scaling.items()}, ("distfn sharded", "DCP FileSystemWriter"),
+            "DCP FileSystemWriter", {"distfn sharded": 1.0},
+            {_world(w): total / w for w, (_, total) in scaling.items()},
+            "target at every rank count: distfn sharded <= 1.0x DCP FileSystemWriter (the same state and ranks)"))
     c.emit({"benchmark": "sharded", "tables": tables, "notes": notes}, args.json)
     if args.json is None:
         print(json.dumps({t["title"]: {r["variant"]: r["ratio"] for r in t["rows"]} for t in tables}))

@@ -99,7 +99,7 @@ def test_run_py_summary_and_discovery() -> None:
 def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_checkpoint.py --tiny end to end: every save/load/RSS variant ran once, targets evaluated."""
     result = _run_module_tiny(tmp_path, "checkpoint", "--dir", str(tmp_path))
-    save, versus_save_file, repeated, load_touch, load_call, rss = result["tables"]
+    save, versus_save_file, repeated, load_touch, load_call, rss, save_curve, load_curve = result["tables"]
     rows = {r["variant"]: r for r in save["rows"]}  # first saves, each variant in its own fresh process
     assert set(rows) == {"distfn.save", "save_file+fsync", "torch.save+fsync", "dd+fdatasync"}
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in rows.values())
@@ -108,9 +108,17 @@ def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     assert versus_save_file["baseline"] == "save_file+fsync" and versus_save_file["targets"][0]["met"] in (True, False)
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in repeated["rows"])
     assert {r["variant"] for r in load_touch["rows"]} == {"distfn.load", "load_file", "torch.load(weights_only)"}
-    assert all(len(r["samples"]) == 3 for r in load_touch["rows"] + load_call["rows"])
+    assert all(len(r["samples"]) == 21 for r in load_touch["rows"] + load_call["rows"])
     assert {r["variant"] for r in rss["rows"]} == {"distfn.save", "torch.save", "save_file"}
     assert rss["targets"][0]["met"] in (True, False)
+    # the curves: every variant at every --tiny size, each size's ratio against its own floor, a target per size
+    assert [r["variant"] for r in save_curve["rows"]] == [f"{v}, {n} MiB" for n in (1, 2)
+                                                          for v in ("distfn.save", "save_file+fsync", "dd+fdatasync")]
+    assert [r["variant"] for r in load_curve["rows"]] == [f"{v}, {n} MiB" for n in (1, 2)
+                                                          for v in ("distfn.load", "load_file")]
+    for curve, floor in ((save_curve, "dd+fdatasync"), (load_curve, "load_file")):
+        assert all(r["ratio"] == 1.0 for r in curve["rows"] if r["variant"].startswith(floor))
+        assert len(curve["targets"]) == 2 and all(t["met"] in (True, False) for t in curve["targets"])
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # the benchmark cleaned up after itself
 
 
@@ -151,24 +159,30 @@ def test_fsdp_bench_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sharded_bench_smoke(tmp_path: Path) -> None:
-    """bench/bench_sharded.py --tiny: every save variant ran on 2 and 4 ranks, with its memory figure, and the
-    training loop ran its three ways; each question has its target row."""
+    """bench/bench_sharded.py --tiny: every save variant ran on 1, 2 and 4 ranks, with its memory figure, the
+    training loop ran its three ways, and the save-vs-ranks curve has a target per world size; each question has
+    its target row."""
     result = _run_module_tiny(tmp_path, "sharded")
     titles = [t["title"] for t in result["tables"]]
-    assert len(titles) == 7 and sum("ranks" in t for t in titles) == 7
-    saves, memory = result["tables"][:2], result["tables"][4:6]
+    assert len(titles) == 11 and sum(" rank" in t for t in titles) == 11
+    saves, memory = result["tables"][:3], result["tables"][6:9]
     for table in saves:
         assert [r["variant"] for r in table["rows"]] == ["distfn sharded", "distfn one file (gather)",
                                                           "DCP FileSystemWriter", "distfn async (blocked)"]
         assert all(r["median"] > 0 for r in table["rows"])
         assert table["targets"][0]["variant"] == "distfn sharded" and table["targets"][0]["met"] in (True, False)
-    for table in memory:
+    for table in memory[1:]:  # on 2 and 4 ranks (on one, its shard is the whole state)
         rows = {r["variant"]: r["median"] for r in table["rows"]}
         # the gather holds the whole state on rank 0: more than any rank's shard
         assert rows["distfn one file (gather)"] > rows["shard (state / world size)"]
-    train = result["tables"][6]
+    train = result["tables"][9]
     assert [r["variant"] for r in train["rows"]] == ["no saves", "async save every N", "blocking save every N"]
     assert train["targets"][0]["variant"] == "async save every N"
+    curve = result["tables"][10]
+    assert [r["variant"] for r in curve["rows"]] == [f"{v}, {w}" for w in ("1 rank", "2 ranks", "4 ranks")
+                                                     for v in ("distfn sharded", "DCP FileSystemWriter")]
+    assert [t["variant"] for t in curve["targets"]] == ["distfn sharded, 1 rank", "distfn sharded, 2 ranks",
+                                                        "distfn sharded, 4 ranks"]
 
 
 def test_import_and_decoration_stay_light() -> None:

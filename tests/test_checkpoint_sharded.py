@@ -320,6 +320,25 @@ def test_async_saves_hold_the_state_of_the_call_and_complete_before_the_group_go
 
 
 @pytest.mark.slow
+def test_a_remembered_save_plan_writes_the_bytes_of_a_fresh_one_and_a_new_layout_plans_again(tmp_path: Path) -> None:
+    done = run_python([str(JOB), str(tmp_path), "replan"], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["memo"] > 0  # the fresh save filled the memo, which the second save used
+    fresh, warm = tmp_path / "fresh" / "ckpt-2", tmp_path / "warm" / "ckpt-2"
+    names = sorted(p.name for p in fresh.iterdir())
+    assert names == sorted(p.name for p in warm.iterdir()) and len(names) == 3  # two shards and the index
+    for name in names:
+        assert (fresh / name).read_bytes() == (warm / name).read_bytes(), name
+    # the same names with other shapes: new offsets were planned (the memo grew) and both ranks' pieces are right
+    assert result["sizes"]["96"] > result["sizes"]["64"]
+    for width in (64, 96):
+        d = tmp_path / f"w{width}"
+        _equal(distfn.load(d / "ckpt-1"), distfn.load(d / "ref.safetensors"))
+        assert distfn.load(d / "ckpt-1")["model.0.weight"].shape == (width, 16)
+
+
+@pytest.mark.slow
 def test_kill_9_during_an_async_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     done = run_python([str(JOB), str(tmp_path), "async-kill"], timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -396,7 +396,7 @@ def _span(path: pathlib.PurePath, name: str, info: Any) -> tuple[int, int]:
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(x) for x in offsets):
         raise bad(f"data_offsets {offsets!r} is not two non-negative ints")
     begin, stop = offsets
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if stop - begin != nbytes:
         raise bad(f"data_offsets {offsets} hold {stop - begin} bytes, shape {shape} of {info['dtype']} needs {nbytes}")
     return begin, stop

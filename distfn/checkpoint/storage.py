@@ -392,7 +392,7 @@ class Reader:
         dtype = fmt.FROM_CODE[info["dtype"]]
         shape = [int(s) for s in info["shape"]]
         begin, end = (int(x) for x in info["data_offsets"])
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = math.prod(shape)
         if end - begin != numel * itemsize:
             raise CheckpointError(f"'{self.header.path}': tensor '{name}' has {end - begin} bytes for shape "
@@ -426,7 +426,7 @@ class Reader:
         if not shape:
             return self._read(name, info)
         dtype = fmt.FROM_CODE[info["dtype"]]
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         row = math.prod(shape[1:]) * itemsize
         begin = self.header.data_start + int(info["data_offsets"][0]) + start * row
         count, out_shape = (stop - start) * row, [stop - start, *shape[1:]]

@@ -4,7 +4,8 @@
 (``w{W}/ckpt-5``) and the one-file gather (``w{W}/full-5.safetensors``) and train on to step 10; then 2 fsdp ranks
 and 2 ddp ranks load each of them, save what they loaded as one file (``check-*``), and train steps 6..10.
 ``python sharded_job.py OUT kill RANK``: a 2-rank fsdp run saves ``ckpt-1``, then ``RANK`` is killed (SIGKILL)
-during the sharded save of ``ckpt-2``, right after writing its shard. Results go to OUT/result.json.
+during the sharded save of ``ckpt-2``, right after writing its shard. ``python sharded_job.py OUT replan``: the save
+plan's memo (`replan_job`). Results go to OUT/result.json.
 """
 
 from __future__ import annotations
@@ -170,6 +171,30 @@ def async_kill_job(out: Path, ctx):
     return "not killed"
 
 
+@distributed(mode="fsdp", nprocs=2, seed=0, fsdp={"min_params": 100})
+def replan_job(out: Path, ctx):
+    """The save plan's memo (the shard offsets by layout): a warm save writes the same bytes as a fresh one, and a
+    state whose shapes changed under the same names is planned again."""
+    from distfn.checkpoint.sharded import write
+
+    model, opt = fresh(ctx, 0)
+    train(model, opt, 1, 2, ctx.rank, ctx.world_size)
+    state = {"model": model, "optimizer": opt, "step": 2}
+    write._OFFSETS.clear()
+    ctx.save(state, out / "fresh" / "ckpt-2")  # planned from nothing
+    memo = len(write._OFFSETS)
+    ctx.save(state, out / "warm" / "ckpt-2", blocking=False)  # planned from the memo
+    ctx.saves.wait()
+    sizes = {}
+    for width in (64, 96):  # the same names, other shapes: every rank's offsets change
+        torch.manual_seed(width)
+        other = ctx.wrap(nn.Sequential(nn.Linear(16, width), nn.Linear(width, 4)))
+        ctx.save({"model": other}, out / f"w{width}" / "ckpt-1", blocking=False)
+        ctx.save({"model": other}, out / f"w{width}" / "ref.safetensors")
+        sizes[width] = len(write._OFFSETS)
+    return {"memo": memo, "sizes": sizes}
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     if sys.argv[2] == "reshard":
@@ -181,6 +206,8 @@ if __name__ == "__main__":
     elif sys.argv[2] == "async":
         result = {"ddp": ddp_async_job(out), "fsdp": fsdp_async_job(out)}
         result["files"] = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    elif sys.argv[2] == "replan":
+        result = replan_job(out)
     elif sys.argv[2] == "async-kill":
         try:
             result = {"returned": async_kill_job(out)}

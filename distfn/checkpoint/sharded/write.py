@@ -19,7 +19,7 @@ import os
 import pathlib
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import torch
@@ -77,7 +77,7 @@ def _encode(obj: Any, metadata: Mapping[str, Any] | None) -> tuple[dict[str, str
     shapes: dict[str, Any] = {}
     for e in plan.entries:
         t = real.get(e.tensor.data_ptr(), e.tensor)
-        tensors[e.name] = t.detach()
+        tensors[e.name] = t  # detached by `_pieces`, after to_local: a DTensor's own detach costs 30 us
         shapes[e.name] = {"dtype": e.code, "shape": [int(s) for s in t.shape]}
     meta[KEY_TENSORS] = json.dumps(shapes, separators=(",", ":"))
     meta[KEY_LAYOUT] = "sharded"
@@ -184,19 +184,44 @@ def _pieces(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Piece]:
     for name, t in tensors.items():
         if hasattr(t, "placements"):
             dtensor: Any = t
-            chunks = dtensor.__create_chunk_list__()  # the protocol DCP uses; one chunk for every DTensor layout
-            local = dtensor.to_local()
-            if len(chunks) != 1:
-                raise CheckpointError(f"cannot save '{name}': its local shard has {len(chunks)} chunks (distfn "
-                                      "writes one per rank)")
+            with torch.no_grad():  # to_local without recording autograd (0.1 ms per tensor otherwise)
+                local = dtensor.to_local().detach()
             if local.numel() == 0 and t.numel() != 0:
                 continue  # this rank holds none of it (an uneven split)
-            piece = _Piece(local, tuple(int(o) for o in chunks[0].offsets))
+            piece = _Piece(local, _offsets(name, dtensor, local))
         else:
-            piece = _Piece(t, (0,) * t.dim())
+            piece = _Piece(t.detach(), (0,) * t.dim())
         fmt.entry(name, piece.tensor)  # raises the format's CheckpointError for what safetensors cannot hold
         out[name] = piece
     return out
+
+
+#: `_offsets` by layout: a save of the same state (names, shapes, placements) computes none of them again.
+_OFFSETS: dict[tuple[Any, ...], tuple[int, ...]] = {}
+_OFFSETS_MAX: Final = 65_536  # entries; more layouts than that in one process start the memo afresh
+
+
+def _offsets(name: str, dtensor: Any, local: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's shard of ``dtensor`` starts in the full tensor, by DCP's protocol
+    (``__create_chunk_list__``: one chunk for every DTensor layout), memoised by layout.
+
+    The chunk list costs 0.2 ms per tensor (DTensor's shape arithmetic in Python): 40 ms per save of a 200-tensor
+    state, every save, though it only changes with the layout. The key is everything the offsets depend on: the
+    rank, the mesh, the placements, the full shape and strides and the local tensor's type.
+    """
+    key = (_rank_world()[0], dtensor.device_mesh, tuple(dtensor.placements), tuple(dtensor.shape),
+           tuple(dtensor.stride()), type(local))
+    found = _OFFSETS.get(key)
+    if found is not None:
+        return found
+    chunks = dtensor.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise CheckpointError(f"cannot save '{name}': its local shard has {len(chunks)} chunks (distfn "
+                              "writes one per rank)")
+    if len(_OFFSETS) >= _OFFSETS_MAX:
+        _OFFSETS.clear()
+    offsets = _OFFSETS[key] = tuple(int(o) for o in chunks[0].offsets)
+    return offsets
 
 
 _Key = tuple[str, tuple[int, ...]]  # a piece: (stored name, offsets in the full tensor)
