@@ -17,9 +17,11 @@ import errno
 import io
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -81,6 +83,49 @@ def _cuda_blocks_fork() -> str | None:
     return None
 
 
+#: How long the throwaway child of `_pool_before_import` may take for one small parallel op before its parent's
+#: OpenMP pool is judged broken for forked children (it takes milliseconds when the pool survives fork).
+POOL_PROBE_S = 2.0
+_pool_verdict: list[str | None] = []  # the probe's answer, once per process (the baseline does not change)
+
+
+def _pool_before_import() -> str | None:
+    """Why forked workers could hang on an OpenMP pool that was already running at ``import distfn``, or ``None``.
+
+    The thread baseline (`BASELINE_THREADS`) cannot tell a pool started by a torch op *before* ``import distfn``
+    from torch's own threads, and GNU OpenMP's pool does not survive fork: the children hang at their first
+    parallel op (reproduced: a matmul before ``import distfn``, ``torch.set_num_threads(2)`` in the workers). So a
+    throwaway child runs one small parallel op; if it does not finish within `POOL_PROBE_S`, it is killed and
+    fork is unsafe. Asked once per process (a fork and a few milliseconds).
+    """
+    if _pool_verdict:
+        return _pool_verdict[0]
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child runs one parallel region and exits
+        try:
+            torch.set_num_threads(2)
+            torch.ones(1 << 20).add_(1)  # TensorIterator splits it with at::parallel_for: an OpenMP region
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - whatever happens, the child must not return
+            os._exit(2)
+    deadline = time.monotonic() + POOL_PROBE_S
+    done = 0
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.002)
+    why = None
+    if not done:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        why = ("a thread pool (OpenMP) was already running when distfn was imported (a torch op before "
+               "`import distfn`), and forked workers hang on it; import distfn before the first torch op to keep "
+               "the faster fork start")
+    _pool_verdict.append(why)
+    return why
+
+
 def _fallback(why: str) -> tuple[str, str]:
     """The start method when fork is unsafe: forkserver (workers fork from a clean server process that has
     torch imported, see `distfn.launch.forkserver`) where it exists, else spawn (every worker imports torch again)."""
@@ -115,6 +160,9 @@ def choose_start_method(requested: str) -> tuple[str, str]:
             f"this process started {len(new)} thread(s) since `import distfn` (an OpenMP pool from an earlier "
             "torch op, or threads of your own), and forked workers can hang on them"
         )
+    pool = _pool_before_import()
+    if pool is not None:
+        return _fallback(pool)
     return "fork", "no CUDA context and no extra threads in this process, so forking is safe"
 
 

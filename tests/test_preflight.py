@@ -68,3 +68,45 @@ def test_spawn_sends_whichever_of_wrapper_and_function_pickle_can_find() -> None
     # `@distributed`: the name is the wrapper
     assert preflight.sendable(_decorated) is _decorated
     preflight.check_picklable(preflight.sendable(_plain_job), {"lr": 0.1}, "spawn")
+
+
+_POOL_FIRST = """
+import torch
+x = torch.randn(1000, 1000)
+x @ x @ x  # an OpenMP pool is running before distfn is imported
+from distfn import distributed, preflight
+
+
+@distributed(nprocs=2, backend="gloo")
+def job(cfg, ctx):
+    torch.set_num_threads(2)  # a parallel op in the rank: where a forked copy of that pool hangs
+    a = torch.ones(512, 512)
+    return float((a @ a).sum()) + ctx.all_reduce(float(ctx.rank), op="sum")
+
+if __name__ == "__main__":
+    print("METHOD", preflight._pool_before_import(), flush=True)  # the verdict decoration was given (kept)
+    print("RESULT", job(None), flush=True)
+"""
+
+
+def test_a_torch_op_before_import_distfn_does_not_hang_forked_workers(tmp_path) -> None:
+    """The thread baseline is taken at ``import distfn``: an OpenMP pool started before it looked like torch's
+    own threads, the workers were forked from it and hung at their first parallel op (reproduced)."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = tmp_path / "pool_first.py"
+    script.write_text(_POOL_FIRST)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env=clean_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("METHOD", "RESULT")))
+    assert "before `import distfn`" in lines["METHOD"]
+    assert float(lines["RESULT"]) == 512.0 ** 3 + 1.0  # rank 0's matmul sum + the ranks' sum 0 + 1
+
+
+def test_a_clean_process_still_forks() -> None:
+    method, why = preflight.choose_start_method("auto")
+    assert method == "fork" or "thread" in why or "CUDA" in why  # this test process may have run torch ops
