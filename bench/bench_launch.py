@@ -52,6 +52,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 
+#: The raw floor's rank, for the scripts that leave rank 0's result in a file (a kernel's children cannot print
+#: into the cell; the per-call script times several calls in one process).
+RAW_FILE_WORKER = """
+def worker(rank, n, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(str(t.item()))
+    dist.destroy_process_group()
+"""
+
 SCRIPTS: dict[str, str] = {
     "import_torch": """
 import torch
@@ -106,15 +119,7 @@ def job(cfg, ctx):
     dist.all_reduce(t)
     return t.item()
 
-def worker(rank, n, port, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    if rank == 0:
-        with open(out, "w") as f:
-            f.write(str(t.item()))
-    dist.destroy_process_group()
-
+""" + RAW_FILE_WORKER + """
 def raw():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -239,15 +244,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 """, """
-def worker(rank, n, port, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    if rank == 0:
-        with open(out, "w") as f:
-            f.write(str(t.item()))
-    dist.destroy_process_group()
-
+""" + RAW_FILE_WORKER + """
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
