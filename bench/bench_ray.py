@@ -96,6 +96,10 @@ def main() -> None:
     address = opts.address
     started = address is None
     if started:
+        # Ray keeps an auth token in ~/.ray/auth_token, made by the first local cluster that needs one; a cluster
+        # started here that reads another's fails with InvalidAuthToken (it did, in a whole bench/run.py after the
+        # tests had run Ray). This process and the cluster it starts get a home of their own, as the tests' do.
+        os.environ["HOME"] = tempfile.mkdtemp(prefix="distfn-bench-ray-home-")
         port = 6000 + os.getpid() % 1000
         subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--num-cpus={WORLD + 1}", "--num-gpus=0",
                         "--object-store-memory=100000000", "--include-dashboard=false", "--disable-usage-stats"],
