@@ -361,7 +361,7 @@ def notebook_table(rounds: int, gap: float, long_gap: float | None) -> dict[str,
     if long_first is not None:
         samples[long_first] = [s[0] for s in by_session["distfn, long gap"]]
     samples[ready] = [s[0] for s in by_session["ready"]]
-    sink = "one loguru sink added (distfn: 3 per call in the kernel, 2 per worker)"
+    sink = "one loguru sink added (distfn adds one per process, at its first job)"
     samples[sink] = [sink_cost() for _ in range(rounds)]
     floors = {first: "raw fork in a kernel, first call (floor)", later: "raw fork in a kernel, later call (floor)"}
     targets = [{"variant": first, "max_ratio": 1.3}, {"variant": later, "max_ratio": 1.1}]
@@ -378,7 +378,7 @@ def notebook_table(rounds: int, gap: float, long_gap: float | None) -> dict[str,
                          **({long_first: "the same, with a pause longer than the server's start"}
                             if long_first else {}),
                          ready: "python -c 'import <PRELOAD>' (no ratio: what the first call may wait for)",
-                         sink: "no ratio: a per-call cost the floor lacks (see the note below the table)"})
+                         sink: "no ratio: paid once per process, at the first call (distfn/logs.py)"})
     return against_floors(tab, floors, "the floor call of the same rank (first or later)")
 
 
@@ -502,8 +502,8 @@ def scaling_table(workdir: Path, counts: list[int], rounds: int,
     tab = c.table("Launch latency by number of workers (ratio: distfn vs raw fork with the same N)", "s", samples,
                   baseline=None, targets=[{"variant": name, "max_ratio": 1.1} for name in floors],
                   notes={"distfn, 1 worker": "runs in place: no worker process",
-                         **{f"distfn, {_workers(n)}": "each worker adds 2 loguru sinks (CPU, so it grows with N "
-                            "on 2 cores: see the notebook table's sink row)" for n in counts if n > 1}})
+                         **{f"distfn, {_workers(n)}": "forked from the launcher: distfn's launch and worker code "
+                            "imported once there (see the torchrun table's note)" for n in counts if n > 1}})
     return against_floors(tab, floors, "raw fork with the same N")
 
 
