@@ -248,6 +248,15 @@ def warm_bytecode(python: str = sys.executable, modules: Sequence[str] = ("torch
                    timeout=600)
 
 
+def fsync_path(path: str) -> None:
+    """Make the file at ``path`` durable (what the "+fsync" save variants add to ``torch.save``/``save_file``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def free_port() -> int:
     """A currently free TCP port on the loopback interface."""
     with socket.socket() as s:

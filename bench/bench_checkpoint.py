@@ -75,14 +75,6 @@ def make_state(size_mib: int, tensors: int, seed: int = 0) -> dict[str, torch.Te
     return {f"layer{i}.weight": torch.rand(n, generator=g) for i, n in enumerate(sizes)}
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _dd(source: str, target: str, nbytes: int, sync: bool) -> None:
     # bs=1M: dd's usual block size, and faster here than huge blocks (its buffer stays in cache)
     cmd = ["dd", f"if={source}", f"of={target}", "bs=1M", f"count={nbytes}", "iflag=count_bytes"]
@@ -103,11 +95,11 @@ def save_methods(state: dict[str, torch.Tensor], reference: str, nbytes: int) ->
 
     def torch_save_fsync(p: str) -> None:
         torch.save(state, p)
-        _fsync_path(p)
+        c.fsync_path(p)
 
     def save_file_fsync(p: str) -> None:
         save_file(state, p)
-        _fsync_path(p)
+        c.fsync_path(p)
 
     return {
         "distfn.save": lambda p: checkpoint.save(state, p),

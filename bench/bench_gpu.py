@@ -128,14 +128,6 @@ def launch_tables(workers: int, backend: str, rounds: int, budget: float, tmp: P
 
 
 # -- save -------------------------------------------------------------------------------------------------------
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """The save variants on a state of CUDA tensors (CPU ones in a rehearsal), interleaved; seconds per save."""
     import torch
@@ -164,11 +156,11 @@ def save_job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
     def torch_save(path: str) -> None:
         torch.save(state, path)
-        _fsync(path)
+        c.fsync_path(path)
 
     def st_save(path: str) -> None:
         save_file(state, path)
-        _fsync(path)
+        c.fsync_path(path)
 
     def async_save(path: str) -> None:
         start = time.perf_counter()
