@@ -74,8 +74,8 @@ def table(title: str, unit: str, samples: Mapping[str, Sequence[float]], baselin
     ``targets`` are ``{"variant": name, "max_ratio": x}`` or ``{"variant": name, "max_value": x}``; each gets
     ``"median"``/``"ratio"`` and ``"met"`` filled in (``None`` when the variant has no samples).
     ``floors`` gives a variant its own baseline (a scaling curve: ``{"distfn, 4 workers": "raw fork, 4 workers"}``):
-    its ratio, and a ``max_ratio`` target on it, are then against that row's median (the target records it as
-    ``"floor"``).
+    its ratio, and a ``max_ratio`` target on it, are then against that row's median, and each floor row's ratio
+    is 1; the caller names the floors for the page in the table's ``"baseline"``.
     """
     medians = {k: statistics.median(v) for k, v in samples.items() if v}
     base = medians.get(baseline) if baseline else None
@@ -86,6 +86,8 @@ def table(title: str, unit: str, samples: Mapping[str, Sequence[float]], baselin
         if name in floors:
             floor = medians.get(floors[name])
             ratio = (med / floor) if med is not None and floor else None
+        elif name in floors.values():
+            ratio = 1.0 if med else None
         else:
             ratio = (med / base) if med is not None and base else None
         rows.append({
@@ -102,8 +104,6 @@ def table(title: str, unit: str, samples: Mapping[str, Sequence[float]], baselin
         t = dict(target)
         row = by_name.get(t["variant"], {})
         if "max_ratio" in t:
-            if t["variant"] in floors:
-                t["floor"] = floors[t["variant"]]
             value = row.get("ratio")
             t["ratio"] = value
             t["met"] = None if value is None else value <= t["max_ratio"]
@@ -121,14 +121,14 @@ def curve_table(title: str, points: Mapping[str, Mapping[str, Sequence[float]]],
     ratio to ``floor``'s median *at the same point*, the bandwidth ``nbytes[point] / median`` in the note, and one
     target per point for each variant in ``limits`` (``variant -> max ratio``)."""
     samples = {f"{name}, {point}": points[point][name] for point in points for name in variants}
-    tab = table(title, "s", samples, baseline=None)
+    floors = {f"{name}, {point}": f"{floor}, {point}" for point in points for name in variants if name != floor}
+    targets = [{"variant": f"{name}, {point}", "max_ratio": limits[name]}
+               for point in points for name in variants if name in limits]
+    tab = table(title, "s", samples, baseline=None, targets=targets, floors=floors)
     for row in tab["rows"]:
-        name, point = row["variant"].rsplit(", ", 1)
-        row["ratio"] = row["median"] / statistics.median(points[point][floor])
+        name = row["variant"].rsplit(", ", 1)[0]
+        point = row["variant"].rsplit(", ", 1)[1]
         row["note"] = f"{nbytes[point] / row['median'] / 1e9:.2f} GB/s" + ("; the floor" if name == floor else "")
-        if name in limits:
-            tab["targets"].append({"variant": row["variant"], "max_ratio": limits[name], "ratio": row["ratio"],
-                                   "met": row["ratio"] <= limits[name]})
     tab["baseline"] = f"{floor} at the same point"
     tab["note"] = note
     return tab
@@ -163,7 +163,7 @@ def format_table(tab: Mapping[str, Any]) -> str:
 def describe_target(target: Mapping[str, Any], tab: Mapping[str, Any]) -> tuple[str, str, str]:
     """``(goal, measured, verdict)`` of one target of ``tab``, e.g. ``("≤ 1.1× raw fork", "1.001×", "met")``."""
     if "max_ratio" in target:
-        goal = f"≤ {target['max_ratio']}× {target.get('floor') or tab.get('baseline')}"
+        goal = f"≤ {target['max_ratio']}× {tab.get('baseline')}"
         got = f"{target['ratio']:.3f}×" if target.get("ratio") is not None else "no data"
     else:
         goal = f"≤ {_fmt(target['max_value'], tab['unit'])}"

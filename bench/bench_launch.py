@@ -370,7 +370,7 @@ def notebook_table(rounds: int, gap: float, long_gap: float | None) -> dict[str,
         targets.append({"variant": long_first, "max_ratio": 1.3})
     tab = c.table("Notebook flow through a Jupyter kernel: wall time of the call cell (execute_request to idle), "
                   "2 workers, init + one all_reduce + exit", "s", samples, baseline=None, targets=targets,
-                  notes={floors[first]: "the floor: torch imported, no op, so the kernel forks",
+                  floors=floors, notes={floors[first]: "the floor: torch imported, no op, so the kernel forks",
                          floors[later]: "the same kernel's later calls",
                          first: "cell 1 imports torch and distfn and runs a matmul (fork unsafe), cell 2 "
                                 "decorates (the fork server starts), a pause, cell 3 calls",
@@ -379,7 +379,8 @@ def notebook_table(rounds: int, gap: float, long_gap: float | None) -> dict[str,
                             if long_first else {}),
                          ready: "python -c 'import <PRELOAD>' (no ratio: what the first call may wait for)",
                          sink: "no ratio: paid once per process, at the first call (distfn/logs.py)"})
-    return against_floors(tab, floors, "the floor call of the same rank (first or later)")
+    tab["baseline"] = "the floor call of the same rank (first or later)"
+    return tab
 
 
 #: The pause between the definition cell and the call cell that the target is stated for (issue 32).
@@ -399,21 +400,6 @@ def notebook_rows(rounds: int, tiny: bool) -> dict[str, Any]:
         if ready + NB_MARGIN > NB_GAP:
             long_gap = math.ceil((ready + NB_MARGIN) * 2) / 2
     return notebook_table(rounds, NB_GAP, long_gap)
-
-
-def against_floors(tab: dict[str, Any], floors: dict[str, str], baseline: str) -> dict[str, Any]:
-    """Give each row of ``floors`` its ratio to its own floor row (not one baseline for the whole table), and
-    check the table's ``max_ratio`` targets against those ratios; ``baseline`` names the floors for the page."""
-    rows = {row["variant"]: row for row in tab["rows"]}
-    for name, floor in floors.items():
-        mine, base = rows[name], rows[floor]
-        mine["ratio"] = mine["median"] / base["median"] if mine["median"] and base["median"] else None
-        rows[floor]["ratio"] = 1.0 if base["median"] else None
-    for target in tab["targets"]:
-        target["ratio"] = ratio = rows[target["variant"]]["ratio"]
-        target["met"] = None if ratio is None else ratio <= target["max_ratio"]
-    tab["baseline"] = baseline
-    return tab
 
 
 def _has(python: str, module: str) -> bool:
@@ -500,11 +486,12 @@ def scaling_table(workdir: Path, counts: list[int], rounds: int,
         samples[f"distfn, {_workers(n)}"], samples[f"raw fork, {_workers(n)}"] = ours, floor
     floors = {f"distfn, {_workers(n)}": f"raw fork, {_workers(n)}" for n in counts}
     tab = c.table("Launch latency by number of workers (ratio: distfn vs raw fork with the same N)", "s", samples,
-                  baseline=None, targets=[{"variant": name, "max_ratio": 1.1} for name in floors],
+                  baseline=None, targets=[{"variant": name, "max_ratio": 1.1} for name in floors], floors=floors,
                   notes={"distfn, 1 worker": "runs in place: no worker process",
                          **{f"distfn, {_workers(n)}": "forked from the launcher: distfn's launch and worker code "
                             "imported once there (see the torchrun table's note)" for n in counts if n > 1}})
-    return against_floors(tab, floors, "raw fork with the same N")
+    tab["baseline"] = "raw fork with the same N"
+    return tab
 
 
 def launch_import_cost() -> float:
