@@ -496,9 +496,9 @@ def scaling_table(workdir: Path, counts: list[int], rounds: int,
 
 def launch_import_cost() -> float:
     """Seconds ``import distfn.execute`` (what a call loads: the launch and in-place machinery) takes after
-    ``import torch`` in a fresh interpreter: a cost every rank pays in place under torchrun, which the plain
-    script lacks."""
-    code = ("import time, torch\nstart = time.perf_counter()\nimport distfn.execute\n"
+    ``import torch`` in a fresh interpreter, as a call does it (the caller's objects frozen: see
+    `distfn.process.frozen_heap`): a cost every rank pays in place under torchrun, which the plain script lacks."""
+    code = ("import gc, time, torch\nstart = time.perf_counter()\ngc.freeze()\nimport distfn.execute\n"
             "print('OK', time.perf_counter() - start)")
     out = subprocess.run([sys.executable, "-c", code], env=c.clean_env(), capture_output=True, text=True,
                          timeout=300, check=True).stdout

@@ -13,7 +13,7 @@ import builtins
 import os
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -23,7 +23,6 @@ from torch.utils.data import Dataset, DistributedSampler
 from . import accumulation, collectives, data, progress, wrapping
 from . import precision as amp
 from .accumulation import Accumulator
-from .checkpoint import policy
 from .checkpoint.background import Saves
 from .data import DistributedLoader
 from .devices import collective_device
@@ -468,6 +467,9 @@ class Context:
             storage_options: for a URL (`s3://bucket/...`), the fsspec file system's options (endpoint,
                 credentials); by default fsspec's configuration (docs/checkpoints.md, "Remote storage").
         """
+        from .checkpoint import policy  # at the first save/load/resume, not at the job's start: ~30 ms (see
+        # distfn.checkpoint's _EXPORTS) that a job which never saves should not pay
+
         return policy.save_state(obj, path, mode=self.mode, rank=self.rank, run=self.run, metadata=metadata,
                                  keep=keep, rng=rng, sharded=sharded, blocking=blocking,
                                  storage_options=storage_options)
@@ -478,7 +480,7 @@ class Context:
         into: nn.Module | Mapping[str, Any],
         *,
         strict: bool = True,
-        rng: policy.RngRestore = False,
+        rng: bool | Literal["if-present"] = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Restore ``into`` (a module, or a mapping of modules/optimizers/schedulers/...) in place from ``path``
@@ -500,6 +502,8 @@ class Context:
                 (when it holds them) or False (leave them alone; a saved ``"rng"`` entry is then returned).
             storage_options: for a URL, the fsspec file system's options (as in `ctx.save`).
         """
+        from .checkpoint import policy  # see `save`
+
         return policy.load_state(path, into, mode=self.mode, rank=self.rank, world_size=self.world_size,
                                  device=self.device, run=self.run, strict=strict, rng=rng,
                                  storage_options=storage_options)
@@ -532,6 +536,8 @@ class Context:
             The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
             alone). Rank 0 picks the file and every rank loads that same one.
         """
+        from .checkpoint import policy  # see `save`
+
         return policy.resume_state(state, directory, mode=self.mode, rank=self.rank, world_size=self.world_size,
                                    device=self.device, run=self.run, prefix=prefix, strict=strict,
                                    storage_options=storage_options)

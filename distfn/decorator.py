@@ -7,7 +7,7 @@
 Decoration imports only what decorating needs (the options, the plan, the nested-launch guard in
 `distfn.process`, the fork server): ``from distfn import distributed`` after ``import torch`` costs a few tens of
 milliseconds (bench/bench_import.py). The launch machinery (`distfn.execute`: the launchers, the rank bootstrap,
-the process group and checkpoint code, ~100 ms more) is imported at the first call.
+the process-group code, ~60 ms more) is imported at the first call, the checkpoint code at the first save.
 
 Decoration judges no environment variable and resolves no host: whatever is wrong with the environment is an
 error of the call. The one thing decoration may start is the fork server, where the plan says the call will
@@ -75,7 +75,7 @@ def _call(fn: Callable[..., R], sendable: Callable[..., R], opts: Options, cfg: 
             "`decorated.__wrapped__`). If this comes from a script being re-imported by a worker, put the call "
             "under `if __name__ == \"__main__\":`."
         )
-    from . import execute  # deferred: the launch machinery, ~100 ms after torch (python -X importtime), loads at
+    from . import execute  # deferred: the launch machinery, ~60 ms after torch (python -X importtime), loads at
     # the first call, not at decoration (issue 32 item 1)
 
     return execute.run_call(fn, sendable, cfg, plan)

@@ -2,8 +2,8 @@
 process running a decorated function (the nested-launch guard), and the legacy launcher's ``--local-rank``.
 
 Both are asked at decoration (`distfn.decorator`), where only what a decorating user needs may be imported (the
-rank bootstrap, `distfn.worker`, loads the process-group and checkpoint machinery: ~100 ms after torch, measured
-with ``python -X importtime``). `distfn.worker` sets the guard while a function runs and re-exports these names.
+rank bootstrap, `distfn.worker`, loads the process-group machinery: ~60 ms after torch, measured with
+``python -X importtime``). `distfn.worker` sets the guard while a function runs and re-exports these names.
 
 `in_worker` is the one nested-launch check: true while a decorated function runs in this process, and in a
 distfn worker process from its start (its name begins with `WORKER_NAME`, which multiprocessing sets before

@@ -259,3 +259,19 @@ def test_env_says_what_changes_the_count_and_lists_extras_and_the_install() -> N
                                         "MASTER_PORT": "29555"})
     assert envreport.COUNT_NOTE not in under_torchrun["plan"]["notes"]  # the launcher's world size wins
     assert envreport.COUNT_NOTE not in envreport.collect({"DISTFN_NPROCS": "2"})["plan"]["notes"]  # it is set
+
+
+def test_a_job_that_never_saves_does_not_import_the_checkpoint_code() -> None:
+    """Issue 32: the launch and worker code (`distfn.execute`) loads the checkpoint writer, reader and restore
+    only at the first save or load (~30 ms after torch per process, every rank under torchrun); every public name
+    of `distfn.checkpoint` still resolves, and ``ctx.save`` then loads them."""
+    code = ("import sys, torch, distfn.execute, distfn.checkpoint as ck\n"
+            "heavy = ('distfn.checkpoint.api', 'distfn.checkpoint.restore', 'distfn.checkpoint.sharded', "
+            "'distfn.checkpoint.storage', 'distfn.checkpoint.policy')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n"
+            "print(all(callable(getattr(ck, n)) or n == 'RNG' for n in ck.__all__), sorted(ck.__all__) == "
+            "sorted(ck._EXPORTS), 'load_into' in dir(ck))\n"
+            "import pytest\nwith pytest.raises(AttributeError): ck.no_such_name\n")
+    done = subprocess.run([sys.executable, "-c", code], env=_clean(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["[]", "True True True"], done.stdout

@@ -19,12 +19,30 @@ generator states live in `distfn.rng` and module unwrapping in `distfn.modules`;
 
 from __future__ import annotations
 
-from ..modules import unwrap_module
-from ..rng import RNG, combine_rng_states, gather_rng_states, rng_state, rng_state_for_rank, set_rng_state
-from .api import latest, load, read_metadata, save, save_in_background
-from .layout import step_of_path
-from .restore import load_into
-from .sharded import consolidate
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..modules import unwrap_module
+    from ..rng import RNG, combine_rng_states, gather_rng_states, rng_state, rng_state_for_rank, set_rng_state
+    from .api import latest, load, read_metadata, save, save_in_background
+    from .layout import step_of_path
+    from .restore import load_into
+    from .sharded import consolidate
+
+#: Each public name and the module it comes from, imported at the name's first use. Why lazily: a job imports
+#: `background` (``ctx.saves``) and `objects` (FSDP's state) at its start, and a package that imported its whole
+#: self for them cost every process ~30 ms after torch (``python -X importtime``: ~40 attrs classes and the
+#: sharded reader and writer), although most jobs save at their end, or never.
+_EXPORTS = {
+    "unwrap_module": "..modules",
+    **dict.fromkeys(("RNG", "combine_rng_states", "gather_rng_states", "rng_state", "rng_state_for_rank",
+                     "set_rng_state"), "..rng"),
+    **dict.fromkeys(("latest", "load", "read_metadata", "save", "save_in_background"), ".api"),
+    "step_of_path": ".layout",
+    "load_into": ".restore",
+    "consolidate": ".sharded",
+}
 
 __all__ = [
     "RNG",
@@ -43,3 +61,18 @@ __all__ = [
     "step_of_path",
     "unwrap_module",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name on first use (see `_EXPORTS`); submodules import as usual (``distfn.checkpoint.format``)."""
+    try:
+        module_name = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module_name, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -42,7 +42,8 @@ __all__ = ["SERVER_NAME", "ensure_server", "server_running", "start_early"]
 #: What the fork server imports before it forks any worker, so that no worker imports it again: torch and the
 #: modules a worker runs (``import distfn`` alone imports neither: the package is lazy, for an instant CLI; and
 #: decorating imports none of the launch machinery, `distfn.execute`, so a copy made at decoration lacks it too).
-PRELOAD: Final = ("distfn.execute", "distfn.checkpoint")
+#: Not the checkpoint writer and reader: like every rank, the server's load them at the first save or load.
+PRELOAD: Final = ("distfn.execute",)
 
 #: The fork server's process name (``/proc/PID/comm``, what ``ps`` and ``top`` show), at most 15 characters.
 SERVER_NAME = "distfn-forksrv"

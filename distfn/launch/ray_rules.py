@@ -3,7 +3,7 @@ actor gets which rank, each rank's `Topology`, and where a rank's relative paths
 
 `distfn.plan` asks `check_options` when it plans a call (at decoration too), so this module imports only the
 options and the topology (`distfn.launch.ray`, the driver and the actors, loads the rank protocol and with it the
-rank bootstrap, ~100 ms after torch, measured with ``python -X importtime``). Tested without Ray
+rank bootstrap, ~60 ms after torch, measured with ``python -X importtime``). Tested without Ray
 (tests/test_ray.py).
 """
 
