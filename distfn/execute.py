@@ -26,7 +26,6 @@ from . import devices, preflight, rendezvous, topology, worker
 from .context import Context
 from .errors import ConfigError
 from .launch import forkserver, local, pernode
-from .launch import ray as ray_launch
 from .options import Options
 from .plan import CallPlan
 
@@ -86,6 +85,8 @@ def run_call(fn: Callable[..., R], sendable: Callable[..., R], cfg: Any, plan: C
     for note in plan.notes:
         logger.log(note.level, note.text)
     if plan.kind == "ray":  # the ranks are Ray actors on the cluster's nodes, not processes of this machine
+        from .launch import ray as ray_launch  # deferred: its driver and rules, ~4 ms after torch, for Ray only
+
         return ray_launch.launch(fn, cfg, plan.opts)
     devices.apply_visible_devices(plan.opts.devices)
     _check_backend_fits(plan.opts)

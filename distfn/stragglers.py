@@ -19,7 +19,6 @@ with the other ranks' median (a uniformly slow machine is no straggler), a diffe
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from typing import Any, Final, Literal
 
@@ -179,6 +178,8 @@ def _p90(values: Sequence[float]) -> float:
 
 def summarise(samples: Sequence[tuple[float, float, float, float]], *, rank: int, host: str) -> RankTimes:
     """A rank's row over ``samples``: (data, compute, comm, step) seconds, one tuple per step (at least one)."""
+    import statistics  # deferred: ~2.5 ms after torch at every job's start (python -X importtime); used per window
+
     columns = list(zip(*samples, strict=True))
     parts = [Part(statistics.fmean(c), _p90(c), statistics.median(c)) for c in columns]
     return RankTimes(rank, host, len(samples), *parts)
@@ -197,6 +198,8 @@ def find_straggler(rows: Sequence[RankTimes]) -> Straggler | None:
     rank that arrives last at the all-reduce waits least, so a rank that is busy *and* waits is not what holds
     the others up (it is a noisy reading).
     """
+    import statistics  # see `summarise`
+
     if len(rows) < 2:
         return None
     slow = max(rows, key=lambda r: r.busy)
