@@ -15,7 +15,7 @@ start-up are the same for every variant and left out (each variant's clock start
 
 Usage::
 
-    python bench/bench_resume.py                       # 5 rounds, 64 batches of 32, resume at batch 60
+    python bench/bench_resume.py                       # 15 rounds, 64 batches of 32, resume at batch 60
     python bench/bench_resume.py --tiny --json /tmp/out.json   # smoke: one round, small sizes
 """
 
@@ -73,7 +73,8 @@ def _build(n: int, batch: int, item_s: float) -> tuple[nn.Module, torch.optim.Op
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = c.parser("restart to first batch: resumed at a sampler position vs fresh vs replay", rounds=5)
+    # 15 rounds: ~1 s each, and a 100 ms start spreads 10-15 % from round to round on 2 cores
+    p = c.parser("restart to first batch: resumed at a sampler position vs fresh vs replay", rounds=15)
     p.add_argument("--batches", type=int, default=64, help="batches per epoch")
     p.add_argument("--batch", type=int, default=32, help="samples per batch")
     p.add_argument("--at", type=int, default=60, help="the checkpoint is taken after this many batches")
