@@ -9,7 +9,9 @@ backend name with ``--track``) runs both loops side by side, interleaved round b
   row, the tracking thread writes in the background).
 
 Many short rounds (a rotated order each) rather than a few long ones, so that a noisy neighbour hits both
-variants alike. A second table times the call alone on each rank (``--calls`` calls, no training).
+variants alike. A second table times the call alone on each rank (``--calls`` calls, no training); a third
+gives the tracking thread's CPU time per logged step on rank 0 (``/proc/self/task/<tid>/schedstat`` over the
+rounds and one flush after them): what the background writer takes from the ranks on a shared machine.
 
 The run is opened (and the backend's package imported) by one call before the first round, so the rounds
 measure the steady state. A round's sample is rank 0's median time per step over ``--steps`` steps.
@@ -31,6 +33,21 @@ import _common as c
 WORLD = 2
 NONE = "no logging"
 LOGGED = "ctx.log_metrics every step"
+
+
+def _thread_cpu_ns(name: str) -> int | None:
+    """CPU time (ns) the thread ``name`` of this process has run, from ``/proc/self/task/<tid>/schedstat``
+    (``None`` where there is no such thread or no /proc): what the tracking thread takes from the ranks."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == name and thread.native_id is not None:
+            try:
+                with open(f"/proc/self/task/{thread.native_id}/schedstat", encoding="ascii") as f:
+                    return int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                return None
+    return None
 
 
 def tracking_job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -66,19 +83,26 @@ def tracking_job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
     time.sleep(cfg["open_wait"])
     out: dict[str, list[float]] = {NONE: [], LOGGED: []}
     variants = [NONE, LOGGED]
+    thread_before = _thread_cpu_ns("distfn-tracking")
     for r in range(cfg["rounds"]):
         for name in variants[r % 2:] + variants[:r % 2]:
             out[name].append(run(log=name == LOGGED))
         if ctx.is_main:
             c.log(f"  round {r + 1}/{cfg['rounds']}: " + ", ".join(f"{v} {out[v][-1] * 1000:.3f} ms/step"
                                                                    for v in variants))
+    ctx.barrier()
+    time.sleep(1.5 * 1.0)  # one more flush period (tracking.session.FLUSH_EVERY): the rounds' rows are written
+    thread_after = _thread_cpu_ns("distfn-tracking")
+    logged_steps = cfg["rounds"] * cfg["steps"]
+    thread_us = None if thread_before is None or thread_after is None else \
+        (thread_after - thread_before) / 1e3 / logged_steps
     # the call alone, on each rank: rank 0 reads the tensor and queues a row, rank 1 returns at once
     calls, loss = cfg["calls"], F.cross_entropy(model(x), y).detach()
     begin = time.perf_counter()
     for i in range(calls):
         ctx.log_metrics({"loss": loss, "lr": 0.01}, step=step + 1 + i)
     per_call = (time.perf_counter() - begin) / calls
-    return {"steps": out, "per_call": ctx.gather_object(per_call)}
+    return {"steps": out, "per_call": ctx.gather_object(per_call), "thread_us_per_step": thread_us}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     calls = c.table(f"One ctx.log_metrics call (a tensor and a float), {args.calls} calls timed alone", "µs",
                     {"rank 0 (reads the tensor, queues a row)": [rank0 * 1e6],
                      "rank 1 (returns at once)": [rank1 * 1e6]}, baseline=None)
-    c.emit({"benchmark": "tracking", "tables": [tab, calls],
+    thread = c.table("The tracking thread's CPU time per logged step (rank 0, /proc/self/task/<tid>/schedstat over the "
+                     "rounds and one flush after them)", "µs",
+                     {"distfn-tracking thread": [out["thread_us_per_step"]] if out["thread_us_per_step"] else []},
+                     baseline=None)
+    c.emit({"benchmark": "tracking", "tables": [tab, calls, thread],
             "notes": ["rank 0's median step time per round; the tracking thread writes in the background"]},
            args.json)
     return 0

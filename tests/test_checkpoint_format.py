@@ -143,3 +143,46 @@ def test_offsets_rejected_exactly_like_the_safetensors_library(tmp_path: pathlib
         load_file(path)
     with pytest.raises(CheckpointError):
         checkpoint.load(path)
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}, "not a list of non-negative ints"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [False, 4]}, "not two non-negative ints"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4]}, "not two non-negative ints"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [0, 4.0]}, "not two non-negative ints"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}, "not two non-negative ints"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}, "not two non-negative ints"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": {"0": 4}}, "not two non-negative ints"),
+    ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}, "unknown to this torch"),
+    ({"dtype": None, "shape": [1], "data_offsets": [0, 4]}, "unknown to this torch"),
+    ({"shape": [1], "data_offsets": [0, 4]}, "needs dtype, shape and data_offsets"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": None}, "not two non-negative ints"),
+    ({"dtype": "F32", "shape": [2, -1], "data_offsets": [0, 4]}, "not a list of non-negative ints"),
+])
+def test_every_entry_check_holds_on_the_fast_path(tmp_path: pathlib.Path, entry: dict, message: str) -> None:
+    """The header check tests well-formed entries with exact type tests in one pass (a 64 MiB load is ~10 %
+    header work): each value a looser test would let through (JSON ``true`` for 1, ``0.0`` for 0, an unhashable
+    dtype, a negative start whose span still has the right length) is refused with the same message as before."""
+    path = _write_raw(tmp_path / "x.safetensors", {"a": entry}, bytes(8))
+    with pytest.raises(CheckpointError, match=r"x\.safetensors") as info:
+        checkpoint.load(path)
+    assert message in str(info.value)
+
+
+def test_extra_keys_in_an_entry_are_allowed_like_the_stock_library(tmp_path: pathlib.Path) -> None:
+    path = _write_raw(tmp_path / "x.safetensors", {"a": {**_f32([2], 0, 8), "note": 1}}, bytes(8))
+    assert torch.equal(load_file(path)["a"], torch.zeros(2))
+    loaded = checkpoint.load(path)["a"]
+    assert torch.equal(loaded, torch.zeros(2)) and loaded.shape == (2,)
+
+
+def test_loaded_tensors_own_exactly_their_bytes_of_the_map(tmp_path: pathlib.Path) -> None:
+    """1-d tensors come straight from frombuffer (no view on top), n-d ones are a view of it: either way a tensor's
+    storage holds its own bytes only, so torch.save of one loaded tensor writes that tensor, not the file."""
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(3.0), "s": torch.tensor(5.0),
+             "e": torch.empty(0, 4)}
+    loaded = checkpoint.load(checkpoint.save(state, tmp_path / "x.safetensors"))
+    for name, value in state.items():
+        t = loaded[name]
+        assert t.shape == value.shape and torch.equal(t, value), name
+        assert t.untyped_storage().nbytes() == value.numel() * 4, name

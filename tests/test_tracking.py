@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import signal
 import struct
@@ -575,3 +576,38 @@ def test_an_unreachable_mlflow_server_is_one_warning_and_training_goes_on(tmp_pa
     assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-4000:]
     assert done.stderr.count("tracking: mlflow could not") == 1, done.stderr[-4000:]  # one warning, not per try
     assert "on_error='drop'" in done.stderr
+
+
+def test_values_and_steps_keep_their_rules_on_the_fast_path(tmp_path: Path) -> None:
+    """log_metrics tests exact float / int values and an exact int step before the ``numbers`` ABCs (which cost
+    more than the rest of a call): every other kind of value and step is still accepted or refused as before."""
+    import numpy as np
+    import torch
+
+    session = Session((CSV(root=str(tmp_path)),), {}, {KEY_ENV: "fast"}, flush_every=0.02)
+    loss = torch.tensor(0.25, requires_grad=True) * 2  # autograd history: item() reads it without detach()
+    session.log_metrics({"f": 0.1, "i": 3, "b": True, "t": loss, "ti": torch.tensor([7]), "np": np.float32(0.5),
+                         "nan": float("nan"), "inf": -math.inf, 5: 1.0}, step=np.int64(2))
+    session.log_metrics({"f": 0.2}, step=3)
+    for bad in (True, -1, 2.0, "4"):
+        with pytest.raises(TypeError, match="step is a non-negative int"):
+            session.log_metrics({"f": 0.3}, step=bad)
+    session.close("FINISHED")
+    lines = (tmp_path / "fast" / "metrics.csv").read_text().splitlines()
+    assert lines[0] == "step,name,value,time"
+    rows = [line.split(",") for line in lines[1:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("2", "f", "0.1"), ("2", "i", "3.0"), ("2", "b", "1.0"), ("2", "t", "0.5"), ("2", "ti", "7.0"),
+        ("2", "np", "0.5"), ("2", "nan", "nan"), ("2", "inf", "-inf"), ("2", "5", "1.0"), ("3", "f", "0.2")]
+    assert all(float(r[3]) > 0 for r in rows)  # the wall time of the flush that wrote the row
+
+
+def test_replays_below_the_floor_are_counted_and_logged_once(tmp_path: Path, warnings_seen: Any) -> None:
+    """_send filters a flush's rows against the floor in one pass: every replayed row is counted, none is sent."""
+    backend = FakeBackend(floor=4)
+    session = Session((backend,), {}, {KEY_ENV: "k1"}, flush_every=60.0)  # one flush, at close
+    for step in range(1, 8):
+        session.log_metrics({"loss": 1.0}, step=step)
+    session.close("FINISHED")
+    assert [x for x in backend.log if isinstance(x, int)] == [5, 6, 7]
+    assert session._channels[0].replays == 4

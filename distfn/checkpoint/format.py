@@ -40,6 +40,7 @@ __all__ = [
     "Header",
     "NoTensors",
     "Plan",
+    "Span",
     "TensorSource",
     "as_plain_dict",
     "check",
@@ -335,6 +336,10 @@ def _dumps(value: Any, what: str = "state") -> str:
 # The header
 
 
+#: One checked tensor entry of a header: its dtype, shape and ``[begin, end)`` byte span in the data section.
+Span = tuple[torch.dtype, tuple[int, ...], int, int]
+
+
 @attrs.frozen
 class Header:
     """A checked safetensors header: where the data starts, the tensor entries and the string metadata."""
@@ -343,6 +348,8 @@ class Header:
     data_start: int
     tensors: dict[str, dict[str, Any]]  # name -> {"dtype", "shape", "data_offsets"}
     metadata: dict[str, str]
+    #: name -> its entry as checked by `parse_header`, so that a reader builds tensors without parsing again.
+    spans: dict[str, Span] = attrs.field(factory=dict)
 
 
 def parse_header(path: pathlib.PurePath, raw: bytes, size: int) -> Header:
@@ -366,9 +373,10 @@ def parse_header(path: pathlib.PurePath, raw: bytes, size: int) -> Header:
         metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"'{path}' has a corrupt safetensors header: __metadata__ must map strings to strings")
-    spans = sorted((_span(path, name, info), name) for name, info in header.items())
+    spans = {name: _span(path, name, info) for name, info in header.items()}
+    # One sort by (begin, end, name), then one pass: each span must start where the previous one ended.
     end = 0
-    for (begin, stop), name in spans:
+    for begin, stop, name in sorted((s[2], s[3], name) for name, s in spans.items()):
         if begin != end:
             what = "overlaps the previous tensor" if begin < end else f"leaves a hole of {begin - end} bytes before it"
             raise CheckpointError(f"'{path}' is corrupt: the data of tensor '{name}' (bytes {begin}-{stop}) {what}")
@@ -377,29 +385,46 @@ def parse_header(path: pathlib.PurePath, raw: bytes, size: int) -> Header:
     if 8 + n + end != size:
         raise CheckpointError(f"'{path}' is incomplete or corrupt: the header describes {8 + n + end} bytes, the "
                               f"file has {size}")
-    return Header(path, 8 + n, header, metadata)
+    return Header(path, 8 + n, header, metadata, spans)
 
 
-def _span(path: pathlib.PurePath, name: str, info: Any) -> tuple[int, int]:
-    """The checked ``data_offsets`` of one header entry."""
+def _span(path: pathlib.PurePath, name: str, info: Any) -> Span:
+    """The checked entry of one tensor of a header.
+
+    The common case (a well-formed entry) is one pass of exact type tests (a JSON value that is an ``int`` is
+    never a subclass other than ``bool``, which ``type(x) is int`` already refuses); anything else goes through
+    `_span_problem`, which names what is wrong. Both accept exactly the same entries.
+    """
+    if type(info) is dict:
+        code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        dtype = FROM_CODE.get(code) if type(code) is str else None
+        if (dtype is not None and type(shape) is list and type(offsets) is list and len(offsets) == 2
+                and all(type(d) is int and d >= 0 for d in shape)):
+            begin, stop = offsets
+            if (type(begin) is int and type(stop) is int and begin >= 0
+                    and stop - begin == math.prod(shape) * dtype.itemsize):
+                return dtype, tuple(shape), begin, stop
+    raise _span_problem(path, name, info)
+
+
+def _span_problem(path: pathlib.PurePath, name: str, info: Any) -> CheckpointError:
+    """What is wrong with a header entry that `_span` refused."""
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"'{path}': corrupt entry for tensor '{name}' in the header: {what}")
 
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-        raise bad("it needs dtype, shape and data_offsets")
+        return bad("it needs dtype, shape and data_offsets")
     dtype = FROM_CODE.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
-        raise CheckpointError(f"'{path}': tensor '{name}' has dtype {info['dtype']!r}, unknown to this torch")
+        return CheckpointError(f"'{path}': tensor '{name}' has dtype {info['dtype']!r}, unknown to this torch")
     shape, offsets = info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(_natural(d) for d in shape):
-        raise bad(f"shape {shape!r} is not a list of non-negative ints")
+        return bad(f"shape {shape!r} is not a list of non-negative ints")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(x) for x in offsets):
-        raise bad(f"data_offsets {offsets!r} is not two non-negative ints")
+        return bad(f"data_offsets {offsets!r} is not two non-negative ints")
     begin, stop = offsets
     nbytes = math.prod(shape) * dtype.itemsize
-    if stop - begin != nbytes:
-        raise bad(f"data_offsets {offsets} hold {stop - begin} bytes, shape {shape} of {info['dtype']} needs {nbytes}")
-    return begin, stop
+    return bad(f"data_offsets {offsets} hold {stop - begin} bytes, shape {shape} of {info['dtype']} needs {nbytes}")
 
 
 def _natural(value: Any) -> bool:
@@ -453,6 +478,8 @@ def select(where: object, names: Sequence[str], aliases: Mapping[str, str], pref
                                   f"{describe(sorted({n.split('.')[0] for n in names}))})")
         names = [n for n in names if n in wanted or n in {aliases.get(w) for w in wanted}]
     stored = {name: get(name) for name in names}
+    if not aliases and not start:  # the whole file, no tied names: the dict as read
+        return stored
     out = dict(stored)
     for alias, target in aliases.items():
         if target not in stored:

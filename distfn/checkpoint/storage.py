@@ -21,7 +21,7 @@ import secrets
 import socket
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Final
 
 import torch
 from loguru import logger
@@ -356,7 +356,7 @@ class Reader:
         except BaseException:
             self._file.close()
             raise
-        self._cache: dict[tuple[str, str], torch.Tensor] = {}
+        self._cache: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def close(self) -> None:
         """Close the file; the mapping lives on with the tensors that use it."""
@@ -375,34 +375,32 @@ class Reader:
     def get(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         """The stored tensor ``name`` on ``device`` (default: the reader's), read once per device."""
         device = self.device if device is None else device
-        cached = self._cache.get((name, str(device)))
+        cached = self._cache.get((name, device))
         if cached is not None:
             return cached
-        try:
-            info = self.header.tensors[name]
-        except KeyError:
-            raise CheckpointError(f"'{self.header.path}' has no tensor '{name}' (corrupt metadata?)") from None
-        out = self._read(name, info)
+        span = self.header.spans.get(name)
+        if span is None:
+            raise CheckpointError(f"'{self.header.path}' has no tensor '{name}' (corrupt metadata?)")
+        out = self._read(name, span)
         if device.type != "cpu":
             out = out.to(device)
-        self._cache[(name, str(device))] = out
+        self._cache[(name, device)] = out
         return out
 
-    def _read(self, name: str, info: dict[str, Any]) -> torch.Tensor:
-        dtype = fmt.FROM_CODE[info["dtype"]]
-        shape = [int(s) for s in info["shape"]]
-        begin, end = (int(x) for x in info["data_offsets"])
+    def _read(self, name: str, span: fmt.Span) -> torch.Tensor:
+        # The span was checked by `format.parse_header` (known dtype, shape, byte count, inside the file): nothing
+        # to parse or check again per tensor.
+        dtype, shape, begin, end = span
         itemsize = dtype.itemsize
-        numel = math.prod(shape)
-        if end - begin != numel * itemsize:
-            raise CheckpointError(f"'{self.header.path}': tensor '{name}' has {end - begin} bytes for shape "
-                                  f"{shape} of {dtype}")
+        numel = (end - begin) // itemsize
         start = self.header.data_start + begin
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         if self._map is not None and start % itemsize == 0:
-            # Its own storage (offset 0, exactly its bytes) over the shared mapping, which it keeps alive.
-            return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start).view(shape)
+            # Its own storage (offset 0, exactly its bytes) over the shared mapping, which it keeps alive. A 1-d
+            # tensor is frombuffer's shape already: view() would cost as much again as building it.
+            out = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start)
+            return out if len(shape) == 1 else out.view(shape)
         out = torch.empty(shape, dtype=dtype)
         if self._map is not None:
             raw = torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin, offset=start)
@@ -414,21 +412,19 @@ class Reader:
         out.reshape(-1).view(torch.uint8).copy_(raw)
         return out
 
-
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` (along the first dimension) of the stored tensor ``name``, on the CPU, reading only
         their bytes: a view of the memory map, or one ranged read of a remote object (a resharding load reads
         only the rows of its slice). Not cached."""
-        info = self.header.tensors.get(name)
-        if info is None:
+        span = self.header.spans.get(name)
+        if span is None:
             raise CheckpointError(f"'{self.header.path}' has no tensor '{name}' (corrupt metadata?)")
-        shape = [int(s) for s in info["shape"]]
+        dtype, shape, offset, _ = span
         if not shape:
-            return self._read(name, info)
-        dtype = fmt.FROM_CODE[info["dtype"]]
+            return self._read(name, span)
         itemsize = dtype.itemsize
         row = math.prod(shape[1:]) * itemsize
-        begin = self.header.data_start + int(info["data_offsets"][0]) + start * row
+        begin = self.header.data_start + offset + start * row
         count, out_shape = (stop - start) * row, [stop - start, *shape[1:]]
         if count == 0:
             return torch.empty(out_shape, dtype=dtype)

@@ -82,10 +82,9 @@ class CsvRun:
 
     def log_metrics(self, rows: Sequence[Row]) -> None:
         """Append ``rows`` and flush (a killed job keeps what was written)."""
-        now = time.time()
-        for step, values in rows:
-            for name, value in values.items():
-                self._rows.writerow((step, name, repr(value), f"{now:.3f}"))
+        stamp = f"{time.time():.3f}"  # one time for the batch: rows are written once per flush
+        # One writerows over every value; csv writes a float as its repr(), as before (nan, inf included).
+        self._rows.writerows((step, name, value, stamp) for step, values in rows for name, value in values.items())
         self._file.flush()
 
     def log_params(self, params: Mapping[str, str]) -> None:

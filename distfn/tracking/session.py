@@ -60,12 +60,21 @@ def status_of(exc: BaseException | None, stopped: bool) -> Status:
 
 
 def _number(name: str, value: Any) -> float:
-    """A logged value as a float: a one-element tensor (detached, ``.item()``), a Python or NumPy number."""
+    """A logged value as a float: a one-element tensor (``.item()``), a Python or NumPy number.
+
+    Exact ``float`` / ``int`` first: an ``isinstance`` against the ``numbers`` ABCs costs more than the rest of
+    a call (this runs on rank 0 every step, in the training thread).
+    """
+    kind = type(value)
+    if kind is float:
+        return value
+    if kind is int:
+        return float(value)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TypeError(f"ctx.log_metrics: {name!r} is a tensor of shape {tuple(value.shape)}; log one value "
                             "per name (e.g. loss.mean(), or ctx.all_reduce(loss) for the mean over ranks)")
-        return float(value.detach().item())
+        return float(value.item())  # item() never records autograd history: no detach() needed
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, bool):
@@ -150,16 +159,21 @@ class Session:
             return
         if step is None:
             step = (self.high or 0) + 1
-        elif isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        elif type(step) is not int:  # the exact int first: the numbers ABC check costs more than the call
+            if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+                raise TypeError(f"ctx.log_metrics(..., step={step!r}): step is a non-negative int (your global step)")
+            step = int(step)
+        elif step < 0:
             raise TypeError(f"ctx.log_metrics(..., step={step!r}): step is a non-negative int (your global step)")
-        step = int(step)
-        values = {str(name): _number(str(name), value) for name, value in metrics.items()}
+        values = {name if type(name) is str else str(name): _number(str(name), value)
+                  for name, value in metrics.items()}
         if self.high is not None and step < self.high:
             self._warn_once("backwards", "ctx.log_metrics: step {} comes after step {}; steps never go back, so "
                             "such rows are dropped (pass your global step as step=)", step, self.high)
             return
         self.high = step
-        self._start()
+        if self._thread is None:
+            self._start()
         self._queue.append(("metrics", (step, values)))
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -259,16 +273,16 @@ class Session:
                 return
         handle = channel.handle
         floor = handle.floor if handle.floor is not None else self._floor
-        rows: list[Row] = []
-        while channel.rows:
-            row = channel.rows.popleft()
-            if floor is not None and row[0] <= floor:
-                channel.replays += 1
-                if channel.replays == 1:
+        rows: list[Row] = list(channel.rows)
+        channel.rows.clear()
+        if floor is not None:
+            kept = [row for row in rows if row[0] > floor]
+            if len(kept) < len(rows):
+                if not channel.replays:
                     logger.info("tracking: {} already holds steps up to {} from an earlier attempt; those steps are "
                                 "not sent again", channel.name, floor)
-                continue
-            rows.append(row)
+                channel.replays += len(rows) - len(kept)
+            rows = kept
         try:
             if channel.params:
                 handle.log_params(channel.params)
