@@ -365,21 +365,6 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return leaves
 
 
-def _all_gather_rows(t: torch.Tensor, sizes: list[int], device: torch.device | None) -> list[torch.Tensor]:
-    """Each rank's rows of ``t`` (row counts ``sizes``), via one all_gather of tensors padded to the longest."""
-    home = t.device
-    if max(sizes) == 0:
-        return [t[:0] for _ in sizes]
-    if device is not None:
-        t = t.to(device)
-    longest = max(sizes)
-    padded = torch.zeros((longest, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    padded[: t.shape[0]] = t
-    parts = [torch.empty_like(padded) for _ in sizes]
-    torch.distributed.all_gather(parts, padded.contiguous())
-    return [p[:n].to(home) for p, n in zip(parts, sizes, strict=True)]
-
-
 def gather_for_metrics(
     value: Any,
     loader: DistributedLoader | None = None,
@@ -415,13 +400,8 @@ def gather_for_metrics(
             positions = positions[keep]
             leaves = [leaf[keep.to(leaf.device)] for leaf in leaves]
     if collectives.active():
-        # One small object exchange gives every rank the others' row counts and sampler positions.
-        mine = (leaves[0].shape[0], None if positions is None else positions.tolist())
-        everyone = collectives.gather_object(mine)
-        sizes = [size for size, _ in everyone]
-        gathered = [torch.cat(_all_gather_rows(leaf, sizes, device)) for leaf in leaves]
-        if all(pos is not None for _, pos in everyone):
-            order = torch.argsort(torch.tensor([q for _, pos in everyone for q in pos], dtype=torch.int64))
-            gathered = [g[order.to(g.device)] for g in gathered]
-        leaves = gathered
+        leaves, everyone = collectives.gather_rows(leaves, positions, device=device)
+        if everyone is not None:
+            order = torch.argsort(everyone)
+            leaves = [g[order.to(g.device)] for g in leaves]
     return tree_unflatten(value, leaves)

@@ -13,8 +13,9 @@ pre-hook on the wrapped model counts the steps whose backward all-reduces). A ra
 user code is not seen.
 
 The ledger is per process, like the main thread it describes (collectives on other threads, the background
-checkpoint's own gloo group, are not recorded): `reset` starts it afresh for each run. Cost: a deque append and a
-short frame walk per collective (measured in ``bench/bench_step.py``), nothing per DDP step but a counter.
+checkpoint's own gloo group, are not recorded): `reset` starts it afresh for each run. Cost: a tuple appended to a
+ring and a short frame walk per collective, about 1.5 µs (``bench/bench_collectives.py`` shows what distfn adds per
+call); nothing per DDP step but a counter.
 
 Imports `failures` (the phrase naming ranks) only.
 """
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from types import FrameType
 from typing import Any, Final
 
 import attrs
@@ -105,9 +107,9 @@ def _site_name(path: str) -> str | None:
 _SITE_NAMES: dict[str, str | None] = {}
 
 
-def call_site() -> str:
-    """``file:line`` of the first frame outside distfn (and outside torch's ``nn`` module call machinery)."""
-    frame = sys._getframe(1)
+def _site(frame: FrameType | None) -> tuple[str | None, int]:
+    """The first frame from ``frame`` outwards that the call site names, as ``(basename, line)``; ``(None, 0)``
+    when there is none. Kept apart from its text (`_site_text`): the ledger formats it only when read."""
     names = _SITE_NAMES
     while frame is not None:
         path = frame.f_code.co_filename
@@ -116,34 +118,60 @@ def call_site() -> str:
         except KeyError:
             name = names[path] = _site_name(path)
         if name is not None:
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "?"
+            return name, frame.f_lineno
+        frame = frame.f_back
+    return None, 0
+
+
+def _site_text(name: str | None, line: int) -> str:
+    return "?" if name is None else f"{name}:{line}"
+
+
+def call_site() -> str:
+    """``file:line`` of the first frame outside distfn (and outside torch's ``nn`` module call machinery)."""
+    return _site_text(*_site(sys._getframe(1)))
+
+
+#: One ring slot: ``(seq, op, basename, line)``; an `Entry` is made from it only when the ledger is read (a
+#: report, a test), not on every collective (measured: an attrs `Entry` and its ``file:line`` text were 1 µs of
+#: the 3.5 µs an entry cost).
+_Slot = tuple[int, str, str | None, int]
 
 
 class _Entered:
-    """The ``with`` block of one collective (`Ledger.entered`): a plain class rather than a generator-based
-    context manager, which costs about twice as much per call, paid on every collective."""
+    """The ``with`` block of one kind of collective (`Ledger.entered`). One instance per op and ledger, reused:
+    it keeps no state of its own (the nesting depth is the ledger's), so a collective pays no allocation; a
+    plain class rather than a generator-based context manager, which costs about twice as much per call."""
 
-    __slots__ = ("_ledger", "_op", "_recorded")
+    __slots__ = ("_ledger", "_op")
 
     def __init__(self, ledger: Ledger, op: str) -> None:
-        self._ledger, self._op, self._recorded = ledger, op, False
+        self._ledger, self._op = ledger, op
 
     def __enter__(self) -> None:
         book = self._ledger
-        if threading.get_ident() != book._main or book.inside_since is not None:  # another thread, or nested
+        if threading.get_ident() != book._main:  # another thread: not recorded
             return
-        self._recorded = True
+        book._depth += 1
+        if book._depth > 1:  # nested: part of the outer collective
+            return
         book.seq += 1
-        book.entries.append(Entry(book.seq, self._op, call_site()))
+        book._ring.append((book.seq, self._op, *_site(sys._getframe(1))))
         book.inside_since, book.failed = time.monotonic(), False
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if self._recorded:
-            book = self._ledger
+        book = self._ledger
+        if threading.get_ident() != book._main:
+            return
+        book._depth -= 1
+        if book._depth == 0:
             book.failed = kind is not None  # a collective that raised (a timeout): the rank is still "in" it
             book.inside_since = None
+
+
+def _entry(slot: _Slot) -> Entry:
+    seq, op, name, line = slot
+    return Entry(seq, op, _site_text(name, line))
 
 
 @attrs.define
@@ -151,18 +179,26 @@ class Ledger:
     """This process's ring of collectives (see the module docstring); ``inside_since`` is the monotonic time the
     current collective was entered (``None`` outside one), which the NCCL deadline watch reads."""
 
-    entries: collections.deque[Entry] = attrs.field(factory=lambda: collections.deque(maxlen=RING_SIZE))
     seq: int = 0
     ddp_steps: int = 0
     inside_since: float | None = None
     #: the last collective raised (a timeout): the rank is still "in" it for the report
     failed: bool = False
     _main: int = attrs.field(factory=threading.get_ident)
+    _ring: collections.deque[_Slot] = attrs.field(factory=lambda: collections.deque(maxlen=RING_SIZE))
+    #: how many `entered` blocks the main thread is in (more than one: a collective inside another)
+    _depth: int = 0
+    _blocks: dict[str, _Entered] = attrs.field(factory=dict)
+
+    @property
+    def entries(self) -> list[Entry]:
+        """The recorded entries, oldest first (at most `RING_SIZE`)."""
+        return [_entry(slot) for slot in list(self._ring)]
 
     def reset(self) -> None:
         """Start afresh (a new run in this process); the calling thread is the one recorded."""
-        self.entries.clear()
-        self.seq = self.ddp_steps = 0
+        self._ring.clear()
+        self.seq = self.ddp_steps = self._depth = 0
         self.inside_since = None
         self.failed = False
         self._main = threading.get_ident()
@@ -171,7 +207,11 @@ class Ledger:
         """Record ``op`` for the duration of the ``with`` block (the collective itself); other threads are not
         recorded (the ledger describes the main thread, whose stack the report shows), nor a collective inside
         another (e.g. the tensor all-reduce inside that of a Python number)."""
-        return _Entered(self, op)
+        try:
+            return self._blocks[op]
+        except KeyError:
+            block = self._blocks[op] = _Entered(self, op)
+            return block
 
     def count_ddp_step(self, *_: Any) -> None:
         """A forward pre-hook of a DDP-wrapped model: one more step whose backward all-reduces the gradients."""
@@ -179,10 +219,10 @@ class Ledger:
 
     def state(self, rank: int, tail: int = 5) -> RankState:
         """This rank's ledger now (read from any thread: a deque snapshot is atomic under the GIL)."""
-        entries = list(self.entries)
+        slots = list(self._ring)
         inside = self.inside_since is not None or self.failed
-        return RankState(rank=rank, last=entries[-1] if entries else None, inside=inside,
-                         ddp_steps=self.ddp_steps, tail=tuple(entries[-tail:]))
+        return RankState(rank=rank, last=_entry(slots[-1]) if slots else None, inside=inside,
+                         ddp_steps=self.ddp_steps, tail=tuple(_entry(s) for s in slots[-tail:]))
 
 
 #: This process's ledger (reset by the rank bootstrap at the start of each run).

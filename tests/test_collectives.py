@@ -134,3 +134,49 @@ def test_a_python_number_is_one_ledger_entry_at_the_callers_line(tmp_path: Path)
     assert [(e.seq, e.op, e.site) for e in book.entries] == [
         (i, "all_reduce", f"test_collectives.py:{line}") for i in (1, 2, 3, 4)]
     assert not book.state(0).inside
+
+
+_ROWS_JOB = """
+import torch, torch.distributed as dist
+from distfn import collectives, distributed
+from distfn.ledger import LEDGER
+
+@distributed(mode="ddp", nprocs=2, seed=0)
+def job(cfg, ctx):
+    r = ctx.rank
+    objects, pickled = [], dist.all_gather_object
+    dist.all_gather_object = lambda *a, **k: objects.append(a)  # the rows travel as tensors, never pickled
+    n = 3 if r == 0 else 1  # uneven row counts, as in an epoch's last batch
+    leaves = [torch.arange(n) + 10 * r, torch.full((n, 2), r == 0), torch.ones(n, 2, 2, dtype=torch.bfloat16) * r,
+              torch.arange(2 * n, dtype=torch.float32).reshape(2, n).t()]  # not contiguous
+    before = LEDGER.seq
+    rows, positions = collectives.gather_rows(leaves, torch.arange(n) * 2 + r)  # ROWS-LINE
+    entry = LEDGER.entries[-1]
+    one_entry = LEDGER.seq - before == 1 and entry.op == "gather_for_metrics" and entry.site.endswith(":15")
+    _, only_some = collectives.gather_rows(leaves[:1], torch.arange(n) if r == 0 else None)
+    empty, _ = collectives.gather_rows([torch.zeros(0, 3)])
+    equal, _ = collectives.gather_rows([torch.tensor([[r, r]])])
+    dist.all_gather_object = pickled
+    return ctx.gather_object(([t.tolist() for t in rows], [t.dtype for t in rows], positions.tolist(), only_some,
+                              one_entry, tuple(empty[0].shape), equal[0].tolist(), objects))
+
+if __name__ == "__main__":
+    print("RESULT", job())
+"""
+
+
+def test_gather_rows_moves_uneven_rows_of_any_dtype_as_tensors_in_one_ledger_entry(tmp_path: Path) -> None:
+    """Issue 32: gather_for_metrics' collective exchanges the row counts as a tensor (no object pickling, which
+    cost two collectives and a pickle each way) and gathers each tensor padded to the longest count: uneven
+    counts, bool / bfloat16 / non-contiguous tensors, zero rows, equal counts; positions come back only when
+    every rank sent some; the ledger names it once, at the caller's line; every rank gets the same result."""
+    script = tmp_path / "rows_job.py"
+    script.write_text(_ROWS_JOB)
+    assert "ROWS-LINE" in _ROWS_JOB.splitlines()[14]  # the ":15" the job checks
+    done = run_python([str(script)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [[0, 1, 2, 10], [[True, True]] * 3 + [[False, False]], [[[0.0] * 2] * 2] * 3 + [[[1.0] * 2] * 2],
+            [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0], [0.0, 1.0]]]
+    dtypes = [torch.int64, torch.bool, torch.bfloat16, torch.float32]
+    one_rank = (rows, dtypes, [0, 2, 4, 1], None, True, (0, 3), [[0, 0], [1, 1]], [])
+    assert f"RESULT {[one_rank, one_rank]!r}" in done.stdout, done.stdout[-3000:]
