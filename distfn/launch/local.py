@@ -57,7 +57,7 @@ from ..topology import LOOPBACK, Topology
 from ..tracking import key as tracking_key
 from . import protocol, shipping
 
-__all__ = ["BOOTSTRAP", "WorkerGroup", "launch"]
+__all__ = ["BOOTSTRAP", "TRACE_ENV", "WorkerGroup", "launch"]
 
 #: Seconds the other workers get to exit after a failure or Ctrl-C before they are killed.
 STOP_GRACE = 5.0
@@ -77,6 +77,21 @@ DUMP_WAIT = 2.0
 #: ``RESTART_BACKOFF_MAX``.
 RESTART_BACKOFF = 1.0
 RESTART_BACKOFF_MAX = 30.0
+
+#: A file the launcher appends its timestamps to ("<event> <attempt> <unix time>" lines: "started", the
+#: attempt's workers forked; "noticed", its first failure seen; "settled", the failures ordered and explained;
+#: "torn-down", every worker gone), for ``bench/bench_restart.py``'s parts of a restart. Read once, here: unset
+#: (the default), an event costs one comparison.
+TRACE_ENV = "DISTFN_LAUNCH_TRACE"
+_TRACE_PATH = os.environ.get(TRACE_ENV) or None
+
+
+def _trace(event: str, attempt: int) -> None:
+    """Append ``event`` to the trace file of `TRACE_ENV`, if one was set (one short append: ``O_APPEND`` keeps
+    the lines of several processes whole)."""
+    if _TRACE_PATH is not None:
+        with open(_TRACE_PATH, "a") as f:
+            f.write(f"{event} {attempt} {time.time():.6f}\n")
 
 # --------------------------------------------------------------------------------------------------------------
 # Worker side
@@ -348,6 +363,7 @@ class WorkerGroup:
         self.started = time.time()
         for rank in range(self.nprocs):
             self.workers.append(self._start_worker(rank, fn, cfg))
+        _trace("started", self.attempt)
         # After the forks, so that no worker inherits a handler that signals its siblings.
         self.forwarder.install()
         # The store is started after the forks so no worker inherits its threads; until it accepts, the
@@ -385,6 +401,7 @@ class WorkerGroup:
                 self.interrupted = True
                 return
         if self.failures:
+            _trace("noticed", self.attempt)
             self.settle()
             self.failures[:] = protocol.root_cause_first(
                 self.failures, [w.early_exit for w in self.workers if w.early_exit is not None],
@@ -395,6 +412,7 @@ class WorkerGroup:
                     [w for w in self.workers if w.rank != first.rank and not w.reported]),
                 elapsed_s=lambda first: first.time - self.started,
             )
+            _trace("settled", self.attempt)
 
     def collect(self, timeout: float) -> None:
         """Read what is ready (waiting at most ``timeout``), and describe workers that died without reporting.
@@ -510,6 +528,7 @@ class WorkerGroup:
         self._store = None
         if self._listener is not None:
             self._listener.close()
+        _trace("torn-down", self.attempt)
 
     def retryable(self) -> bool:
         """Whether starting the job again could help: it failed by itself (not stopped by a signal from outside
