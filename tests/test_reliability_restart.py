@@ -1,9 +1,10 @@
 """The restart path (``max_restarts``, issue 32 item 4): what stays when it was made faster.
 
-The first restart starts at once (`distfn.launch.local.restart_delay`) and a rank killed by a signal makes the
-launcher skip the settle window before a restart (`WorkerGroup.cause_is_known`). What must hold all the same:
-every worker of the failed attempt, and what it started, is gone before the new attempt's workers start; the
-restart happens; the failed attempt is still reported with its rank, host and how it died.
+The first restart starts at once (`distfn.launch.local.restart_delay`), a rank killed by a signal makes the
+launcher skip the settle window before a restart (`WorkerGroup.cause_is_known`), and under fork the launcher
+imports what ``ctx.wrap`` imports once, for the restart's workers to inherit (`local.WRAP_IMPORTS`). What must
+hold all the same: every worker of the failed attempt, and what it started, is gone before the new attempt's
+workers start; the restart happens; the failed attempt is still reported with its rank, host and how it died.
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ def test_the_settle_window_is_skipped_only_before_a_restart_after_a_death_by_sig
     assert not stopped.cause_is_known()
 
 
+def test_what_ctx_wrap_imports_is_imported_once_before_a_forked_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    imported: list[str] = []
+
+    def record(name: str) -> None:
+        imported.append(name)
+        if name == "missing":
+            raise ImportError(name)
+
+    monkeypatch.setattr(local.importlib, "import_module", record)
+    local._warm_for_restart("fork", Options(mode="ddp"))
+    assert imported == ["torch._dynamo"]
+    imported.clear()
+    local._warm_for_restart("spawn", Options(mode="ddp"))  # spawn / forkserver workers inherit nothing
+    local._warm_for_restart("forkserver", Options(mode="fsdp"))
+    local._warm_for_restart("fork", Options(mode="single"))
+    assert imported == []
+    monkeypatch.setitem(local.WRAP_IMPORTS, "ddp", ("missing",))
+    local._warm_for_restart("fork", Options(mode="ddp"))  # never fails the restart: the workers report it
+    assert imported == ["missing"]
+
+
 _JOB = """
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
@@ -80,8 +102,10 @@ def job(cfg, ctx):
             os.kill(os.getpid(), signal.SIGKILL)
         ctx.barrier()  # rank 0, the survivor: fails on losing its peer
         time.sleep(60)
+    inherited = "torch._dynamo" in sys.modules  # before ctx.wrap: imported by the launcher before the fork
     old = [pid for r in range(2) for pid in json.loads((DIR / f"pids-{r}").read_text())]
-    return ctx.gather_object({"rank": ctx.rank, "attempt": ctx.restart, "alive": [p for p in old if not gone(p)]})
+    return ctx.gather_object({"rank": ctx.rank, "attempt": ctx.restart, "alive": [p for p in old if not gone(p)],
+                              "inherited": inherited})
 
 if __name__ == "__main__":
     print("RESULT", json.dumps(job(None)))
@@ -98,7 +122,9 @@ def test_a_rank_killed_by_a_signal_is_restarted_after_every_old_worker_is_gone(t
     assert result is not None, done.stderr[-3000:]
     ranks = json.loads(result.split(" ", 1)[1])
     # the restart happened, and no worker of attempt 0 (nor the `sleep` it started) was left when it began
-    assert ranks == [{"rank": 0, "attempt": 1, "alive": []}, {"rank": 1, "attempt": 1, "alive": []}]
+    inherited = method == "fork"  # what ctx.wrap imports came with the fork, not imported again by each worker
+    assert ranks == [{"rank": 0, "attempt": 1, "alive": [], "inherited": inherited},
+                     {"rank": 1, "attempt": 1, "alive": [], "inherited": inherited}]
     # the failed attempt is still reported: its root cause with rank, host and how it died
     assert "attempt 0 of 2 failed; starting the job again on fresh workers in 0 s" in done.stderr
     assert "rank 1 (pid " in done.stderr and f"on {HOST}) was killed by SIGKILL" in done.stderr

@@ -36,6 +36,7 @@ change together.)
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import os
 import signal
 import socket
@@ -43,7 +44,7 @@ import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import torch.multiprocessing as mp
@@ -608,6 +609,7 @@ def _attempts(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, meth
             return group.outcome(earlier)
         earlier.append(group.failures[0])
         _before_restart(group, opts.max_restarts)
+        _warm_for_restart(method, opts)
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
@@ -632,3 +634,28 @@ def _before_restart(group: WorkerGroup, max_restarts: int) -> None:
                    "\n{}", group.attempt, max_restarts + 1, delay, max_restarts, WorkerError(group.failures))
     if delay:
         time.sleep(delay)
+
+
+#: What ``ctx.wrap`` makes every rank import on its first call, which its launching process can import once for
+#: all the workers it forks: DDP's constructor (and FSDP's ``fully_shard``) import ``torch._dynamo`` lazily, 1-2 s
+#: per rank on this 2-core VM (5-12 s with 4 ranks contending for the cores; ``python -X importtime``, and the
+#: "process group up -> ctx.wrap returned" part of bench/bench_restart.py). Importing it adds no thread.
+WRAP_IMPORTS: Final = {"ddp": ("torch._dynamo",), "fsdp": ("torch._dynamo",)}
+
+
+def _warm_for_restart(method: str, opts: Options) -> None:
+    """Before the workers of a restart are forked: import in this process what the failed attempt's workers had to
+    import in ``ctx.wrap`` (`WRAP_IMPORTS`), so that the new ones inherit it instead of each importing it again.
+
+    Only under fork (spawn and forkserver workers do not inherit this process's modules) and only for a restart:
+    a first launch must not wait for it here, while its workers import it in parallel. Never fails the restart: a
+    module that cannot be imported is the workers' business, as it was on the first attempt.
+    """
+    if method != "fork":
+        return
+    for name in WRAP_IMPORTS.get(opts.mode, ()):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - the workers import it again and report what fails
+            logger.debug("not imported before the restart: {}: {}", name, exc)
+
