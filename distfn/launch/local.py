@@ -28,7 +28,12 @@ around the function in `distfn.launch.protocol`, how the function and ``cfg`` tr
 `distfn.launch.shipping`. Under torchrun / srun / mpirun none of this runs (`distfn.failures.report_in_place` is
 all a failing rank does there).
 
-(About 550 lines, over the ~500 the package aims at: both ends of the pipes live here, the worker's entry that
+A restart (``max_restarts``) is on the critical path of a job that lost a rank, so it waits for nothing it does
+not need: the first one starts as soon as every worker is gone (`restart_delay`), a death by signal needs no
+settle window (`WorkerGroup.cause_is_known`), and under fork the new workers inherit what ``ctx.wrap`` imported
+(`WRAP_IMPORTS`). ``DISTFN_LAUNCH_TRACE`` (`TRACE_ENV`) times its parts for bench/bench_restart.py.
+
+(About 660 lines, over the ~500 the package aims at: both ends of the pipes live here, the worker's entry that
 sends the report and arms the stack pipe, and the launcher that reads them and restarts a failed job, so that they
 change together.)
 """
