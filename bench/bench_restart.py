@@ -13,7 +13,7 @@ Each round runs, in a rotated order:
 
 Beside the two totals, the **parts** (median per part, in a table of their own and under ``"parts"`` in the
 JSON): the launcher's marks (``DISTFN_LAUNCH_TRACE``, `distfn.launch.local.TRACE_ENV`: "started", "noticed",
-"settled", "torn-down") and the job's ("group-up", "wrapped", "resumed", "first-step") split each total into
+"settled", "torn-down", "imported") and the job's ("group-up", "wrapped", "resumed", "first-step") split each total into
 consecutive spans, so the parts of one run add up to its total.
 
 A restarted run must end with the uninterrupted run's weights (``identical_weights`` in the JSON), else the
@@ -52,7 +52,8 @@ RESTART_PARTS = (
     ("death → the launcher noticed it", ("death", 0), ("noticed", 0)),
     ("noticed → failures settled and explained", ("noticed", 0), ("settled", 0)),
     ("settled → every worker gone", ("settled", 0), ("torn-down", 0)),
-    ("every worker gone → new workers started", ("torn-down", 0), ("started", 1)),
+    ("every worker gone → ctx.wrap's imports done (fork)", ("torn-down", 0), ("imported", 1)),
+    ("imports done → new workers started", ("imported", 1), ("started", 1)),
     ("workers started → process group up", ("started", 1), ("group-up", 1)),
     ("process group up → ctx.wrap returned", ("group-up", 1), ("wrapped", 1)),
     ("ctx.wrap returned → ctx.resume returned", ("wrapped", 1), ("resumed", 1)),
@@ -102,7 +103,7 @@ def parts_rows(fresh: list[Marks], restarted: list[Marks]) -> list[dict[str, Any
     """One row per part: ``{"part", "fresh", "restart"}`` (seconds, ``None`` where the total has no such part);
     the parts both totals share ("workers started → ...") side by side."""
     f, r = parts(fresh, FRESH_PARTS), parts(restarted, RESTART_PARTS)
-    names = [n for n, _, _ in RESTART_PARTS[:4]] + [FRESH_PARTS[0][0]] + [n for n, _, _ in FRESH_PARTS[1:]]
+    names = [n for n, _, _ in RESTART_PARTS[:5]] + [FRESH_PARTS[0][0]] + [n for n, _, _ in FRESH_PARTS[1:]]
     return [{"part": n, "fresh": f.get(n), "restart": r.get(n)} for n in names]
 
 

@@ -264,7 +264,7 @@ def test_restart_bench_smoke(tmp_path: Path) -> None:
     assert parts["death → the launcher noticed it"]["restart"] >= 0
     assert parts["call → workers started"]["fresh"] > 0
     restart_parts = [p["restart"] for p in parts.values() if p["restart"] is not None]
-    assert len(restart_parts) == 8
+    assert len(restart_parts) == 9
     assert sum(restart_parts) == pytest.approx(rows["restart (death → restarted first step)"]["median"], abs=1e-3)
 
 

@@ -86,8 +86,8 @@ RESTART_BACKOFF_MAX = 30.0
 
 #: A file the launcher appends its timestamps to ("<event> <attempt> <unix time>" lines: "started", the
 #: attempt's workers forked; "noticed", its first failure seen; "settled", the failures ordered and explained;
-#: "torn-down", every worker gone), for ``bench/bench_restart.py``'s parts of a restart. Read once, here: unset
-#: (the default), an event costs one comparison.
+#: "torn-down", every worker gone; "imported", `_warm_for_restart` done), for ``bench/bench_restart.py``'s
+#: parts of a restart. Read once, here: unset (the default), an event costs one comparison.
 TRACE_ENV = "DISTFN_LAUNCH_TRACE"
 _TRACE_PATH = os.environ.get(TRACE_ENV) or None
 
@@ -615,6 +615,7 @@ def _attempts(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, meth
         earlier.append(group.failures[0])
         _before_restart(group, opts.max_restarts)
         _warm_for_restart(method, opts)
+        _trace("imported", attempt + 1)
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
