@@ -257,6 +257,15 @@ def test_restart_bench_smoke(tmp_path: Path) -> None:
     assert set(rows) == {"fresh launch (call → first step)", "restart (death → restarted first step)"}
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in rows.values())
     assert table["targets"][0]["max_ratio"] == 1.5 and table["targets"][0]["met"] in (True, False)
+    # the parts, from the launcher's trace (DISTFN_LAUNCH_TRACE) and the job's marks: every one was timed, and
+    # the restart's parts add up to its total
+    parts = {p["part"]: p for p in table["parts"]}
+    assert all(p["fresh"] is not None or p["restart"] is not None for p in parts.values())
+    assert parts["death → the launcher noticed it"]["restart"] >= 0
+    assert parts["call → workers started"]["fresh"] > 0
+    restart_parts = [p["restart"] for p in parts.values() if p["restart"] is not None]
+    assert len(restart_parts) == 9
+    assert sum(restart_parts) == pytest.approx(rows["restart (death → restarted first step)"]["median"], abs=1e-3)
 
 
 @pytest.mark.slow

@@ -28,7 +28,12 @@ around the function in `distfn.launch.protocol`, how the function and ``cfg`` tr
 `distfn.launch.shipping`. Under torchrun / srun / mpirun none of this runs (`distfn.failures.report_in_place` is
 all a failing rank does there).
 
-(About 550 lines, over the ~500 the package aims at: both ends of the pipes live here, the worker's entry that
+A restart (``max_restarts``) is on the critical path of a job that lost a rank, so it waits for nothing it does
+not need: the first one starts as soon as every worker is gone (`restart_delay`), a death by signal needs no
+settle window (`WorkerGroup.cause_is_known`), and under fork the new workers inherit what ``ctx.wrap`` imported
+(`WRAP_IMPORTS`). ``DISTFN_LAUNCH_TRACE`` (`TRACE_ENV`) times its parts for bench/bench_restart.py.
+
+(About 660 lines, over the ~500 the package aims at: both ends of the pipes live here, the worker's entry that
 sends the report and arms the stack pipe, and the launcher that reads them and restarts a failed job, so that they
 change together.)
 """
@@ -36,6 +41,7 @@ change together.)
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import os
 import signal
 import socket
@@ -43,7 +49,7 @@ import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import torch.multiprocessing as mp
@@ -57,7 +63,7 @@ from ..topology import LOOPBACK, Topology
 from ..tracking import key as tracking_key
 from . import protocol, shipping
 
-__all__ = ["BOOTSTRAP", "WorkerGroup", "launch"]
+__all__ = ["BOOTSTRAP", "TRACE_ENV", "WorkerGroup", "launch", "restart_delay"]
 
 #: Seconds the other workers get to exit after a failure or Ctrl-C before they are killed.
 STOP_GRACE = 5.0
@@ -73,10 +79,25 @@ DUMP_SIGNAL = signal.SIGUSR1
 #: Seconds the launching process waits for the workers' stacks after asking for them.
 DUMP_WAIT = 2.0
 
-#: Seconds before the first restart of a failed job (``max_restarts``); doubled for each further one, at most
-#: ``RESTART_BACKOFF_MAX``.
+#: Seconds before the second restart of a failed job (``max_restarts``); doubled for each further one, at most
+#: ``RESTART_BACKOFF_MAX``. The first restart starts at once (`restart_delay`).
 RESTART_BACKOFF = 1.0
 RESTART_BACKOFF_MAX = 30.0
+
+#: A file the launcher appends its timestamps to ("<event> <attempt> <unix time>" lines: "started", the
+#: attempt's workers forked; "noticed", its first failure seen; "settled", the failures ordered and explained;
+#: "torn-down", every worker gone; "imported", `_warm_for_restart` done), for ``bench/bench_restart.py``'s
+#: parts of a restart. Read once, here: unset (the default), an event costs one comparison.
+TRACE_ENV = "DISTFN_LAUNCH_TRACE"
+_TRACE_PATH = os.environ.get(TRACE_ENV) or None
+
+
+def _trace(event: str, attempt: int) -> None:
+    """Append ``event`` to the trace file of `TRACE_ENV`, if one was set (one short append: ``O_APPEND`` keeps
+    the lines of several processes whole)."""
+    if _TRACE_PATH is not None:
+        with open(_TRACE_PATH, "a") as f:
+            f.write(f"{event} {attempt} {time.time():.6f}\n")
 
 # --------------------------------------------------------------------------------------------------------------
 # Worker side
@@ -348,6 +369,7 @@ class WorkerGroup:
         self.started = time.time()
         for rank in range(self.nprocs):
             self.workers.append(self._start_worker(rank, fn, cfg))
+        _trace("started", self.attempt)
         # After the forks, so that no worker inherits a handler that signals its siblings.
         self.forwarder.install()
         # The store is started after the forks so no worker inherits its threads; until it accepts, the
@@ -385,7 +407,9 @@ class WorkerGroup:
                 self.interrupted = True
                 return
         if self.failures:
-            self.settle()
+            _trace("noticed", self.attempt)
+            if not self.cause_is_known():
+                self.settle()
             self.failures[:] = protocol.root_cause_first(
                 self.failures, [w.early_exit for w in self.workers if w.early_exit is not None],
                 timeout_s=self.opts.timeout.total_seconds(), forwarded=self.forwarder.received,
@@ -395,6 +419,7 @@ class WorkerGroup:
                     [w for w in self.workers if w.rank != first.rank and not w.reported]),
                 elapsed_s=lambda first: first.time - self.started,
             )
+            _trace("settled", self.attempt)
 
     def collect(self, timeout: float) -> None:
         """Read what is ready (waiting at most ``timeout``), and describe workers that died without reporting.
@@ -422,6 +447,16 @@ class WorkerGroup:
                 found.receive(reported)
         self.failures.extend(deaths)
         self.failures.extend(sorted(reported, key=lambda f: f.time))
+
+    def cause_is_known(self) -> bool:
+        """Whether `settle` can be skipped: this attempt is going to be restarted and a rank of it was killed by a
+        signal without reporting (SIGKILL, SIGSEGV, ...), which `distfn.failures.order_failures` puts first
+        whatever the others report next (losing it, consequences). Their reports would only lengthen the warning
+        about the failed attempt, at the cost of the whole window: a survivor first collects the hang report
+        (`distfn.hangs`, at least its 0.5 s claim window), so the window always ran out (bench/bench_restart.py).
+        The last attempt settles as before: its failures are what the caller gets."""
+        return (self.attempt < self.opts.max_restarts and not self.interrupted and self.forwarder.received is None
+                and any(f.signal is not None and f.retryable for f in self.failures))
 
     def settle(self, window: float = protocol.SETTLE_WINDOW) -> None:
         """After the first failure, give the other ranks' reports ``window`` seconds to arrive, so that the root
@@ -510,6 +545,7 @@ class WorkerGroup:
         self._store = None
         if self._listener is not None:
             self._listener.close()
+        _trace("torn-down", self.attempt)
 
     def retryable(self) -> bool:
         """Whether starting the job again could help: it failed by itself (not stopped by a signal from outside
@@ -578,12 +614,54 @@ def _attempts(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, meth
             return group.outcome(earlier)
         earlier.append(group.failures[0])
         _before_restart(group, opts.max_restarts)
+        _warm_for_restart(method, opts)
+        _trace("imported", attempt + 1)
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def restart_delay(failed_attempt: int) -> float:
+    """Seconds to wait after attempt ``failed_attempt`` (0 first) failed, before the next one starts.
+
+    The first restart starts at once: nothing of the failed attempt is left to wait for (every worker and what it
+    started is gone once `WorkerGroup.teardown` returns, and the new attempt binds a fresh rendezvous port), so a
+    wait would only add to the restart (it was 1 s of a 1.6 s overhead, bench/bench_restart.py). A job that fails
+    again is likely failing for good or on something outside (a file system, a service): from the second restart on
+    the wait is `RESTART_BACKOFF`, doubled each time up to `RESTART_BACKOFF_MAX`, so it does not spin.
+    """
+    if failed_attempt <= 0:
+        return 0.0
+    return min(RESTART_BACKOFF_MAX, RESTART_BACKOFF * 2 ** (failed_attempt - 1))
 
 
 def _before_restart(group: WorkerGroup, max_restarts: int) -> None:
     """Log the failed attempt (rank, traceback) and wait the back-off before fresh workers start."""
-    delay = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF * 2 ** group.attempt)
+    delay = restart_delay(group.attempt)
     logger.warning("attempt {} of {} failed; starting the job again on fresh workers in {:g} s (max_restarts={}):"
                    "\n{}", group.attempt, max_restarts + 1, delay, max_restarts, WorkerError(group.failures))
-    time.sleep(delay)
+    if delay:
+        time.sleep(delay)
+
+
+#: What ``ctx.wrap`` makes every rank import on its first call, which its launching process can import once for
+#: all the workers it forks: DDP's constructor (and FSDP's ``fully_shard``) import ``torch._dynamo`` lazily, 1-2 s
+#: per rank on this 2-core VM (5-12 s with 4 ranks contending for the cores; ``python -X importtime``, and the
+#: "process group up -> ctx.wrap returned" part of bench/bench_restart.py). Importing it adds no thread.
+WRAP_IMPORTS: Final = {"ddp": ("torch._dynamo",), "fsdp": ("torch._dynamo",)}
+
+
+def _warm_for_restart(method: str, opts: Options) -> None:
+    """Before the workers of a restart are forked: import in this process what the failed attempt's workers had to
+    import in ``ctx.wrap`` (`WRAP_IMPORTS`), so that the new ones inherit it instead of each importing it again.
+
+    Only under fork (spawn and forkserver workers do not inherit this process's modules) and only for a restart:
+    a first launch must not wait for it here, while its workers import it in parallel. Never fails the restart: a
+    module that cannot be imported is the workers' business, as it was on the first attempt.
+    """
+    if method != "fork":
+        return
+    for name in WRAP_IMPORTS.get(opts.mode, ()):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - the workers import it again and report what fails
+            logger.debug("not imported before the restart: {}: {}", name, exc)
+

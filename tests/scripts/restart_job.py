@@ -5,7 +5,10 @@ bench/bench_restart.py and bench/stress_faults.py (restart case).
     python tests/scripts/restart_job.py CKPT_DIR MARKS_FILE [KILL_AT]
 
 Prints ``RESULT <sha256 of the final weights>``; MARKS_FILE gets "<event> <attempt> <time>" lines: "call" (the
-launching process), "first-step" (rank 0, first step of each attempt), "death" (rank 1, just before the kill).
+launching process), "group-up" (rank 0, entering the function: its process group is up), "wrapped" (rank 0,
+``ctx.wrap`` returned), "resumed" (rank 0,
+``ctx.resume`` returned), "first-step" (rank 0, first step of each attempt), "death" (rank 1, just before the kill);
+with ``DISTFN_LAUNCH_TRACE`` set to MARKS_FILE, the launcher adds its own (`distfn.launch.local.TRACE_ENV`).
 """
 
 from __future__ import annotations
@@ -30,11 +33,17 @@ def mark(path: str, event: str, attempt: int) -> None:
 
 @distributed(mode="ddp", nprocs=2, seed=0, max_restarts=1)
 def train(cfg: dict, ctx) -> str:
+    if ctx.is_main:
+        mark(cfg["marks"], "group-up", ctx.restart)  # the bootstrap joined the process group before the call
     torch.manual_seed(0)
     model = ctx.wrap(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)))
+    if ctx.is_main:
+        mark(cfg["marks"], "wrapped", ctx.restart)  # DDP's first construction imports torch._dynamo (~1-2 s)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = {"model": model, "optimizer": opt}
     start = ctx.resume(state, cfg["ckpt"])
+    if ctx.is_main:
+        mark(cfg["marks"], "resumed", ctx.restart)
     for step in range(start, STEPS):
         if step == start and ctx.is_main:
             mark(cfg["marks"], "first-step", ctx.restart)
