@@ -99,7 +99,7 @@ def test_run_py_summary_and_discovery() -> None:
 def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_checkpoint.py --tiny end to end: every save/load/RSS variant ran once, targets evaluated."""
     result = _run_module_tiny(tmp_path, "checkpoint", "--dir", str(tmp_path))
-    save, versus_save_file, repeated, load_touch, load_call, rss, save_curve, load_curve = result["tables"]
+    save, versus_save_file, repeated, load_touch, load_call, model, rss, save_curve, load_curve = result["tables"]
     rows = {r["variant"]: r for r in save["rows"]}  # first saves, each variant in its own fresh process
     assert set(rows) == {"distfn.save", "save_file+fsync", "torch.save+fsync", "dd+fdatasync"}
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in rows.values())
@@ -109,6 +109,10 @@ def test_checkpoint_bench_smoke(tmp_path: Path) -> None:
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in repeated["rows"])
     assert {r["variant"] for r in load_touch["rows"]} == {"distfn.load", "load_file", "torch.load(weights_only)"}
     assert all(len(r["samples"]) == 21 for r in load_touch["rows"] + load_call["rows"])
+    # a model's file: many small tensors, distfn.load against load_file, its per-tensor cost in the notes
+    assert {r["variant"] for r in model["rows"]} == {"distfn.load", "load_file"} and model["baseline"] == "load_file"
+    assert model["targets"][0]["variant"] == "distfn.load" and model["targets"][0]["met"] in (True, False)
+    assert all(r["median"] > 0 and "µs per tensor" in r["note"] for r in model["rows"])
     assert {r["variant"] for r in rss["rows"]} == {"distfn.save", "torch.save", "save_file"}
     assert rss["targets"][0]["met"] in (True, False)
     # the curves: every variant at every --tiny size, each size's ratio against its own floor, a target per size
