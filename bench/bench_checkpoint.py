@@ -165,6 +165,15 @@ def _touch(tensors: dict[str, torch.Tensor]) -> None:
         flat[::step].sum()
 
 
+def _timed_load(load: Callable[[], dict[str, torch.Tensor]]) -> Callable[[], float]:
+    """A sample of ``load``: seconds to load and touch every page of what it returns."""
+    def run() -> float:
+        start = time.perf_counter()
+        _touch(load())
+        return time.perf_counter() - start
+    return run
+
+
 def bench_load(state: dict[str, torch.Tensor], workdir: pathlib.Path, rounds: int) -> dict[str, dict[str, list[float]]]:
     """Seconds per loader (warm page cache): the call alone, and the call plus a touch of every page."""
     st_path = workdir / "load.safetensors"
@@ -231,14 +240,8 @@ def bench_many(workdir: pathlib.Path, rounds: int) -> tuple[dict[str, list[float
         loaded = fn()
         assert set(loaded) == set(state) and all(torch.equal(loaded[k], v) for k, v in state.items()), name
 
-    def loader(name: str) -> Callable[[], float]:
-        def run() -> float:
-            start = time.perf_counter()
-            _touch(loaders[name]())
-            return time.perf_counter() - start
-        return run
-
-    samples = c.interleave({name: loader(name) for name in loaders}, max(rounds * 5, LOAD_ROUNDS), c.log)
+    samples = c.interleave({name: _timed_load(fn) for name, fn in loaders.items()}, max(rounds * 5, LOAD_ROUNDS),
+                           c.log)
     path.unlink()
     return samples, len(state)
 
@@ -277,16 +280,9 @@ def _curve_point(size: int, tensors: int, workdir: pathlib.Path, rounds: int) ->
 
     samples = c.interleave({name: saver(name) for name in CURVE_SAVES}, rounds, c.log)
     loaders = {"distfn.load": lambda: checkpoint.load(reference), "load_file": lambda: load_file(reference)}
-
-    def loader(name: str) -> Callable[[], float]:
-        def run() -> float:
-            start = time.perf_counter()
-            _touch(loaders[name]())
-            return time.perf_counter() - start
-        return run
-
     _warm(reference)
-    samples.update(c.interleave({name: loader(name) for name in CURVE_LOADS}, max(rounds * 5, LOAD_ROUNDS), c.log))
+    samples.update(c.interleave({name: _timed_load(loaders[name]) for name in CURVE_LOADS},
+                                max(rounds * 5, LOAD_ROUNDS), c.log))
     reference.unlink()
     return samples
 

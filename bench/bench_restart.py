@@ -41,23 +41,27 @@ RESTART = "restart (death → restarted first step)"
 Marks = dict[tuple[str, int], float]
 
 #: The consecutive spans of each total: (part, from mark, to mark); a mark is (event, attempt).
-FRESH_PARTS = (
-    ("call → workers started", ("call", 0), ("started", 0)),
-    ("workers started → process group up", ("started", 0), ("group-up", 0)),
-    ("process group up → ctx.wrap returned", ("group-up", 0), ("wrapped", 0)),
-    ("ctx.wrap returned → ctx.resume returned", ("wrapped", 0), ("resumed", 0)),
-    ("ctx.resume returned → first step", ("resumed", 0), ("first-step", 0)),
+#: The parts inside the ranks, the same for every attempt: (part, from event, to event).
+_IN_RANKS = (
+    ("workers started → process group up", "started", "group-up"),
+    ("process group up → ctx.wrap returned", "group-up", "wrapped"),
+    ("ctx.wrap returned → ctx.resume returned", "wrapped", "resumed"),
+    ("ctx.resume returned → first step", "resumed", "first-step"),
 )
+
+
+def _in_ranks(attempt: int) -> tuple[tuple[str, tuple[str, int], tuple[str, int]], ...]:
+    return tuple((part, (start, attempt), (end, attempt)) for part, start, end in _IN_RANKS)
+
+
+FRESH_PARTS = (("call → workers started", ("call", 0), ("started", 0)), *_in_ranks(0))
 RESTART_PARTS = (
     ("death → the launcher noticed it", ("death", 0), ("noticed", 0)),
     ("noticed → failures settled and explained", ("noticed", 0), ("settled", 0)),
     ("settled → every worker gone", ("settled", 0), ("torn-down", 0)),
     ("every worker gone → ctx.wrap's imports done (fork)", ("torn-down", 0), ("imported", 1)),
     ("imports done → new workers started", ("imported", 1), ("started", 1)),
-    ("workers started → process group up", ("started", 1), ("group-up", 1)),
-    ("process group up → ctx.wrap returned", ("group-up", 1), ("wrapped", 1)),
-    ("ctx.wrap returned → ctx.resume returned", ("wrapped", 1), ("resumed", 1)),
-    ("ctx.resume returned → first step", ("resumed", 1), ("first-step", 1)),
+    *_in_ranks(1),
 )
 
 
