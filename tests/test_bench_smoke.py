@@ -225,11 +225,14 @@ def test_gpu_check_script_fits_in_eight_minutes() -> None:
 def test_tracking_bench_smoke(tmp_path: Path) -> None:
     """bench/bench_tracking.py --tiny: both loops ran on a tracked job, and the call was timed on both ranks."""
     result = _run_module_tiny(tmp_path, "tracking")
-    steps, calls = result["tables"]
+    steps, calls, thread = result["tables"]
     assert {r["variant"] for r in steps["rows"]} == {"no logging", "ctx.log_metrics every step"}
     assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in steps["rows"])
     assert steps["targets"][0]["max_ratio"] == 1.01 and steps["targets"][0]["met"] in (True, False)
     assert all(r["median"] > 0 for r in calls["rows"]) and len(calls["rows"]) == 2
+    # the tracking thread's CPU time per logged step, read from /proc on rank 0 (Linux)
+    (row,) = thread["rows"]
+    assert row["variant"] == "distfn-tracking thread" and row["median"] > 0
 
 
 @pytest.mark.slow
