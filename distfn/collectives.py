@@ -210,7 +210,9 @@ def _gather_padded(t: torch.Tensor, sizes: list[int], device: torch.device | Non
     home, longest = t.device, max(sizes)
     if longest == 0:
         return t[:0]
-    rows = (t if device is None else t.to(device)).contiguous()
+    # detached: a model's output is in the autograd graph, and gloo copies the input into views of ``out`` made
+    # without grad, which autograd refuses; gathered metrics never carry gradients (nor did they when pickled)
+    rows = (t.detach() if device is None else t.detach().to(device)).contiguous()
     if rows.shape[0] != longest:
         padded = rows.new_zeros((longest, *rows.shape[1:]))
         padded[: rows.shape[0]] = rows

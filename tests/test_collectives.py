@@ -156,9 +156,12 @@ def job(cfg, ctx):
     _, only_some = collectives.gather_rows(leaves[:1], torch.arange(n) if r == 0 else None)
     empty, _ = collectives.gather_rows([torch.zeros(0, 3)])
     equal, _ = collectives.gather_rows([torch.tensor([[r, r]])])
+    outputs = torch.ones(n, 2, requires_grad=True) * (r + 1)  # a model's output: in the autograd graph
+    graded, _ = collectives.gather_rows([outputs])
     dist.all_gather_object = pickled
     return ctx.gather_object(([t.tolist() for t in rows], [t.dtype for t in rows], positions.tolist(), only_some,
-                              one_entry, tuple(empty[0].shape), equal[0].tolist(), objects))
+                              one_entry, tuple(empty[0].shape), equal[0].tolist(), objects,
+                              graded[0].tolist(), graded[0].requires_grad))
 
 if __name__ == "__main__":
     print("RESULT", job())
@@ -168,7 +171,8 @@ if __name__ == "__main__":
 def test_gather_rows_moves_uneven_rows_of_any_dtype_as_tensors_in_one_ledger_entry(tmp_path: Path) -> None:
     """Issue 32: gather_for_metrics' collective exchanges the row counts as a tensor (no object pickling, which
     cost two collectives and a pickle each way) and gathers each tensor padded to the longest count: uneven
-    counts, bool / bfloat16 / non-contiguous tensors, zero rows, equal counts; positions come back only when
+    counts, bool / bfloat16 / non-contiguous tensors, zero rows, equal counts, a model's output that requires
+    grad (gathered detached, as metrics are); positions come back only when
     every rank sent some; the ledger names it once, at the caller's line; every rank gets the same result."""
     script = tmp_path / "rows_job.py"
     script.write_text(_ROWS_JOB)
@@ -178,5 +182,6 @@ def test_gather_rows_moves_uneven_rows_of_any_dtype_as_tensors_in_one_ledger_ent
     rows = [[0, 1, 2, 10], [[True, True]] * 3 + [[False, False]], [[[0.0] * 2] * 2] * 3 + [[[1.0] * 2] * 2],
             [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0], [0.0, 1.0]]]
     dtypes = [torch.int64, torch.bool, torch.bfloat16, torch.float32]
-    one_rank = (rows, dtypes, [0, 2, 4, 1], None, True, (0, 3), [[0, 0], [1, 1]], [])
+    one_rank = (rows, dtypes, [0, 2, 4, 1], None, True, (0, 3), [[0, 0], [1, 1]], [],
+                [[1.0, 1.0]] * 3 + [[2.0, 2.0]], False)
     assert f"RESULT {[one_rank, one_rank]!r}" in done.stdout, done.stdout[-3000:]
