@@ -17,11 +17,11 @@ import errno
 import io
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -87,6 +87,20 @@ def _cuda_blocks_fork() -> str | None:
 #: OpenMP pool is judged broken for forked children (it takes milliseconds when the pool survives fork).
 POOL_PROBE_S = 2.0
 _pool_verdict: list[str | None] = []  # the probe's answer, once per process (the baseline does not change)
+_probes: list[int] = []  # probe children that answered and are exiting, to reap
+
+
+def reap_probes(wait: bool = False) -> None:
+    """Reap the probe child of `_pool_before_import` (``wait``: once it has exited, else only if it has). It answers
+    before it begins to exit, and its exit, unmapping a copy of this process, costs more than the probe itself
+    (~3 ms), so the caller does other work first (`distfn.launch.forkserver.start_early` forks its copy)."""
+    for pid in list(_probes):
+        try:
+            done, _ = os.waitpid(pid, 0 if wait else os.WNOHANG)
+        except ChildProcessError:
+            done = pid  # reaped by someone else (a SIGCHLD handler of the user's)
+        if done:
+            _probes.remove(pid)
 
 
 def _pool_before_import() -> str | None:
@@ -100,23 +114,28 @@ def _pool_before_import() -> str | None:
     """
     if _pool_verdict:
         return _pool_verdict[0]
+    read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child runs one parallel region and exits
+    if pid == 0:  # pragma: no cover - the child runs one parallel region, says so and exits
         try:
+            os.close(read_end)
             torch.set_num_threads(2)
             torch.ones(1 << 20).add_(1)  # TensorIterator splits it with at::parallel_for: an OpenMP region
+            os.write(write_end, b"1")
             os._exit(0)
         except BaseException:  # noqa: BLE001 - whatever happens, the child must not return
             os._exit(2)
-    deadline = time.monotonic() + POOL_PROBE_S
-    done = 0
-    while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.002)
+    os.close(write_end)
+    try:
+        # Woken by the child's byte (or by its end, which closes the pipe) at once: polling its exit every few
+        # milliseconds cost more than the probe itself, at every decoration of a plain script.
+        finished = bool(select.select([read_end], [], [], POOL_PROBE_S)[0])
+    finally:
+        os.close(read_end)
     why = None
-    if not done:
+    if finished:
+        _probes.append(pid)  # reaped by `reap_probes`, after other work: its exit takes longer than the probe
+    else:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         why = ("a thread pool (OpenMP) was already running when distfn was imported (a torch op before "
@@ -137,6 +156,7 @@ def _fallback(why: str) -> tuple[str, str]:
 def choose_start_method(requested: str) -> tuple[str, str]:
     """Return ``(method, reason)``. ``"auto"`` forks when provably safe (fastest: torch is not re-imported),
     and falls back to ``forkserver`` otherwise (``spawn`` where there is no forkserver)."""
+    reap_probes()  # the probe child of an earlier decoration or call, exited by now
     available = mp.get_all_start_methods()
     if requested != "auto":
         if requested not in available:

@@ -8,6 +8,7 @@ the workers outlive the launching process; what a worker cannot find by name arr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -116,6 +117,45 @@ def test_the_fork_server_exists_only_where_a_call_will_start_workers(tmp_path: P
     done = run_python(["-c", PROBE], env=clean_env(DISTFN_LAUNCHER="ray"), timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[3] == "forkserver [] False"
+
+
+COPY_AT_EXIT = """
+import json, os, sys
+import torch
+from distfn import distributed
+from distfn.launch import forkserver
+
+@distributed(mode="ddp", nprocs=2, backend="gloo")
+def job(cfg, ctx):
+    return ctx.gather_object(os.getpriority(os.PRIO_PROCESS, 0))
+
+if __name__ == "__main__":
+    copy = forkserver._forkserver()._forkserver_pid
+    if sys.argv[1] == "op":
+        torch.randn(600, 600) @ torch.randn(600, 600)  # an OpenMP pool: the ranks fork from the copy
+    print("RESULT", json.dumps({"copy": copy, "nice": job(None), "own": os.getpriority(os.PRIO_PROCESS, 0)}),
+          flush=True)
+"""
+
+
+@pytest.mark.parametrize("path", ["fork", "op"])
+def test_the_copy_made_at_decoration_is_gone_before_the_launcher_exits(tmp_path: Path, path: str) -> None:
+    """The copy prepares at the lowest priority in a thread of its own, yet the ranks it forks run at the launching
+    process's priority; at exit the launcher ends it before its own clean-up (whose writes to pages shared with a
+    live copy all fault), quietly, and its socket's directory goes too."""
+    script = tmp_path / "spare.py"  # not copy.py: it would shadow the standard library's copy module
+    script.write_text(COPY_AT_EXIT)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    done = run_python([str(script), path], env=clean_env(OMP_NUM_THREADS="2", TMPDIR=str(tmp)), timeout=180)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert isinstance(result["copy"], int)
+    assert result["nice"] == [result["own"], result["own"]]  # not the preparing thread's 19
+    assert ("with forkserver" in done.stderr) == (path == "op")
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not _alive(result["copy"])
+    assert list(tmp.iterdir()) == []  # the standard library's pymp-* directory, with the server's socket
 
 
 LATE_ENV = """

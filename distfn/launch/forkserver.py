@@ -9,13 +9,15 @@ that imports distfn (and so torch), started in the background. It runs the stand
 launching process has made since. A launch with no server yet starts one and waits for it (`ensure_server`).
 
 The server is named ``distfn-forksrv``, dies with the launching process (``PR_SET_PDEATHSIG`` and the standard
-library's "alive" pipe) and never runs a thread, CUDA, or user code. Nothing here may fail at decoration: a server
+library's "alive" pipe; a copy is ended at the launching process's exit, `_stop_copy`) and never runs CUDA or user
+code, nor a thread once it serves (a copy readies itself in one low-priority thread first, `_prepare`). Nothing here may fail at decoration: a server
 that cannot start then (``TMPDIR`` too long for a Unix socket's path, ...) is logged and tried again at the call,
 where it is a `ConfigError` naming the cause.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import os
@@ -96,7 +98,7 @@ def server_description() -> str:
     return "the standard library's fork server forks them"
 
 
-def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int) -> None:
+def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: bool = False) -> None:
     """The fork server's life: the standard library's loop, until the launching process is gone; then its socket
     (``TMPDIR/pymp-*/listener-*``) is removed, and the directory with it when nothing else is in it.
 
@@ -121,9 +123,8 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int) -> Non
     # otherwise trigger a full pass over torch's objects, 100-300 ms of CPU taken from the launching process).
     gc.freeze()
     try:
-        _preload()  # before the loop: a launch that comes sooner waits in the listener's queue
-        logs.install_sink()  # once here, so the ranks forked from this server do not each add one (~5 ms)
-        gc.freeze()  # and what the preload made
+        _prepare(copy)  # before the loop: a launch that comes sooner waits in the listener's queue
+        gc.freeze()  # and what the preparation made
         forkserver.main(listener_fd, alive_r, [])  # preload nothing more: done above
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -152,6 +153,51 @@ def _preload() -> None:
     """Import `PRELOAD` in the server (a no-op for what is imported already)."""
     for name in PRELOAD:
         importlib.import_module(name)
+
+
+#: The nice value of the thread that prepares a copy made at decoration (`_prepare`): the lowest priority.
+PREPARE_NICE: Final = 19
+
+
+def _prepare(copy: bool) -> None:
+    """Get the server ready to fork ranks: in a copy, forget the user's modules; import `PRELOAD`; add the sink.
+
+    In a copy made at decoration (``copy``) this runs in a thread at the lowest CPU priority, joined before the
+    server serves. The copy is a spare: in a plain script that is still safe to fork at the call, the workers fork
+    from the launching process and the copy is never used, and its preparation (~50 ms of CPU: the realpath of
+    every module, ``distfn.execute``'s import, a loguru sink) competed for the cores with the launching process
+    importing the same modules and its workers starting (bench/bench_launch.py). At nice 19 it takes what the job
+    leaves idle; where the copy is used (fork became unsafe before the call) the launching process waits for it,
+    the cores are idle and the thread runs at full speed. The niceness is the thread's own (Linux keeps it per
+    thread): the server's main thread, which forks every rank, keeps the launching process's priority, and the
+    thread is gone before the first fork, so the server still forks single-threaded.
+    """
+    def work() -> None:
+        if copy:
+            _forget_user_modules()
+        _preload()
+        logs.install_sink()  # once here, so the ranks forked from this server do not each add one (~5 ms)
+
+    if not copy:  # a fresh interpreter: the launch is waiting for it, nothing to yield to
+        work()
+        return
+    failed: list[BaseException] = []
+
+    def low_priority() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)  # this thread only
+        except OSError:
+            pass  # not allowed here (a seccomp profile): prepare at the normal priority
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the server's main thread, below
+            failed.append(exc)
+
+    thread = threading.Thread(target=low_priority, name="distfn-prepare")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def _listen() -> tuple[socket.socket, str, int, int]:
@@ -197,14 +243,38 @@ def fork_server() -> None:
             # The server's children re-import the user's script, as under spawn (multiprocessing skips that when
             # __main__ already has the script's file, which this copy of a half-run script has).
             sys.modules["__main__"] = types.ModuleType("__main__")
-            _forget_user_modules()
-            _serve(listener.fileno(), alive_r, address, parent)
+            _serve(listener.fileno(), alive_r, address, parent, copy=True)
         except BaseException:  # noqa: BLE001 - whatever happens, the server must not return into user code
             pass
         os._exit(0)
     os.close(alive_r)
     listener.close()
     _register("forked", pid, address, alive_w)
+    atexit.register(_stop_copy, pid)
+
+
+def _stop_copy(pid: int) -> None:
+    """At this process's exit, before the interpreter's own clean-up: end the copy made at decoration and wait
+    until it is gone.
+
+    While the copy lives, every page the two processes share is copy-on-write, and the interpreter's clean-up
+    writes to nearly all of them (reference counts of every module and object it frees): each first write is a
+    page fault and a 4 KiB copy, ~20 ms of a plain script's exit on 2 cores with torch imported
+    (bench/bench_launch.py). Once the copy is gone the pages are this process's alone again. The copy would end by
+    itself at our exit anyway (the "alive" pipe, ``PR_SET_PDEATHSIG``); this only makes it end first. SIGKILL: no
+    job runs at exit, and its one piece of clean-up, the socket, lies in the standard library's temporary
+    directory, which this process removes next (a copy that removed it first made that removal fail loudly).
+    Never raises.
+    """
+    server = _forkserver()
+    if server._forkserver_pid != pid:
+        return  # stopped or replaced since
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass  # gone already, or not our child any more
+    _forget(server)
 
 
 def start_server() -> None:
@@ -279,6 +349,8 @@ def start_early() -> None:
     except OSError as exc:
         logger.debug("no early fork server: {}", _why_not(exc))
         return
+    finally:
+        preflight.reap_probes(wait=True)  # exited meanwhile: decoration leaves no child behind but the copy
     if method != "fork":
         _warm_launcher()
 
