@@ -146,8 +146,13 @@ def clock_for(device: torch.device) -> Clock:
 # -- this rank's steps ---------------------------------------------------------------------------------------------
 #: A finished step whose marks may not be readable yet (CUDA): (start, end, comm (begin, end) pairs, data seconds).
 #: A tuple, not an attrs class: made every step, and the accounting must stay within microseconds per step.
+#: A pair whose begin is ``None`` holds seconds already read (`Recorder.comm_end` folds a long list).
 _Closed = tuple[Any, Any, list[tuple[Any, Any]], float]
 _NO_COMMS: Final[list[tuple[Any, Any]]] = []  # shared until a step records a wait (never appended to)
+#: Open waits one step may hold before the readable ones are folded into one pair of seconds: a loop that runs
+#: collectives but no forward (an evaluation loop of ``ctx.all_reduce`` after training) has one open step that
+#: would otherwise collect a pair (two CUDA events on a GPU) for every collective, without bound.
+FOLD_AT: Final = 64
 
 
 @attrs.define(eq=False)
@@ -172,6 +177,7 @@ class Recorder:
     sums: list[float] = attrs.field(factory=lambda: [0.0, 0.0, 0.0, 0.0])
     _start: Any = None  # the open step's start mark (None before the first step)
     _comms: list[tuple[Any, Any]] = _NO_COMMS
+    _fold_at: int = FOLD_AT
     _comm_start: Any = None
     _data: float = 0.0
     _closed: deque[_Closed] = attrs.field(factory=deque)
@@ -184,6 +190,7 @@ class Recorder:
             self._closed.append((self._start, now, self._comms, self._data))
         # a wait before the first step is no step's; one left open (an exception inside it) ends here
         self._start, self._data, self._comms, self._comm_start = now, 0.0, _NO_COMMS, None
+        self._fold_at = FOLD_AT
         self.drain()
 
     def add_data(self, seconds: float) -> None:
@@ -204,6 +211,24 @@ class Recorder:
                 self._comms = []
             self._comms.append((self._comm_start, self.clock.mark()))
             self._comm_start = None
+            if len(self._comms) >= self._fold_at:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Replace the open step's readable waits by one pair holding their seconds (see `FOLD_AT`). Waits the
+        GPU has not passed stay; if many remain, the next fold waits until the list has doubled, so a GPU that
+        is far behind costs no more than one pass per doubling."""
+        clock, seconds, kept = self.clock, 0.0, []
+        for begin, done in self._comms:
+            if begin is None:
+                seconds += done
+            elif clock.ready(done):
+                seconds += clock.seconds(begin, done)
+            else:
+                kept.append((begin, done))
+        kept.append((None, seconds))
+        self._comms = kept
+        self._fold_at = max(FOLD_AT, 2 * len(kept))
 
     def drain(self, *, block: bool = False) -> None:
         """Read the closed steps whose marks have completed (``block``: wait for all of them)."""
@@ -218,7 +243,7 @@ class Recorder:
             total = clock.seconds(start, end)
             comm = 0.0
             for begin, done in comms:
-                comm += clock.seconds(begin, done)
+                comm += done if begin is None else clock.seconds(begin, done)
             data = min(data, total)
             compute = max(0.0, total - data - comm)
             sums[0] += data

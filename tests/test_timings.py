@@ -147,6 +147,44 @@ def test_cuda_marks_are_read_lazily_without_a_synchronise() -> None:
     assert rec.steps == 6 and FakeEvent.synchronized > 0
 
 
+def test_waits_in_a_step_without_a_forward_stay_bounded_and_counted() -> None:
+    """An evaluation loop of collectives after training opens no new step: its waits fold into seconds instead of
+    piling up a pair (two CUDA events on a GPU) per collective, and the step still counts every one of them."""
+    marks = iter(range(10**6))
+
+    class Ticks(HostClock):
+        def mark(self) -> Any:
+            return float(next(marks))
+
+    windows: list[list[tuple[float, float, float, float]]] = []
+    rec = Recorder(Ticks(), window=1, on_window=windows.append)
+    rec.boundary()  # mark 0
+    for _ in range(10_000):  # each wait lasts one tick: marks 1..20000
+        rec.comm_begin()
+        rec.comm_end()
+        assert len(rec._comms) <= timings.FOLD_AT
+    rec.boundary()  # mark 20001
+    assert rec.steps == 1
+    assert windows[0][0] == (0.0, 10_001.0, 10_000.0, 20_001.0)  # (data, compute, comm, step)
+
+    # On a GPU that is behind, the waits it has not passed are kept (never read early), then counted.
+    FakeEvent.gpu_time, FakeEvent.passed, FakeEvent.synchronized, FakeEvent.recorded = 0.0, 0, 0, 0
+    windows.clear()
+    rec = Recorder(CudaClock(event=FakeEvent), window=1, on_window=windows.append)
+    rec.boundary()
+    for _ in range(200):
+        rec.comm_begin()
+        FakeEvent.gpu_time += 0.002
+        rec.comm_end()
+    assert len(rec._comms) == 201  # all 200 unread (kept) + the folded pair of nothing yet
+    rec.boundary()  # closes the step; its end is not passed yet
+    assert rec.steps == 0
+    FakeEvent.passed = FakeEvent.recorded
+    rec.boundary()
+    assert rec.steps == 1 and FakeEvent.synchronized == 0
+    assert windows[0][0] == pytest.approx((0.0, 0.0, 0.4, 0.4))
+
+
 def test_the_clock_follows_the_device() -> None:
     assert isinstance(timings.clock_for(torch.device("cpu")), HostClock)
     assert isinstance(timings.clock_for(torch.device("cuda", 0)), CudaClock)  # constructing needs no GPU
