@@ -78,6 +78,10 @@ class Context:
     restart: int = 0
     run: Run = attrs.field(factory=Run, repr=False)
     _loop: amp.LoopState | None = attrs.field(default=None, init=False, repr=False)  # made on first use
+    # (backend, device, collective device) of the last `_group_device` answer: every collective of a Python number
+    # asks, and working it out parses the backend's name (~5 µs a call, bench/bench_collectives.py)
+    _group_device_of: tuple[Any, Any, torch.device | None] | None = attrs.field(default=None, init=False,
+                                                                               repr=False)
     @property
     def saves(self) -> Saves:
         """This rank's background checkpoint writer (``ctx.save(..., blocking=False)``): ``ctx.saves.wait()`` waits
@@ -96,7 +100,12 @@ class Context:
 
     @property
     def _group_device(self) -> torch.device | None:
-        return collective_device(self.backend, self.device)
+        known = self._group_device_of
+        if known is not None and known[0] is self.backend and known[1] is self.device:
+            return known[2]
+        found = collective_device(self.backend, self.device)
+        self._group_device_of = (self.backend, self.device, found)
+        return found
 
     @property
     @collective  # its wait for the other ranks is comm time (distfn.timings)

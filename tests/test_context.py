@@ -39,3 +39,25 @@ def test_numbers_travel_on_the_gpu_only_when_the_group_is_nccl_alone(
     ctx.barrier()
     expected = gpu if on_gpu else None
     assert seen == {"reduce": expected, "stop": expected, "gather": expected, "barrier": gpu}
+
+
+def test_the_collective_device_is_worked_out_once_and_follows_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every collective of a Python number asks where it travels; the answer is worked out once per (backend,
+    device), not at every call, and a context whose backend changes gets the new answer."""
+    from distfn import context as context_module
+
+    asked: list[tuple[Any, Any]] = []
+    real = context_module.collective_device
+
+    def counting(backend: Any, device: Any) -> Any:
+        asked.append((backend, device))
+        return real(backend, device)
+
+    monkeypatch.setattr(context_module, "collective_device", counting)
+    ctx = Context(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+                  device=torch.device("cuda", 1), backend="nccl", mode="ddp", launcher="spawn")
+    assert [ctx._group_device for _ in range(5)] == [torch.device("cuda", 1)] * 5  # NCCL: numbers on the GPU
+    assert len(asked) == 1
+    ctx.backend = "gloo"
+    assert ctx._group_device is None  # gloo takes CPU tensors
+    assert len(asked) == 2
