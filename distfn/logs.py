@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -105,6 +106,21 @@ def _probe(foreign: bool) -> bool:
     return _state.last_seen == token
 
 
+#: Serialises `_ensure_sink`: a notebook's definition cell installs the sink from a background thread
+#: (`distfn.launch.forkserver`) while the call cell may already install it from the main thread; two at once would
+#: each add one and print every line twice. Replaced in a forked child (`os.register_at_fork`), where a lock held
+#: by a thread of the parent would stay held for good.
+_sink_lock = threading.Lock()
+
+
+def _new_sink_lock() -> None:
+    global _sink_lock
+    _sink_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_sink_lock)
+
+
 def _ensure_sink() -> None:
     """Install distfn's one sink for this process, unless it is installed and writes to the current sys.stderr.
 
@@ -114,6 +130,11 @@ def _ensure_sink() -> None:
     print every line a second time, in loguru's own format) and the sink stands in for it outside a job: same
     stream, format (LOGURU_FORMAT) and level (LOGURU_LEVEL), so the user's own lines look as before.
     """
+    with _sink_lock:
+        _add_sink_unless_there()
+
+
+def _add_sink_unless_there() -> None:
     if _state.handler is not None and _state.stream is sys.stderr and _probe(foreign=True):
         return
     if _state.handler is None:  # first time in this process (a forked rank inherits the launcher's)

@@ -162,3 +162,35 @@ def test_the_user_removing_every_handler_between_jobs(tmp_path: Path) -> None:
     err = done.stderr
     assert err.count("job line") == 2 and all(LINE.match(line) for line in err.splitlines() if "job line" in line)
     assert "user line 1" in err and "user line 2" not in err and "user line 3" not in err
+
+
+_DEFINED_INTERACTIVELY = """
+import threading, torch
+from loguru import logger
+from distfn import distributed, logs
+torch.randn(600, 600) @ torch.randn(600, 600)  # as in a notebook: torch ran before the definition cell
+
+@distributed(nprocs=2, backend="gloo")
+def job(cfg, ctx):
+    ctx.log.info("job line")
+    return ctx.rank
+
+for thread in threading.enumerate():
+    if thread.name == "distfn-warm":
+        thread.join()
+print("SINK BEFORE THE CALL", logs._state.handler is not None, flush=True)
+logger.info("user line")
+job(None)
+"""
+
+
+def test_an_interactive_definition_adds_the_sink_before_the_call_and_only_once() -> None:
+    """Defined interactively after a torch op (a notebook's definition cell), the launching side readies itself in
+    a background thread, the log sink included (~5 ms less in the call cell); the call then adds none, and no line
+    is printed twice (the thread and the call never both add one)."""
+    done = run_python(["-c", _DEFINED_INTERACTIVELY], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "SINK BEFORE THE CALL True" in done.stdout
+    err = done.stderr
+    assert err.count("user line") == 1 and err.count("job line") == 1
+    assert err.count("launcher: spawn") == 1  # rank 0's start-up line

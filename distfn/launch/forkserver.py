@@ -10,9 +10,9 @@ launching process has made since. A launch with no server yet starts one and wai
 
 The server is named ``distfn-forksrv``, dies with the launching process (``PR_SET_PDEATHSIG`` and the standard
 library's "alive" pipe; a copy is ended at the launching process's exit, `_stop_copy`) and never runs CUDA or user
-code, nor a thread once it serves (a copy readies itself in one low-priority thread first, `_prepare`). Nothing here may fail at decoration: a server
-that cannot start then (``TMPDIR`` too long for a Unix socket's path, ...) is logged and tried again at the call,
-where it is a `ConfigError` naming the cause.
+code, nor a thread once it serves (a copy readies itself in one low-priority thread first, `_prepare`). Nothing
+here may fail at decoration: a server that cannot start then (``TMPDIR`` too long for a Unix socket's path, ...)
+is logged and tried again at the call, where it is a `ConfigError` naming the cause.
 """
 
 from __future__ import annotations
@@ -356,18 +356,17 @@ def start_early() -> None:
 
 
 def _warm_launcher() -> None:
-    """Import `PRELOAD` in this process too, in a background thread, while the fresh server imports torch: the
-    launching side of the first call needs the same modules (measured: ~0.2 s on the first call's critical path
-    in a Jupyter kernel), and between the definition cell and the call cell the kernel is idle. Only where
-    forking is already unsafe (a thread then changes nothing) and where nothing imported them yet. A call that
-    comes sooner waits on the import lock for the rest, as it would have imported them itself."""
-    if all(name in sys.modules for name in PRELOAD):
-        return
+    """Import `PRELOAD` in this process too, and add its log sink, in a background thread, while the fresh server
+    imports torch: the launching side of the first call needs the same modules (measured: ~0.2 s on the first
+    call's critical path in a Jupyter kernel) and the sink (~5 ms: `distfn.logs`), and between the definition cell
+    and the call cell the kernel is idle. Only where forking is already unsafe (a thread then changes nothing). A
+    call that comes sooner waits on the import lock (or the sink's) for the rest, as it would have done it itself."""
     threading.Thread(target=_import_quietly, name="distfn-warm", daemon=True).start()
 
 
 def _import_quietly() -> None:
     try:
         _preload()
-    except Exception as exc:  # noqa: BLE001 - the call imports them again and reports what is wrong
-        logger.debug("warming the launcher's imports failed: {}", exc)
+        logs.install_sink()
+    except Exception as exc:  # noqa: BLE001 - the call does it again and reports what is wrong
+        logger.debug("warming the launcher failed: {}", exc)
