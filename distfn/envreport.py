@@ -33,7 +33,7 @@ from . import devices
 from .errors import ConfigError, DistfnError
 from .options import Options, make_options, with_env
 from .plan import CallPlan, plan_call
-from .preflight import choose_start_method, reap_probes
+from .preflight import choose_start_method
 from .topology import describe
 
 __all__ = ["collect", "print_env", "render"]
@@ -183,8 +183,6 @@ def _start_method() -> tuple[str | None, str]:
         return choose_start_method("auto")
     except Exception as exc:  # noqa: BLE001
         return None, f"{type(exc).__name__}: {exc}"
-    finally:
-        reap_probes(wait=True)
 
 
 def _plan(plan: CallPlan | None, error: str | None, cuda: Mapping[str, Any],

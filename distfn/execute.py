@@ -56,7 +56,6 @@ def _start_method(opts: Options) -> tuple[str, str, str | None]:
     runs when this returns. A server that cannot start is a `ConfigError` where forkserver was asked for by name,
     else the launch falls back to spawn."""
     method, reason = preflight.choose_start_method(opts.start_method)
-    preflight.reap_probes(wait=True)  # a probe made just now (none was made at decoration)
     if method != "forkserver":
         return method, reason, None
     try:

@@ -13,6 +13,7 @@ once with a `ConfigError` naming the fix, rather than in a worker (or not at all
 from __future__ import annotations
 
 import ast
+import contextlib
 import errno
 import io
 import os
@@ -90,17 +91,15 @@ _pool_verdict: list[str | None] = []  # the probe's answer, once per process (th
 _probes: list[int] = []  # probe children that answered and are exiting, to reap
 
 
-def reap_probes(wait: bool = False) -> None:
-    """Reap the probe child of `_pool_before_import` (``wait``: once it has exited, else only if it has). It answers
-    before it begins to exit, and its exit, unmapping a copy of this process, costs more than the probe itself
-    (~3 ms), so the caller does other work first (`distfn.launch.forkserver.start_early` forks its copy)."""
-    for pid in list(_probes):
-        try:
-            done, _ = os.waitpid(pid, 0 if wait else os.WNOHANG)
-        except ChildProcessError:
-            done = pid  # reaped by someone else (a SIGCHLD handler of the user's)
-        if done:
-            _probes.remove(pid)
+def reap_probes() -> None:
+    """Wait for the probe child of `_pool_before_import` to be gone. It answers before it begins to exit, and its
+    exit, unmapping a copy of this process, costs more than the probe itself (~3 ms): `choose_start_method` waits
+    for it before it returns, unless its caller does other work first and reaps afterwards
+    (`distfn.launch.forkserver.start_early` forks its copy meanwhile)."""
+    while _probes:
+        with contextlib.suppress(ChildProcessError):  # reaped by someone else (a SIGCHLD handler of the user's)
+            os.waitpid(_probes[0], 0)
+        _probes.pop(0)
 
 
 def _pool_before_import() -> str | None:
@@ -153,10 +152,18 @@ def _fallback(why: str) -> tuple[str, str]:
     return "spawn", why
 
 
-def choose_start_method(requested: str) -> tuple[str, str]:
+def choose_start_method(requested: str, *, reap: bool = True) -> tuple[str, str]:
     """Return ``(method, reason)``. ``"auto"`` forks when provably safe (fastest: torch is not re-imported),
-    and falls back to ``forkserver`` otherwise (``spawn`` where there is no forkserver)."""
-    reap_probes()  # the probe child of an earlier decoration or call, exited by now
+    and falls back to ``forkserver`` otherwise (``spawn`` where there is no forkserver). ``reap=False``: leave a
+    probe child that answered to the caller's `reap_probes`, after work that overlaps its exit."""
+    try:
+        return _choose_start_method(requested)
+    finally:
+        if reap:
+            reap_probes()
+
+
+def _choose_start_method(requested: str) -> tuple[str, str]:
     available = mp.get_all_start_methods()
     if requested != "auto":
         if requested not in available:

@@ -344,13 +344,13 @@ def start_early() -> None:
     if not _OWN_SERVER:
         return
     try:
-        method, _ = preflight.choose_start_method("auto")
+        method, _ = preflight.choose_start_method("auto", reap=False)  # reaped below, after the copy's fork
         _start(method)
     except OSError as exc:
         logger.debug("no early fork server: {}", _why_not(exc))
         return
     finally:
-        preflight.reap_probes(wait=True)  # exited meanwhile: decoration leaves no child behind but the copy
+        preflight.reap_probes()  # exited meanwhile: decoration leaves no child behind but the copy
     if method != "fork":
         _warm_launcher()
 
