@@ -24,6 +24,9 @@ def _run_tiny(tmp_path: Path, only: str) -> dict:
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "## Summary" in proc.stdout
+    # a variant that raised left no sample and a "FAILED" progress line: name it here, with its error
+    failed = [line for line in (proc.stdout + proc.stderr).splitlines() if ": FAILED " in line]
+    assert not failed, "\n".join(failed)
     (result,) = tmp_path.glob("bench-*-tiny.json")
     return {b["benchmark"]: b for b in json.loads(result.read_text())["benchmarks"]}
 
