@@ -185,3 +185,33 @@ def test_gather_rows_moves_uneven_rows_of_any_dtype_as_tensors_in_one_ledger_ent
     one_rank = (rows, dtypes, [0, 2, 4, 1], None, True, (0, 3), [[0, 0], [1, 1]], [],
                 [[1.0, 1.0]] * 3 + [[2.0, 2.0]], False)
     assert f"RESULT {[one_rank, one_rank]!r}" in done.stdout, done.stdout[-3000:]
+
+
+_REGROUP = """
+import sys, torch.distributed as dist, torch.multiprocessing as mp
+from distfn import collectives
+
+def worker(rank, tmp):
+    # alone first: a group of one, then every rank in a new group of two
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/alone{rank}", rank=0, world_size=1)
+    alone = (collectives.world_size(), collectives.all_reduce(3.0), collectives.all_reduce({"x": 3}, "sum"))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/both", rank=rank, world_size=2)
+    both = (collectives.world_size(), collectives.all_reduce(float(rank)), collectives.all_reduce({"x": rank}))
+    dist.destroy_process_group()
+    sys.stdout.write(f"RESULT {rank} {alone} {both}\\n")  # one write: both ranks share the pipe
+
+if __name__ == "__main__":
+    mp.start_processes(worker, args=(sys.argv[1],), nprocs=2, start_method="fork")
+"""
+
+
+def test_the_mean_divides_by_the_size_of_the_group_now_up(tmp_path: Path) -> None:
+    # the group's size is remembered per group (collectives.world_size): a group destroyed and made anew with
+    # another size must not leave a mean divided by the old one
+    script = tmp_path / "regroup.py"
+    script.write_text(_REGROUP)
+    done = run_python([str(script), str(tmp_path)], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"RESULT {rank} (1, 3.0, {{'x': 3}}) (2, 0.5, {{'x': 0.5}})" in done.stdout, done.stdout
