@@ -97,8 +97,8 @@ if __name__ == "__main__":
     if PATH == "cuda":
         torch.cuda.is_available()
     # one write: under torchrun every rank runs this line into the same pipe, and with PYTHONUNBUFFERED=1
-    # print's separate writes of "OK", " ", the value and "\n" interleave across ranks ("OKOK 2.0 2.0")
-    sys.stdout.write(f"OK {job(None)}\n")
+    # print's separate writes of "OK", " ", the value and the newline interleave across ranks ("OKOK 2.0 2.0")
+    sys.stdout.write(f"OK {job(None)}\\n")
 """,
     # Later calls in one process (fork is safe: no op), each timed in the process: what a call costs beyond a
     # raw fork once everything is imported. DIAG_CACHE_SINKS=1 caches what loguru computes for every new sink
