@@ -52,6 +52,7 @@ MATRIX = ["raise", "sigkill", "segv", "exit", "early_return", "unpicklable_retur
           "env_ok"]
 
 
+@pytest.mark.slow  # over 5 s on an idle machine (conftest: the quick selection is for fast tests)
 def test_twenty_launches_report_each_failure_and_leave_nothing_behind(tmp_path: Path) -> None:
     proc = _start([",".join(MATRIX), "-", "2"], TMPDIR=str(tmp_path))
     out, err = proc.communicate(timeout=300)

@@ -180,6 +180,7 @@ def test_throttling_is_retried_a_bounded_number_of_times_with_logs(s3: S3Server,
     assert sum("SlowDown" in m and "retrying" in m for m in seen) >= 2 + remote.ATTEMPTS - 1
 
 
+@pytest.mark.slow  # over 5 s on an idle machine (conftest: the quick selection is for fast tests)
 def test_the_server_stopped_mid_upload_is_a_clear_error(monkeypatch, tmp_path: Path) -> None:
     server = start()
     try:
@@ -409,6 +410,7 @@ def test_huge_files_get_larger_parts_to_fit_the_part_limit() -> None:
         stream.abort()
 
 
+@pytest.mark.slow  # over 5 s on an idle machine (conftest: the quick selection is for fast tests)
 def test_the_benchmark_runs(tmp_path: Path) -> None:
     """bench/bench_remote.py --tiny end to end: every table has its samples and its target evaluated."""
     out = tmp_path / "remote.json"
