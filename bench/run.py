@@ -1,7 +1,7 @@
 """Run every benchmark in ``bench/`` in one go: one table per benchmark, then a summary of medians, ratios
 and targets; JSON into ``bench/results/``; the documentation's results page from the same run.
 
-    python bench/run.py                 # everything, default rounds (~30 minutes on 2 cores): rewrites the docs
+    python bench/run.py                 # everything, default rounds (30-40 minutes on 2 cores): rewrites the docs
     python bench/run.py --rounds 3      # quicker, noisier: rewrites the docs too
     python bench/run.py --only launch,step   # JSON only: the docs keep the results of one whole run
     python bench/run.py --tiny          # one tiny round of each: a smoke test, results not kept in docs/
