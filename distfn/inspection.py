@@ -217,6 +217,15 @@ def _tracking(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
             "runs": dict(runs) if isinstance(runs, Mapping) else {}}
 
 
+def _user_metadata(header: fmt.Header) -> dict[str, Any]:
+    """The ``metadata=`` mapping saved with a distfn checkpoint (none: ``{}``), or a foreign file's strings."""
+    if fmt.KEY_METADATA in header.metadata:
+        return fmt.saved_metadata(header)
+    if fmt.KEY_TREE in header.metadata:  # distfn's own, saved without metadata=
+        return {}
+    return {k: v for k, v in header.metadata.items() if k != "format"}
+
+
 def describe(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """What the checkpoint at ``path`` (a ``.safetensors`` file, a sharded directory, or a URL of either) holds,
     from its headers alone, checked as a load checks them.
@@ -247,7 +256,7 @@ def describe(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | 
         raise CheckpointError(f"no checkpoint at '{loc}'")
     else:
         raise CheckpointError(f"'{loc}' is not a regular file or directory")
-    metadata = fmt.saved_metadata(header)
+    metadata = _user_metadata(header)
     sizes = {t.name: t.nbytes for t in tensors}
     plain = fmt.as_plain_dict(tree) if isinstance(tree, dict) else None
     if plain and all(fmt.ref(v) is not None for v in plain.values()):  # a bare state dict, or a foreign file
@@ -498,7 +507,7 @@ def run(command: str, target: str, *, prefix: str = "ckpt-", as_json: bool = Fal
     except RecursionError:  # a header's JSON nested past Python's limit
         print(f"distfn {command}: '{shown(target)}' is damaged: {_TOO_DEEP}", file=sys.stderr)
         return 1
-    os.write(sys.stdout.fileno(), (text + "\n").encode("utf-8", "backslashreplace"))
+    print(text)  # every value read from the file or the command line is escaped (`shown`): printable text only
     return status
 
 
