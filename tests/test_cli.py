@@ -547,3 +547,52 @@ def test_inspect_and_ls_of_a_url(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["inspect", f"{root}/ckpt-7.safetensors"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"distfn inspect: no checkpoint at '{resolve(root).path}/ckpt-7.safetensors'"
+
+
+_JOB = '''
+import torch
+from torch import nn
+from distfn import distributed
+
+@distributed(mode="ddp", nprocs=2, seed=0, track="csv")
+def train(cfg, ctx):
+    model = ctx.wrap(nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 2))
+    loader = ctx.dataloader(data, batch_size=4)
+    state = {"model": model, "optimizer": opt, "loader": loader, "step": 0}
+    for step, (x, y) in enumerate(loader, 1):
+        ctx.backward(nn.functional.mse_loss(model(x), y))
+        ctx.step(opt)
+        ctx.log_metrics({"loss": 1.0}, step=step)
+        if step == 3:
+            ctx.save({**state, "step": step}, "ckpt/ckpt-3.safetensors", rng=True)
+            ctx.save({**state, "step": step}, "ckpt/ckpt-3", sharded=True, rng=True)
+            return step
+
+if __name__ == "__main__":
+    print(train({}))
+'''
+
+
+@pytest.mark.slow
+def test_inspect_and_ls_of_a_real_jobs_checkpoints(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """What a 2-rank ``ctx.save(..., rng=True)`` under ``track="csv"`` wrote, as inspect reports it: the loader's
+    position after 3 steps, both ranks' RNG states and the tracked run's key (the directory the CSV backend
+    made); ls picks the file (same step, sorted last), as distfn.latest does."""
+    (tmp_path / "job.py").write_text(_JOB)
+    done = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, env=_clean(), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (key,) = os.listdir(tmp_path / "runs")
+    for target in ("ckpt-3.safetensors", "ckpt-3"):
+        assert cli.main(["inspect", "--json", str(tmp_path / "ckpt" / target)]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["step"] == info["state_step"] == 3
+        loader = info["loaders"]["loader"]
+        assert (loader["epoch"], loader["batches"], loader["position"], loader["global_batch"]) == (0, 3, 24, 8)
+        assert info["rng"] == {"ranks": 2, "parts": ["numpy", "python", "torch"]}
+        assert info["tracking"]["key"] == key and info["tracking"]["step"] == 3
+        assert info["world_size"] == (2 if target == "ckpt-3" else None)
+    assert cli.main(["ls", str(tmp_path / "ckpt")]) == 0
+    assert "distfn.latest -> ckpt-3.safetensors" in capsys.readouterr().out
