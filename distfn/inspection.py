@@ -23,7 +23,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -125,6 +125,15 @@ def _tensors_of_index(shapes: Mapping[str, tuple[str, tuple[int, ...]]]) -> list
             for name, (code, shape) in shapes.items()]
 
 
+def _plain(node: Any) -> dict[Any, Any] | None:
+    """`distfn.checkpoint.format.as_plain_dict`, with a key that cannot be one (a list, from a crafted tree) as a
+    `CheckpointError`."""
+    try:
+        return fmt.as_plain_dict(node)
+    except TypeError as exc:
+        raise CheckpointError(f"corrupt distfn metadata: a mapping key in its tree cannot be a key ({exc})") from None
+
+
 def _walk(node: Any) -> list[tuple[str, Any]]:
     """Every mapping node of a (checked) saved tree with its dotted key path, without recursion (a tree may be
     deeply nested)."""
@@ -132,7 +141,7 @@ def _walk(node: Any) -> list[tuple[str, Any]]:
     stack: list[tuple[str, Any]] = [("", node)]
     while stack:
         path, item = stack.pop()
-        plain = fmt.as_plain_dict(item) if isinstance(item, dict) else None
+        plain = _plain(item) if isinstance(item, dict) else None
         if plain is not None:
             found.append((path, plain))
             stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in plain.items())
@@ -162,7 +171,7 @@ def _count_tensors(node: Any, sizes: Mapping[str, int]) -> tuple[int, int]:
 
 def _what(key: str, node: Any, sizes: Mapping[str, int]) -> str:
     """A short description of a top-level entry of a training state."""
-    plain = fmt.as_plain_dict(node) if isinstance(node, dict) else None
+    plain = _plain(node) if isinstance(node, dict) else None
     if fmt.ref(node) is not None:
         return "a tensor"
     if plain is None:
@@ -197,9 +206,9 @@ def _loaders(tree: Any) -> dict[str, dict[str, Any]]:
 
 
 def _rng(tree: Any) -> dict[str, Any] | None:
-    plain = fmt.as_plain_dict(tree) if isinstance(tree, dict) else None
+    plain = _plain(tree) if isinstance(tree, dict) else None
     node = plain.get(_RNG) if plain is not None else None
-    saved = fmt.as_plain_dict(node) if isinstance(node, dict) else None
+    saved = _plain(node) if isinstance(node, dict) else None
     if saved is None:
         return None
     ranks = saved.get("ranks")
@@ -256,9 +265,18 @@ def describe(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | 
         raise CheckpointError(f"no checkpoint at '{loc}'")
     else:
         raise CheckpointError(f"'{loc}' is not a regular file or directory")
+    try:
+        return _info(loc, kind, header, tree, aliases, files, size, world_size, tensors)
+    except CheckpointError as exc:
+        raise CheckpointError(str(exc) if str(loc) in str(exc) else f"'{loc}': {exc}") from None
+
+
+def _info(loc: Location, kind: str, header: fmt.Header, tree: Any, aliases: Mapping[str, str], files: Sequence[str],
+          size: int, world_size: int | None, tensors: list[TensorInfo]) -> CheckpointInfo:
+    """`describe`'s result from the checked header (and, for a sharded directory, the checked index)."""
     metadata = _user_metadata(header)
     sizes = {t.name: t.nbytes for t in tensors}
-    plain = fmt.as_plain_dict(tree) if isinstance(tree, dict) else None
+    plain = _plain(tree) if isinstance(tree, dict) else None
     if plain and all(fmt.ref(v) is not None for v in plain.values()):  # a bare state dict, or a foreign file
         entries = {"<root>": _what("", tree, sizes)}
     else:
@@ -506,6 +524,12 @@ def run(command: str, target: str, *, prefix: str = "ckpt-", as_json: bool = Fal
         return 1
     except RecursionError:  # a header's JSON nested past Python's limit
         print(f"distfn {command}: '{shown(target)}' is damaged: {_TOO_DEEP}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a file built to break a reader in a way no check above foresaw: still one line
+        if os.environ.get("DISTFN_DEBUG") == "1":
+            raise
+        print(f"distfn {command}: cannot read '{shown(target)}': {type(exc).__name__}: {_one_line(exc)} (damaged? "
+              "DISTFN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
     print(text)  # every value read from the file or the command line is escaped (`shown`): printable text only
     return status

@@ -433,6 +433,8 @@ def _damaged(tmp_path: Any) -> dict[str, Any]:
         {"loader": {"epoch": -1, "position": 0, "batches": 0, "seed": 0, "shuffle": True, "drop_last": False,
                     "global_batch": 8, "world_size": 2, "epoch_world_size": 2, "dataset_len": 64}})},
         "ckpt-4.safetensors")
+    out["unhashable key"] = header({"distfn.format": "1", "distfn.tree": '{"__dict__": [[[1, 2], 3]]}'},
+                                   "ckpt-1.safetensors")
     out["missing"] = tmp_path / "nothing.safetensors"
     out["not a checkpoint directory"] = tmp_path / "sub"
     out["not a checkpoint directory"].mkdir()
@@ -454,6 +456,25 @@ def test_inspect_damaged_files_is_one_line_and_status_1_never_a_traceback(tmp_pa
     assert "unpickling a file can execute arbitrary code" in capsys.readouterr().err
     assert cli.main(["inspect", str(tmp_path / "ckpt-6.safetensors")]) == 1
     assert "nested too deeply" in capsys.readouterr().err
+    assert cli.main(["inspect", str(tmp_path / "ckpt-1.safetensors")]) == 1
+    assert f"'{tmp_path / 'ckpt-1.safetensors'}': corrupt distfn metadata: a mapping key" in capsys.readouterr().err
+
+
+def test_an_unforeseen_failure_is_still_one_line_unless_debugging(tmp_path: Any, capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from distfn import inspection
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ZeroDivisionError("a reader bug")
+
+    monkeypatch.setattr(inspection, "describe", broken)
+    assert cli.main(["inspect", str(tmp_path / "x.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (f"distfn inspect: cannot read '{tmp_path / 'x.safetensors'}': ZeroDivisionError: a reader "
+                           "bug (damaged? DISTFN_DEBUG=1 shows the traceback)")
+    monkeypatch.setenv("DISTFN_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["inspect", str(tmp_path / "x.safetensors")])
 
 
 def test_inspect_escapes_control_characters_in_names(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -486,7 +507,7 @@ def test_ls_newest_first_what_latest_picks_and_why_others_are_skipped(tmp_path: 
     rows = [line[2:].split()[0] for line in lines[1:] if re.match(r"^[* ] \S+\s+step ", line)]
     assert rows == ["snapshot-11.safetensors", "ckpt-9.safetensors", "ckpt-8.safetensors", "ckpt-7.safetensors",
                     "ckpt-5.safetensors", "ckpt-4.safetensors", "ckpt-3.safetensors",
-                    "ckpt-2", "good.safetensors"]
+                    "ckpt-2", "ckpt-1.safetensors", "good.safetensors"]
     text = "\n".join(lines)
     assert re.search(r"\n  ckpt-9\.safetensors\s+step\s+9\s+file .* skipped: it is not a complete safetensors", text)
     assert re.search(r"\n  ckpt-5\.safetensors .* skipped: .*names no stored tensor", text)
