@@ -87,13 +87,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _without_local_rank(unknown: list[str]) -> list[str]:
+    """``unknown`` without the legacy launcher's ``--local-rank=N`` / ``--local_rank N`` (a number is dropped only
+    right after a bare ``--local_rank``: a stray ``5`` elsewhere stays an unrecognized argument)."""
+    out: list[str] = []
+    after_flag = False
+    for arg in unknown:
+        if arg in ("--local_rank", "--local-rank"):
+            after_flag = True
+            continue
+        if not (arg.startswith(("--local_rank=", "--local-rank=")) or (after_flag and arg.isdigit())):
+            out.append(arg)
+        after_flag = False
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m distfn`` and the ``distfn`` console script; returns the exit status."""
     parser = _parser()
     given = list(sys.argv[1:] if argv is None else argv)
     # The legacy `python -m torch.distributed.launch` appends --local-rank=N to every process's arguments.
     args, unknown = parser.parse_known_args(given)
-    unknown = [a for a in unknown if not a.startswith(("--local_rank", "--local-rank")) and not a.isdigit()]
+    unknown = _without_local_rank(unknown)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "version":

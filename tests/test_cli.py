@@ -302,6 +302,8 @@ def test_version_flag_in_process_and_through_the_real_entry_point(capsys: pytest
     (["inspect"], "the following arguments are required: checkpoint"),
     (["ls", ""], "an empty path names nothing"),
     (["ls", "a", "b"], "unrecognized arguments: b"),
+    (["ls", "a", "5"], "unrecognized arguments: 5"),  # a number was dropped anywhere, as if a --local_rank value
+    (["version", "--local_rank", "1", "7"], "unrecognized arguments: 7"),
 ])
 def test_bad_arguments_are_an_early_error_with_status_2(args: list[str], message: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -310,6 +312,12 @@ def test_bad_arguments_are_an_early_error_with_status_2(args: list[str], message
         cli.main(args)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_legacy_launchers_local_rank_argument_is_still_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra in (["--local-rank=1"], ["--local_rank=1"], ["--local_rank", "1"], ["--local-rank", "3"]):
+        assert cli.main(["version", *extra]) == 0
+    assert capsys.readouterr().out.split() == [cli.__version__] * 4
 
 
 def test_run_test_itself_refuses_a_bad_count_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
