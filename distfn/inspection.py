@@ -252,7 +252,7 @@ def describe(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | 
         tree, aliases, files = checkpoint.tree, checkpoint.aliases, checkpoint.files
         size = _size(loc, "sharded") or 0
         world = checkpoint.metadata.get(KEY_WORLD)
-        world_size = int(world) if isinstance(world, str) and world.isdigit() else None
+        world_size = int(world) if isinstance(world, str) and world.isdigit() and len(world) < 10 else None
     elif kind == "file":
         header = storage.read_header(loc)
         tree = fmt.check(header)
@@ -531,7 +531,10 @@ def run(command: str, target: str, *, prefix: str = "ckpt-", as_json: bool = Fal
         print(f"distfn {command}: cannot read '{shown(target)}': {type(exc).__name__}: {_one_line(exc)} (damaged? "
               "DISTFN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
-    print(text)  # every value read from the file or the command line is escaped (`shown`): printable text only
+    try:
+        print(text, flush=True)  # every value read from the file or the command line is escaped (`shown`)
+    except BrokenPipeError:  # `distfn inspect CKPT | head`: the reader left; no traceback at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return status
 
 
