@@ -46,8 +46,13 @@ _EXTRA_VARIABLES = (
 )
 
 
-#: The optional extras a bug report should show (not the development ones: docs, lint, runner, test).
-_EXTRAS = ("tensorboard", "mpi", "ray", "bench", "examples")
+#: The extras that are for developing distfn, not for using it: every other extra of distfn's metadata (the
+#: ``[project.optional-dependencies]`` of pyproject.toml: mlflow, wandb, tensorboard, s3, ray, mpi, ...) is listed.
+_DEVELOPMENT_EXTRAS = frozenset({"docs", "lint", "runner", "test"})
+#: What is listed where distfn's metadata cannot be read (run from a source tree that was never installed).
+_KNOWN_EXTRAS = {"mlflow": ("mlflow",), "wandb": ("wandb",), "tensorboard": ("tensorboard",),
+                 "s3": ("fsspec", "s3fs"), "ray": ("ray",), "mpi": ("mpi4py",), "bench": ("psutil",),
+                 "examples": ("scikit-learn",)}
 
 #: What the count of a self-spawned or in-place call depends on besides this machine (said next to the count).
 COUNT_NOTE = "a script's @distributed(nprocs=N) or DISTFN_NPROCS=N changes this count"
@@ -138,18 +143,24 @@ def _versions() -> dict[str, Any]:
 
 
 def _extras() -> dict[str, dict[str, str | None]]:
-    """``{extra: {package: version or None}}`` for the user-facing `_EXTRAS`, read from distfn's own metadata
-    (the packages each extra installs, so the list cannot drift from pyproject.toml); empty without metadata."""
+    """``{extra: {package: version or None}}`` for every user-facing extra (not `_DEVELOPMENT_EXTRAS`), read from
+    distfn's own metadata, so the list cannot drift from pyproject.toml (`_KNOWN_EXTRAS` without metadata).
+
+    Only the installed distributions' metadata is read (`importlib.metadata`): no extra is imported, so this costs
+    milliseconds even with mlflow, ray and wandb installed (each of which takes seconds to import)."""
     try:
         requires = metadata.requires("distfn") or []
     except metadata.PackageNotFoundError:
-        return {}
+        requires = None
+    if requires is None:
+        return {extra: {name: _version(name) for name in names} for extra, names in _KNOWN_EXTRAS.items()}
     out: dict[str, dict[str, str | None]] = {}
     for requirement in requires:
         match = _EXTRA_REQUIREMENT.match(requirement)
-        if match and match[2] in _EXTRAS:
+        if match and match[2] not in _DEVELOPMENT_EXTRAS:
             out.setdefault(match[2], {})[match[1]] = _version(match[1])
-    return {extra: out[extra] for extra in _EXTRAS if extra in out}
+    known = [extra for extra in _KNOWN_EXTRAS if extra in out]  # the usual order first, then any new one
+    return {extra: out[extra] for extra in [*known, *sorted(set(out) - set(known))]}
 
 
 def _git(root: Path, *args: str) -> str | None:

@@ -133,8 +133,8 @@ def combine_rng_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def rng_state_for_rank(saved: Mapping[str, Any], rank: int, world_size: int) -> Mapping[str, Any]:
     """This rank's state out of what `combine_rng_states` (or a single `rng_state`) stored.
 
-    A job resumed with another world size gets ``ranks[rank % saved world size]`` and a warning: the run then
-    continues reproducibly, but not bit-for-bit like the original one.
+    A job resumed with another world size gets ``ranks[rank % saved world size]`` and one warning, from rank 0,
+    listing every rank's choice: the run then continues reproducibly, but not bit-for-bit like the original one.
 
     Args:
         saved: the stored entry (one state, or the states of every rank).
@@ -150,8 +150,17 @@ def rng_state_for_rank(saved: Mapping[str, Any], rank: int, world_size: int) -> 
     if not ranks:
         raise CheckpointError("the saved RNG entry holds no rank states")
     if len(ranks) != world_size:
-        logger.warning("RNG states were saved by {} ranks, this job has {}: rank {} takes saved rank {}",
-                       len(ranks), world_size, rank, rank % len(ranks))
+        # Once per job, from rank 0, with every rank's choice: each rank picks by the same rule, and a warning per
+        # rank said one fact world_size times (issue 44 item 7). The other ranks say theirs at debug level.
+        shown = ", ".join(f"{r} -> {r % len(ranks)}" for r in range(min(world_size, 8)))
+        shown += ", ..." if world_size > 8 else ""
+        if rank == 0:
+            logger.warning("RNG states were saved by {} ranks, this job has {}: rank r takes saved rank r % {} ({}); "
+                           "the run continues reproducibly, not bit for bit", len(ranks), world_size, len(ranks),
+                           shown)
+        else:
+            logger.debug("RNG states were saved by {} ranks, this job has {}: rank {} takes saved rank {}",
+                         len(ranks), world_size, rank, rank % len(ranks))
     return ranks[rank % len(ranks)]
 
 

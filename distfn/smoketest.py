@@ -120,18 +120,26 @@ def _format_seconds(seconds: float) -> str:
 
 def run_test(*, gpu: bool = False, nprocs: int | None = None, timeout: float = 120.0) -> int:
     """Run `smoke_checks` on 2 ranks (``gpu``: over NCCL, one rank per GPU; ``nprocs``: another count, a
-    launcher's wins) and print rank 0's `report`. Returns the exit status (1: a check failed; 2: no GPU for
-    ``gpu``)."""
+    launcher's wins) and print rank 0's `report`. Returns the exit status (1: a check failed; 2: a bad ``nprocs`` or
+    ``timeout``, or no GPU for ``gpu``)."""
     t0 = time.time()
+    # Checked here too, not only by the command line: `nprocs or 2` once turned --nprocs 0 into 2 ranks that passed.
+    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
+        print(f"distfn test: --nprocs must be a positive number of ranks, got {nprocs!r}", file=sys.stderr)
+        return 2
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        print(f"distfn test: --timeout must be a positive, finite number of seconds, got {timeout!r}", file=sys.stderr)
+        return 2
     options: dict[str, Any] = {"mode": "ddp", "seed": 0, "timeout": timeout}
     if gpu:
         gpus = torch.cuda.device_count()
         if gpus == 0:
             print("distfn test --gpu: no CUDA GPU is visible here (torch.cuda.device_count() == 0)", file=sys.stderr)
             return 2
-        options.update(backend="nccl", nprocs=nprocs or min(2, gpus))  # one rank per GPU: NCCL needs it
+        # one rank per GPU: NCCL needs it
+        options.update(backend="nccl", nprocs=min(2, gpus) if nprocs is None else nprocs)
     else:
-        options.update(backend="gloo", nprocs=nprocs or 2)
+        options.update(backend="gloo", nprocs=2 if nprocs is None else nprocs)
     try:
         # The command's start time reaches the ranks through the environment, not the cfg: under a launcher each
         # process has its own, and a cfg that differs between ranks is an error (distfn.fingerprint).

@@ -14,6 +14,11 @@ A fenced block runs when the line right before it is an HTML comment (invisible 
   runs it (no ``if __name__ == "__main__":`` guard needed there).
 - ``as=NAME`` on a program: saved as ``NAME`` (``train.py``) instead of ``snippet.py``; ``uses=NAME`` on a later
   ``bash`` block of the same page: that program is saved as ``NAME`` first, so the commands can run it.
+- ``alone`` on a program: run as pasted, without the glue (it must define everything it uses: the README's first
+  program).
+- ``twice`` on a program: run twice in the same directory (a program that resumes must also run when there is
+  something to resume); the second run prints what the first printed last, and leaves at most one tracked run
+  under ``runs/`` (it continued the first one).
 - ``needs=NAME`` (a module or a command, e.g. ``<!-- run: fragment needs=tensorboard -->``): skipped, with a
   reason, where it is missing.
 
@@ -175,7 +180,7 @@ def program(lang: str, code: str, opts: dict[str, str]) -> str:
     if "fragment" in opts:
         return GLUE + FRAGMENT.replace("{body}", textwrap.indent(code, "    "))
     call = f'\n\nif __name__ == "__main__":\n    print({opts["call"]}(cfg))\n' if "call" in opts else ""
-    return GLUE + "\n" + code + call
+    return code + call if "alone" in opts else GLUE + "\n" + code + call
 
 
 @pytest.mark.slow
@@ -194,10 +199,17 @@ def test_snippet_runs(lang: str, code: str, opts: dict[str, str], files: dict[st
         command = [sys.executable, "-"]
     env = clean_env(DISTFN_NPROCS="2", EPOCHS="1",
                     PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280,
-                          input=script.read_text() if "stdin" in opts else None)
-    assert done.returncode == 0, f"{script.read_text()}\n--- output:\n{done.stdout[-3000:]}{done.stderr[-5000:]}"
-    assert "Failed to initialize NumPy" not in done.stderr  # a bare install warns about nothing
+    runs = []
+    for _ in range(2 if "twice" in opts else 1):
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280,
+                              input=script.read_text() if "stdin" in opts else None)
+        assert done.returncode == 0, (f"{script.read_text()}\n--- run {len(runs) + 1}'s output:\n"
+                                      f"{done.stdout[-3000:]}{done.stderr[-5000:]}")
+        assert "Failed to initialize NumPy" not in done.stderr  # a bare install warns about nothing
+        runs.append(done.stdout.strip().splitlines()[-1:])
+    if "twice" in opts:  # the second run resumed what the first one finished: the same result, the same tracked run
+        assert runs[1] == runs[0], runs
+        assert not (tmp_path / "runs").is_dir() or len(list((tmp_path / "runs").iterdir())) == 1
 
 
 def test_every_page_has_runnable_snippets_and_markers_are_well_formed() -> None:

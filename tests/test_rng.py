@@ -133,3 +133,16 @@ def test_rank0_only_save_with_rng_names_a_rank_that_finished_without_waiting(tmp
     assert "rng=True" in proc.stderr and "if ctx.is_main:" in proc.stderr
     assert elapsed < 18, f"took {elapsed:.0f} s"
     assert not (tmp_path / "ckpt-1.safetensors").exists()
+
+
+def test_a_resume_on_another_world_size_warns_once_per_job_with_every_ranks_choice(warnings_seen: list[str]) -> None:
+    """Issue 44 item 7: the warning came once per rank (4 identical lines on 4 ranks); now rank 0 says it once,
+    naming what every rank takes."""
+    entry = checkpoint.combine_rng_states([checkpoint.rng_state(), checkpoint.rng_state()])
+    for rank in range(4):
+        assert checkpoint.rng_state_for_rank(entry, rank, 4) is entry["ranks"][rank % 2]
+    assert [w.strip() for w in warnings_seen] == [
+        "RNG states were saved by 2 ranks, this job has 4: rank r takes saved rank r % 2 (0 -> 0, 1 -> 1, 2 -> 0, "
+        "3 -> 1); the run continues reproducibly, not bit for bit"]
+    checkpoint.rng_state_for_rank(entry, 0, 2)  # the same world size: nothing to say
+    assert len(warnings_seen) == 1
