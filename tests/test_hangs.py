@@ -84,15 +84,13 @@ def test_the_deadline_watch_reports_a_collective_open_past_distfns_timeout(monke
     own thread, while the main thread is still blocked (faked: a ledger entry opened 11 s ago, timeout 10 s)."""
     import torch.distributed as dist
 
-    from distfn.checkin import CheckIn
+    from distfn.rankstore import Channel
 
-    store = dist.HashStore()
-    checkin = CheckIn.start(0, 1, 5.0, store)
     reported: list[BaseException] = []
     book = Ledger()
-    monkeypatch.setattr(hangs, "LEDGER", book)
     monkeypatch.setattr(hangs, "POLL_S", 0.05)
-    responder = hangs.Responder.start(checkin, timeout_s=10.0, report=reported.append, deadline=True)
+    responder = hangs.Responder.start(Channel.open(dist.HashStore(), 0, 1).child("hang"), timeout_s=10.0,
+                                      ledger=book, report=reported.append, deadline=True)
     try:
         with book.entered("all_reduce"):
             assert not responder._overdue(time.monotonic())
@@ -290,12 +288,12 @@ if __name__ == "__main__":
 def _agreements(world: int) -> list[Any]:
     import torch.distributed as dist
 
-    from distfn.checkin import CheckIn
     from distfn.fingerprint import Agreement
+    from distfn.rankstore import Channel
 
     store = dist.HashStore()
-    return [Agreement.start(CheckIn.start(r, world, 5.0, store), {"lr": 0.1 if r != 2 else 0.2, "opt": object()},
-                            5.0) for r in range(world)]
+    return [Agreement.start(Channel.open(store, r, world).child("fingerprint"),
+                            {"lr": 0.1 if r != 2 else 0.2, "opt": object()}, 5.0) for r in range(world)]
 
 
 def test_cfg_items_flatten_mappings_dataclasses_and_namespaces_and_ignore_addresses() -> None:
