@@ -158,6 +158,26 @@ def test_self_spawned_job_reports_the_sleeping_rank() -> None:
 
 
 @pytest.mark.slow
+def test_an_fsdp_save_waiting_for_a_sleeping_rank_ends_with_the_report_within_the_timeout() -> None:
+    """Issue 41 item 14: rank 0 in ctx.save's full-state gather (its check-in) while rank 1 sleeps used to wait
+    fsdp's save_timeout (300 s) with no report; the job's timeout (3 s here) covers every collective distfn starts,
+    the checkpoint's included, and the report names the sleeping rank, its line, and the save rank 0 is in."""
+    timeout = 3.0
+    start = time.time()
+    done = subprocess.run([sys.executable, str(JOB), "fsdp-save", str(timeout)], capture_output=True, text=True,
+                          timeout=120, env=clean_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    text = done.stderr
+    save_line = next(i for i, line in enumerate(JOB.read_text().splitlines(), 1) if "HANG-SAVE-LINE" in line)
+    assert f"timed out after {timeout:g} s" in text and "CheckInTimeout" in text, text[-4000:]
+    assert f"rank 1 was in sleepy ({JOB}:{SLEEP_LINE})" in text
+    assert f"Collectives: rank 0 is in ctx.save #2 (hang_job.py:{save_line})" in text
+    assert "raise @distributed(timeout=...)" in text  # the wait to raise is the job's deadline, not save_timeout
+    assert text.count("Python stacks of the other ranks") == 1
+    assert time.time() - max(start, _started(done.stdout)) < timeout + 15
+
+
+@pytest.mark.slow
 def test_env_pods_report_the_sleeping_rank_once_and_every_rank_exits() -> None:
     codes, outputs, ended = _pods("sleep")
     assert codes == [1, 1], "\n".join(o[-3000:] for o in outputs)
