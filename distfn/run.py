@@ -28,9 +28,9 @@ hook around every collective distfn starts (the ``ctx`` ones and the checkpoint'
 entry the hang report reads and the step's comm time.
 
 Imports: `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `hangs`, `ledger`, `options`,
-`preemption`, `rankstore`, `rng`, `timings`, `topology` (types), `tracking.session` (the types of its parts and the rules that pick
-them); nothing imports it but `context`, `worker` and `checkpoint.policy` (and, for annotations, the services it
-is passed to).
+`preemption`, `rankstore`, `rng`, `timings`, `topology` (types), `tracking.session` (the types of its parts and the
+rules that pick them); nothing imports it but `context`, `worker` and `checkpoint.policy` (and, for annotations,
+the services it is passed to).
 """
 
 from __future__ import annotations
