@@ -116,8 +116,7 @@ def save_state(
     if as_directory:
         if not checked_in:
             run.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
-        with run.collective("ctx.save"):
-            return directories.save(obj, target, saves=run.saves, metadata=metadata, keep=keep, blocking=blocking)
+        return directories.save(obj, target, saves=run.saves, metadata=metadata, keep=keep, blocking=blocking)
     # the package's public `save`, looked up at the call: what ctx.save writes with is what the docs name (and
     # what a test or a user's wrapper replaces to observe real writes)
     write = checkpoint.save if blocking else functools.partial(run.saves.save_file, save=checkpoint.save)
