@@ -24,9 +24,10 @@ calls.
   ``DISTFN_RNG_SAVE_WAIT`` (default 20 s), because rank 0 legitimately arrives late (an evaluation, logging)
   while the others wait for it.
 
-The run (`distfn.run.Run`) starts one `CheckIn` per multi-rank run and decides which calls check in and which
-timeout applies; `ctx.wrap` in `mode="fsdp"` registers the run's sync point (`Run.sync_point`) as a forward
-pre-hook.
+The run (`distfn.run.Run`) starts one `CheckIn` per multi-rank run on its store channel (`distfn.rankstore`) and
+decides which calls check in and which timeout applies (never longer than the run's collective deadline, so a
+checked call is covered by it like every other collective distfn starts); `ctx.wrap` in `mode="fsdp"` registers
+the run's sync point (`Run.sync_point`) as a forward pre-hook.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import time
 from typing import Any, Final, Literal
 
 import attrs
-import torch.distributed as dist
 from loguru import logger
 
 from .errors import CheckpointError
+from .rankstore import Channel, poll
 
-__all__ = ["RULES", "Call", "CheckIn", "Rule", "default_store"]
+__all__ = ["RULES", "Call", "CheckIn", "CheckInTimeout", "Rule"]
 
 _EXITED: Final = 2**62  # the progress a finished rank posts: "past every checked call"
 
@@ -79,67 +80,68 @@ RULES: Final[dict[str, Rule]] = {
 }
 
 
-def default_store() -> Any | None:
-    """The default process group's key-value store, or ``None`` when it has none (then nothing can be checked)."""
-    try:
-        return dist.distributed_c10d._get_default_store()  # private, but stable since torch 1.x
-    except (AttributeError, RuntimeError, ValueError) as exc:
-        logger.debug("no process-group store: {}", exc)
-        return None
+class CheckInTimeout(CheckpointError):
+    """A checked call waited past its deadline for ranks that left no trace: a hang of the job, which the hang
+    report (`distfn.hangs`) explains with every rank's stack."""
 
 
 @attrs.define
 class CheckIn:
-    """This rank's side of the protocol for one run: its key prefix in the store and its counters.
+    """This rank's side of the protocol for one run: its keys on the run's channel and its counters.
 
     Attributes:
-        store: the process group's key-value store.
-        prefix: this run's keys in it (`start` numbers the runs, so an earlier run's keys never count).
-        rank: this rank.
-        world_size: the number of ranks.
+        channel: this run's check-in keys (`distfn.rankstore.Channel`; `start` opens one on a bare store).
         timeout: seconds a rank waits in `check_in` for ranks that leave no trace (see `Rule.rank0_times_out`).
+        longer: how to allow a longer wait when the run's collective deadline, not the rule's own setting, bounds
+            `timeout` (``None``: the rule's `Rule.longer`).
         calls: checked calls this rank entered.
         progress: sync points this rank reached.
     """
 
-    store: Any
-    prefix: str
-    rank: int
-    world_size: int
+    channel: Channel
     timeout: float
+    longer: str | None = None
     calls: int = 0
     progress: int = 0
     _finished: bool = attrs.field(default=False, init=False)
 
     @classmethod
-    def start(cls, rank: int, world_size: int, timeout: float, store: Any) -> CheckIn:
-        """Start this rank's side for a run on ``store`` (the process group's, `default_store`).
-
-        No collective: each rank counts the runs it started on this store (`store.add` of its own key), and
-        every rank of a job runs the same sequence of them, so the n-th run gets the same prefix on every rank
-        without a broadcast (which would be one more collective to get wrong), and a torchrun restart (a new
-        store prefix) or a second decorated call on the same store starts with fresh keys.
-        """
-        number = int(store.add(f"distfn/checkin/runs/rank{rank}", 1))
-        checkin = cls(store, f"distfn/checkin/run{number}/", rank, world_size, timeout)
+    def start(cls, rank: int, world_size: int, timeout: float, store: Any, *, longer: str | None = None) -> CheckIn:
+        """Start this rank's side for a run: on ``store``'s channel (the run's, ``run.channel.child("checkin")``),
+        or on a bare store (the process group's, `default_store`), where it opens a channel of its own (no
+        collective, see `distfn.rankstore.Channel.open`)."""
+        channel = store if isinstance(store, Channel) else Channel.open(store, rank, world_size, "checkin")
+        checkin = cls(channel, timeout, longer)
         checkin._post()
         return checkin
 
-    def _key(self, *parts: Any) -> str:
-        return self.prefix + "/".join(map(str, parts))
+    @property
+    def store(self) -> Any:
+        """The process group's store (the channel's)."""
+        return self.channel.store
+
+    @property
+    def prefix(self) -> str:
+        """This run's check-in keys."""
+        return self.channel.prefix
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self.channel.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self.channel.world_size
 
     def _post(self, progress: int | None = None) -> None:
-        self.store.set(self._key("rank", self.rank), f"{self.calls} {self.progress if progress is None else progress}")
+        self.channel.post("rank", f"{self.calls} {self.progress if progress is None else progress}")
 
     def _read_all(self) -> dict[int, tuple[int, int]]:
-        """Every rank's posted ``(calls, progress)``, in two store round trips when all ranks have posted."""
-        keys = [self._key("rank", r) for r in range(self.world_size)]
-        if self.store.check(keys):
-            values = dict(zip(range(self.world_size), self.store.multi_get(keys), strict=True))
-        else:  # a rank that never got going: read the others one by one (get() would block on a missing key)
-            values = {r: self.store.get(k) for r, k in enumerate(keys) if self.store.check([k])}
+        """Every rank's posted ``(calls, progress)``."""
         out = {}
-        for rank, raw in values.items():
+        for rank, raw in self.channel.read("rank").items():
             calls, progress = raw.decode().split()
             out[rank] = (int(calls), int(progress))
         return out
@@ -158,8 +160,9 @@ class CheckIn:
             return
         self._finished = True
         try:
-            if wait_for_peers > 0:
-                self._wait_started(wait_for_peers)
+            if wait_for_peers > 0 and not self.channel.wait(
+                    [f"rank/{r}" for r in range(self.world_size)], wait_for_peers):
+                logger.debug("check-in: not every rank started within {:g} s; leaving anyway", wait_for_peers)
             self._post(progress=_EXITED)
         except Exception as exc:  # noqa: BLE001 - the store may be gone when the job is being torn down
             logger.trace("check-in: could not post exit: {}", exc)
@@ -169,16 +172,6 @@ class CheckIn:
         which must not wait for an answer from a rank that left."""
         return sorted(r for r, (_, progress) in self._read_all().items() if progress == _EXITED)
 
-    def _wait_started(self, seconds: float) -> None:
-        keys = [self._key("rank", r) for r in range(self.world_size)]
-        deadline, pause = time.monotonic() + seconds, 0.001
-        while not self.store.check(keys):
-            if time.monotonic() >= deadline:
-                logger.debug("check-in: not every rank started within {:g} s; leaving anyway", seconds)
-                return
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
-
     def note_progress(self) -> None:
         """A sync point, which every rank reaches equally often in a correct program: post it, then raise if
         another rank waits in a checked call that this rank skipped."""
@@ -186,9 +179,9 @@ class CheckIn:
             return
         self.progress += 1
         self._post()  # post first, then look: with the waiting rank doing the opposite, one of the two notices
-        pending = self._key("call", self.calls + 1)
-        if self.store.check([pending]):
-            what = self.store.get(pending + "/what").decode() if self.store.check([pending + "/what"]) else "ctx.save"
+        pending = f"call/{self.calls + 1}"
+        if self.channel.has(pending):
+            what = self.channel.get(pending + "/what").decode() if self.channel.has(pending + "/what") else "ctx.save"
             rule = RULES.get(what, RULES["ctx.save"])
             raise CheckpointError(
                 f"rank {self.rank} went on (a forward pass or a collective) while another rank is in {what} "
@@ -198,28 +191,25 @@ class CheckIn:
 
     def check_in(self, what: Call) -> None:
         """Wait until every rank has entered this checked call (all kinds share one count), or raise
-        ``CheckpointError`` naming a rank that went on without it, or after `timeout`."""
+        ``CheckpointError`` naming a rank that went on without it, or `CheckInTimeout` after `timeout`."""
         rule = RULES[what]
         self.calls += 1
         number = self.calls
         self._post()
-        key = self._key("call", number)
-        self.store.set(key + "/what", what)  # before the key exists: whoever sees the key can name the call
-        everyone = self._key("call", number, "all")
-        if self.store.add(key, 1) >= self.world_size:
-            self.store.set(everyone, "1")  # the last to arrive releases the others
+        key = f"call/{number}"
+        self.channel.set(key + "/what", what)  # before the key exists: whoever sees the key can name the call
+        everyone = f"call/{number}/all"
+        if self.channel.add(key) >= self.world_size:
+            self.channel.set(everyone, "1")  # the last to arrive releases the others
             return
         start = time.monotonic()
         deadline = math.inf if rule.rank0_times_out and self.rank != 0 else start + self.timeout
-        # Ranks normally arrive within milliseconds of each other: poll fast, then back off to 4 checks a second
-        # (store.wait with a timeout would do, but TCPStore logs a C++ warning for every wait that times out). The
-        # others' progress is read only after a while, once a second: two store round trips per waiting rank, so
-        # a large world does not flood the store.
-        pause, next_scan = 0.001, start + 0.5
-        while True:
-            time.sleep(pause)
-            pause = min(pause * 2, 0.25)
-            if self.store.check([everyone]):
+        # Ranks normally arrive within milliseconds of each other: the channel's back-off polls fast, then a few
+        # times a second. The others' progress is read only after a while, once a second: two store round trips
+        # per waiting rank, so a large world does not flood the store.
+        next_scan = start + 0.5
+        for _ in poll():
+            if self.channel.has(everyone):
                 return
             now = time.monotonic()
             if now < next_scan and now < deadline:
@@ -235,9 +225,9 @@ class CheckIn:
                         f"{what} on every rank, not under `if ctx.is_main:`."
                     )
             if now >= deadline:
-                raise CheckpointError(
+                raise CheckInTimeout(
                     f"{what}{rule.scope} must be called on every rank ({rule.why}); rank {self.rank} waited "
                     f"{self.timeout:g} s in {what} (checkpoint call #{number}) and rank(s) {missing or 'unknown'} "
                     f"did not arrive. Call {what} on every rank (not under `if ctx.is_main:`); if some rank "
-                    f"legitimately arrives much later, {rule.longer}."
+                    f"legitimately arrives much later, {self.longer or rule.longer}."
                 )

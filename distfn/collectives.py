@@ -3,9 +3,11 @@
 Every function here takes the world explicitly through ``torch.distributed``'s default group; when no group
 is initialised (``mode="single"``/``"dp"``, or a world of one) each is an identity, so user code never needs
 an ``if distributed:`` branch. Each collective is noted in this process's ledger (`distfn.ledger`: number,
-name, caller's line), which the hang report reads. Nothing else here keeps state: the run's sync point
-(``mode="fsdp"``'s check-in bookkeeping, `distfn.run.Run.sync_point`) is noted by the `Context` method that calls
-these.
+name, caller's line), which the hang report reads, also when it is called outside a run (a plain script, the
+checkpoint library's own calls). Nothing else here keeps state: inside a run, the `Context` method (or the
+checkpoint policy) that calls these wraps the call in the run's one hook, `distfn.run.Run.collective` (the sync
+point, the ledger entry under the method's name, the step's comm time); the entry made here is then nested in
+that one and not recorded twice.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 It holds facts about this rank (frozen after start-up), the run's mutable state (`distfn.run.Run`, ``ctx.run``)
 and thin methods that forward to the modules that do the work (`collectives`, `data`, `precision`,
 `accumulation`, `progress`, `wrapping`, `checkpoint`, `tracking`, `timings`), handing each the part of the run it
-needs, so each piece can be tested on its own. The collectives are wrapped by `distfn.timings.collective`: their wait
-counts as the step's comm time.
+needs, so each piece can be tested on its own. Every collective method runs inside ``self.run.collective(op)``
+(`distfn.run.Run.collective`), the one hook that notes the sync point, enters the ledger and counts the wait as
+the step's comm time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import builtins
 import os
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import torch
@@ -31,7 +32,10 @@ from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 from .run import Run
 from .stragglers import TimingTable
-from .timings import collective
+
+if TYPE_CHECKING:
+    from .options import Options
+    from .topology import Topology
 
 
 @attrs.define(eq=False)
@@ -82,6 +86,16 @@ class Context:
     # asks, and working it out parses the backend's name (~5 µs a call, bench/bench_collectives.py)
     _group_device_of: tuple[Any, Any, torch.device | None] | None = attrs.field(default=None, init=False,
                                                                                repr=False)
+    @classmethod
+    def of(cls, topology: Topology, *, device: torch.device, backend: str | None, opts: Options, log: Any, run: Run,
+           restart: int = 0) -> Context:
+        """The `Context` of this rank: its place in ``topology``, its device and backend, the call's options."""
+        return cls(rank=topology.rank, local_rank=topology.local_rank, world_size=topology.world_size,
+                   local_world_size=topology.local_world_size, node_rank=topology.node_rank,
+                   num_nodes=topology.num_nodes, device=device, backend=backend, mode=opts.mode,
+                   launcher=topology.launcher, seed=opts.seed, log=log, precision=opts.precision, restart=restart,
+                   run=run)
+
     @property
     def saves(self) -> Saves:
         """This rank's background checkpoint writer (``ctx.save(..., blocking=False)``): ``ctx.saves.wait()`` waits
@@ -108,7 +122,6 @@ class Context:
         return found
 
     @property
-    @collective  # its wait for the other ranks is comm time (distfn.timings)
     def should_stop(self) -> bool:
         """True on **every** rank once any of them received SIGTERM or SIGUSR2 (preemption, time limit).
 
@@ -117,8 +130,8 @@ class Context:
         also tells distfn that this function stops by itself: SIGTERM then only sets the flag instead of raising
         `distfn.Terminated` in the middle of a step. See docs/failures.md (SLURM `--signal`).
         """
-        self.run.sync_point()
-        stop = self.run.stop.should_stop(self._group_device)
+        with self.run.collective("all_reduce"):  # an all-reduce of one flag
+            stop = self.run.stop.should_stop(self._group_device)
         if stop:
             self.saves.wait()  # a pending asynchronous save completes before the function stops
         return stop
@@ -173,7 +186,6 @@ class Context:
                                shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders,
                                timer=self.run.timings.timed_batches, **kwargs)
 
-    @collective
     def gather_for_metrics(self, value: Any, loader: DistributedLoader | None = None) -> Any:
         """Per-sample `value` from every rank, concatenated in the sampler's order without
         `DistributedSampler`'s padding duplicates, so metrics over the gathered results are exact.
@@ -184,9 +196,9 @@ class Context:
             value: a tensor with the batch dimension first, or a dict / list / tuple of such tensors.
             loader: the `ctx.dataloader` the rows come from; defaults to the one iterated last.
         """
-        self.run.sync_point()
         loader = loader if loader is not None else self.run.loaders.current()
-        return data.gather_for_metrics(value, loader, device=self._group_device)
+        with self.run.collective("gather_for_metrics"):
+            return data.gather_for_metrics(value, loader, device=self._group_device)
 
     # -- models -------------------------------------------------------------------------------------------
     def wrap(
@@ -376,13 +388,11 @@ class Context:
             self.run.tracking.log_params(params)
 
     # -- collectives --------------------------------------------------------------------------------------
-    @collective
     def barrier(self) -> None:
         """Wait until every rank gets here (a no-op without a process group)."""
-        self.run.sync_point()
-        collectives.barrier(self.device)
+        with self.run.collective("barrier"):
+            collectives.barrier(self.device)
 
-    @collective
     def all_reduce(self, value: Any, op: str = "mean") -> Any:
         """`value` reduced over all ranks (a collective: call it on every rank).
 
@@ -391,23 +401,21 @@ class Context:
                 comes back as a number (`float` for `"mean"`), a dict as a new dict of numbers.
             op: `"mean"`, `"sum"`, `"max"` or `"min"`.
         """
-        self.run.sync_point()
         device = self._group_device
-        if isinstance(value, torch.Tensor) and device is not None and value.device.type != device.type:
-            return collectives.all_reduce(value.to(device), op).to(value.device)
-        return collectives.all_reduce(value, op, device=device)
+        with self.run.collective("all_reduce"):
+            if isinstance(value, torch.Tensor) and device is not None and value.device.type != device.type:
+                return collectives.all_reduce(value.to(device), op).to(value.device)
+            return collectives.all_reduce(value, op, device=device)
 
-    @collective
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, as a list indexed by rank, on every rank (a collective).
 
         Args:
             obj: any picklable object.
         """
-        self.run.sync_point()
-        return collectives.gather_object(obj)
+        with self.run.collective("gather_object"):
+            return collectives.gather_object(obj)
 
-    @collective
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank `src`'s `obj` on every rank (a collective; the other ranks' `obj` is ignored).
 
@@ -415,8 +423,8 @@ class Context:
             obj: any picklable object.
             src: the rank whose object everyone gets.
         """
-        self.run.sync_point()
-        return collectives.broadcast_object(obj, src=src)
+        with self.run.collective("broadcast_object"):
+            return collectives.broadcast_object(obj, src=src)
 
     # -- output -------------------------------------------------------------------------------------------
     def print(self, *args: Any, **kwargs: Any) -> None:

@@ -93,8 +93,9 @@ def _forkserver_expected(start_method: StartMethod) -> bool:
 
 def _start_early(opts: Options) -> None:
     """At decoration: a fork server now, where calling the function here will launch workers with it. Never
-    raises: whatever is wrong with the environment is the call's error."""
-    if sys.platform != "linux" or opts.start_method not in ("auto", "forkserver"):
+    raises: whatever is wrong with the environment is the call's error. The start method is asked once, of the
+    plan's options (``DISTFN_START_METHOD`` applied: it may name forkserver where the decorator does not)."""
+    if sys.platform != "linux":
         return
     try:
         plan = _plan(opts)

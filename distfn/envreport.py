@@ -208,7 +208,7 @@ def _plan(plan: CallPlan | None, error: str | None, cuda: Mapping[str, Any],
         return out
     out.update(kind=plan.kind, reason=plan.reason, nprocs=plan.nprocs, nprocs_source=plan.source,
                world_size=plan.world_size, notes=[note.text for note in plan.notes])
-    if plan.kind in ("one-process", "spawn", "pernode") and "DISTFN_NPROCS" not in plan.source:
+    if plan.kind in ("one-process", "spawn", "pernode") and plan.counted_by != "DISTFN_NPROCS":
         out["notes"].insert(0, COUNT_NOTE)  # a launcher's world size, or DISTFN_NPROCS, is what the call gets
     if plan.layout is not None:
         out.update(num_nodes=plan.layout.num_nodes, node_rank=plan.layout.node_rank,

@@ -13,7 +13,7 @@ A cfg item is compared by its ``repr``; an item whose ``repr`` holds a memory ad
 which differs between processes by nature, is compared by its type alone. ``DISTFN_FINGERPRINT=0`` turns the
 check off (for a cfg that is meant to differ between ranks; better: derive the per-rank part from ``ctx.rank``).
 
-Imports: `errors`, `failures` (the phrase naming ranks), `checkin` (the run's store and key prefix).
+Imports: `errors`, `failures` (the phrase naming ranks), `rankstore` (the run's channel).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import time
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -31,9 +30,9 @@ import attrs
 from loguru import logger
 from torch import nn
 
-from .checkin import CheckIn
 from .errors import ConfigError
 from .failures import ranks_phrase
+from .rankstore import Channel
 
 __all__ = ["Agreement", "cfg_items", "model_items"]
 
@@ -91,41 +90,40 @@ class Agreement:
     """This rank's side of the start-up comparison for one run (``ctx.run.agreement``).
 
     Attributes:
-        store: the process group's store.
-        prefix: this run's keys.
-        rank: this rank.
-        world_size: the number of ranks.
+        channel: the run's fingerprint keys (``run.channel.child("fingerprint")``, `distfn.rankstore.Channel`).
         timeout_s: how long a rank waits for the others to reach the same ``ctx.wrap`` before it goes on unchecked.
         cfg: this rank's `cfg_items`.
         wraps: the ``ctx.wrap`` calls compared so far (each has its own keys).
     """
 
-    store: Any
-    prefix: str
-    rank: int
-    world_size: int
+    channel: Channel
     timeout_s: float
     cfg: dict[str, str]
     wraps: int = 0
 
     @classmethod
-    def start(cls, checkin: CheckIn, cfg: Any, timeout_s: float) -> Agreement | None:
-        """The run's comparison (``None`` when ``DISTFN_FINGERPRINT=0``)."""
+    def start(cls, channel: Channel, cfg: Any, timeout_s: float) -> Agreement | None:
+        """The run's comparison on ``channel`` (``None`` when ``DISTFN_FINGERPRINT=0``)."""
         if os.environ.get("DISTFN_FINGERPRINT", "1").strip() == "0":
             return None
-        return cls(checkin.store, checkin.prefix + "fingerprint/", checkin.rank, checkin.world_size, timeout_s,
-                   cfg_items(cfg))
+        return cls(channel, timeout_s, cfg_items(cfg))
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self.channel.rank
 
     def check(self, model: nn.Module) -> None:
         """Compare the cfg and ``model`` with every rank's; raise `ConfigError` on the first difference."""
         self.wraps += 1
         items = {**self.cfg, **model_items(model)}
-        key = f"{self.prefix}wrap{self.wraps}/"
-        self.store.set(f"{key}digest/{self.rank}", _digest(items))
-        digests_keys = [f"{key}digest/{r}" for r in range(self.world_size)]
-        if not self._wait(digests_keys):
+        wrap = f"wrap{self.wraps}"
+        self.channel.post(f"{wrap}/digest", _digest(items))
+        found = self.channel.wait_all(f"{wrap}/digest", self.timeout_s)
+        if len(found) < self.channel.world_size:
+            logger.debug("fingerprint: not every rank reached ctx.wrap #{} in time; not compared", self.wraps)
             return
-        digests = [v.decode() for v in self.store.multi_get(digests_keys)]
+        digests = [found[r].decode() for r in range(self.channel.world_size)]
         if len(set(digests)) == 1:
             return
         sides: dict[str, list[int]] = {}
@@ -134,25 +132,15 @@ class Agreement:
         groups = sorted(sides.values())  # rank 0's side first
         # the items themselves travel only now, one rank per side: a large model's list stays off the store
         if any(g[0] == self.rank for g in groups):
-            self.store.set(f"{key}items/{self.rank}", json.dumps(items))
-        if not self._wait([f"{key}items/{g[0]}" for g in groups]):
+            self.channel.post(f"{wrap}/items", json.dumps(items))
+        firsts = [g[0] for g in groups]
+        reps = self.channel.wait_all(f"{wrap}/items", self.timeout_s, firsts)
+        if len(reps) < len(firsts):
             raise ConfigError(f"the ranks were given different inputs at ctx.wrap #{self.wraps}: "
                               f"{'; '.join(ranks_phrase(g) for g in groups)} differ (cfg or model)")
-        raise ConfigError(self._explain(key, groups))
+        raise ConfigError(self._explain({r: json.loads(v) for r, v in reps.items()}, groups))
 
-    def _wait(self, keys: list[str]) -> bool:
-        """Wait until every key of ``keys`` exists (at most `timeout_s`); whether they all did."""
-        deadline, pause = time.monotonic() + self.timeout_s, 0.001
-        while not self.store.check(keys):
-            if time.monotonic() >= deadline:
-                logger.debug("fingerprint: not every rank reached ctx.wrap #{} in time; not compared", self.wraps)
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
-        return True
-
-    def _explain(self, key: str, groups: list[list[int]]) -> str:
-        reps = {g[0]: json.loads(self.store.get(f"{key}items/{g[0]}")) for g in groups}
+    def _explain(self, reps: dict[int, dict[str, str]], groups: list[list[int]]) -> str:
         ref = reps[groups[0][0]]
         lines = []
         for other in groups[1:]:

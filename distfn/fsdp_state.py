@@ -9,6 +9,7 @@ and `load`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePath
@@ -118,7 +119,8 @@ def save(
     if any(is_sharded(x) for x in found):
         if not checked_in and run is not None:
             run.check_in("ctx.save")
-        obj = _gather(obj, _candidates(found, run))
+        with run.collective("ctx.save") if run is not None else contextlib.nullcontext():  # ledger, deadline
+            obj = _gather(obj, _candidates(found, run))
     if rank == 0:
         return (write or checkpoint.save)(obj, path, metadata=metadata, keep=keep)  # write: e.g. a background save
     return Path(path)
@@ -232,6 +234,10 @@ def load(
     (``step``, ...), like `distfn.checkpoint.load_into`.
     """
     found = _state_objects(into)
+    hook: Any = contextlib.nullcontext()
     if any(is_sharded(x) for x in found) and run is not None:
         run.check_in("ctx.load")
-    return checkpoint.load_into(path, _targets(into, _candidates(found, run), strict), device=device, strict=strict)
+        hook = run.collective("ctx.load")  # the run's hook around the scatter: ledger, deadline, timing
+    with hook:
+        return checkpoint.load_into(path, _targets(into, _candidates(found, run), strict), device=device,
+                                    strict=strict)

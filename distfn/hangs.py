@@ -29,7 +29,7 @@ watchdog fires.
 
 Cost: one store ``check`` per rank every `POLL_S` (0.5 s) while the function runs; nothing on the training path.
 
-Imports: `failures` (the diagnosis and the in-place report), `ledger`, `checkin` (who has left the function).
+Imports: `failures` (the diagnosis and the in-place report), `ledger`, `rankstore` (the run's channel).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ import attrs
 from loguru import logger
 
 from . import failures
-from .checkin import CheckIn
-from .ledger import LEDGER, RankState, disagreement
+from .ledger import LEDGER, Ledger, RankState, disagreement
+from .rankstore import Channel, poll
 
 __all__ = ["ANSWER_WAIT_S", "EXIT_GRACE_S", "NCCL_MARGIN_S", "POLL_S", "EndedByHang", "Responder",
            "group_timeout"]
@@ -110,29 +110,29 @@ def _gone(pid: int) -> bool:
         return False
 
 
+def _nobody_left() -> list[int]:
+    return []
+
+
 @attrs.define(eq=False)
 class Responder:
     """This rank's side of the hang report for one run (see the module docstring).
 
     Attributes:
-        store: the process group's store (the main thread's connection; the thread clones its own).
-        prefix: this run's keys (under the run's check-in prefix, so runs and restarts never mix).
-        rank: this rank.
-        world_size: the number of ranks.
+        channel: the run's hang-report keys (``run.channel.child("hang")``; the thread clones its own connection).
         timeout_s: distfn's collective timeout in seconds.
-        checkin: the run's check-in, which knows the ranks that have left the function.
+        left: the ranks that have left the function (the run's check-in knows them).
+        ledger: the ledger of this rank's collectives (the run's, `distfn.ledger`).
         bootstrap: distfn's frames below the user's function (stacks are cut there).
         report: delivers this rank's failure to a distfn launcher (self-spawn, per-node, Ray), else ``None``: the
             rank reports in place (`distfn.failures.report_in_place`).
         deadline: watch ctx collectives for distfn's timeout (NCCL, whose watchdog would abort first).
     """
 
-    store: Any
-    prefix: str
-    rank: int
-    world_size: int
+    channel: Channel
     timeout_s: float
-    checkin: CheckIn
+    left: Callable[[], list[int]] = _nobody_left
+    ledger: Ledger = LEDGER
     bootstrap: Sequence[Callable[..., Any]] = ()
     report: Callable[[BaseException], None] | None = None
     deadline: bool = False
@@ -141,81 +141,80 @@ class Responder:
     _claimed: bool = False
 
     @classmethod
-    def start(cls, checkin: CheckIn, *, timeout_s: float, bootstrap: Sequence[Callable[..., Any]] = (),
+    def start(cls, channel: Channel, *, timeout_s: float, left: Callable[[], list[int]] = _nobody_left,
+              ledger: Ledger = LEDGER, bootstrap: Sequence[Callable[..., Any]] = (),
               report: Callable[[BaseException], None] | None = None, deadline: bool = False) -> Responder:
         """Post this rank's host and pid and start its thread (call once the process group is up)."""
-        self = cls(checkin.store, checkin.prefix + "hang/", checkin.rank, checkin.world_size, timeout_s, checkin,
-                   tuple(bootstrap), report, deadline)
-        self.store.set(self._key("info", self.rank), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        self = cls(channel, timeout_s, left, ledger, tuple(bootstrap), report, deadline)
+        channel.post("info", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         try:
-            own = self.store.clone()
+            own = channel.clone()
         except (AttributeError, RuntimeError) as exc:  # a store type without clone(): this rank cannot answer
             logger.debug("hang responder of rank {}: no second store connection ({}); it will not answer",
-                         self.rank, exc)
+                         channel.rank, exc)
             return self
         self._thread = threading.Thread(target=self._serve, args=(own,), daemon=True,
-                                        name=f"distfn-hang-responder-{self.rank}")
+                                        name=f"distfn-hang-responder-{channel.rank}")
         self._thread.start()
         return self
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self.channel.rank
 
     def stop(self) -> None:
         """End the thread (the run is over); it is a daemon, so a thread stuck on a dead store never blocks exit."""
         self._stop.set()
 
-    def _key(self, *parts: Any) -> str:
-        return self.prefix + "/".join(map(str, parts))
-
     # -- the thread -------------------------------------------------------------------------------------------
-    def _serve(self, store: Any) -> None:
+    def _serve(self, ch: Channel) -> None:
         try:
             while not self._stop.wait(POLL_S):
-                if store.check([self._key("request")]):
-                    self._answer(store)
-                    self._end_after_report(store)
+                if ch.has("request"):
+                    self._answer(ch)
+                    self._end_after_report(ch)
                     return
                 if self.deadline and self._overdue(time.monotonic()):
-                    self._report_overdue(store)
+                    self._report_overdue(ch)
                     return
         except Exception as exc:  # noqa: BLE001 - the store went away (the job is being torn down): nothing to do
             logger.trace("hang responder of rank {} ends: {}", self.rank, exc)
 
     def _overdue(self, now: float) -> bool:
-        since = LEDGER.inside_since
+        since = self.ledger.inside_since
         return since is not None and now - since > self.timeout_s
 
-    def _answer(self, store: Any, stack: str | None = None) -> None:
+    def _answer(self, ch: Channel, stack: str | None = None) -> None:
         """Write this rank's answer (unless its main thread, failing, wrote one already)."""
-        key = self._key("answer", self.rank)
-        if store.check([key]):
+        if ch.has(f"answer/{self.rank}"):
             return
         if stack is None:
             stack = failures.main_stack(_dump_threads(), self.bootstrap, others=True)
-        answer = {"stack": stack, "ledger": LEDGER.state(self.rank).to_dict(), "dead": self._dead_here(store)}
-        store.set(key, json.dumps(answer))
+        answer = {"stack": stack, "ledger": self.ledger.state(self.rank).to_dict(), "dead": self._dead_here(ch)}
+        ch.post("answer", json.dumps(answer))
 
-    def _infos(self, store: Any) -> dict[int, dict[str, Any]]:
-        keys = [self._key("info", r) for r in range(self.world_size)]
-        have = [r for r, k in enumerate(keys) if store.check([k])]
-        values = store.multi_get([keys[r] for r in have]) if have else []
-        return {r: json.loads(v) for r, v in zip(have, values, strict=True)}
+    @staticmethod
+    def _infos(ch: Channel) -> dict[int, dict[str, Any]]:
+        return {r: json.loads(v) for r, v in ch.read("info").items()}
 
-    def _dead_here(self, store: Any) -> list[int]:
+    def _dead_here(self, ch: Channel) -> list[int]:
         """The ranks on this host whose process is gone."""
         host = socket.gethostname()
-        return [r for r, info in self._infos(store).items() if info["host"] == host and _gone(int(info["pid"]))]
+        return [r for r, info in self._infos(ch).items() if info["host"] == host and _gone(int(info["pid"]))]
 
-    def _end_after_report(self, store: Any) -> None:
+    def _end_after_report(self, ch: Channel) -> None:
         """Another rank reported a hang: give the launcher `EXIT_GRACE_S` to stop this rank, then end it."""
-        deadline = time.monotonic() + ANSWER_WAIT_S + 2.0
         reporter = None
-        while time.monotonic() < deadline and not self._stop.is_set():
-            try:
-                if store.check([self._key("report")]):
-                    reporter = store.get(self._key("by")).decode()
+        try:
+            for _ in poll(ANSWER_WAIT_S + 2.0):
+                if self._stop.is_set():
                     break
-            except Exception:  # noqa: BLE001 - the reporter hosted the store and is gone
-                break
-            time.sleep(0.1)
+                if ch.has("report"):
+                    reporter = ch.get("by").decode()
+                    break
+        except Exception:  # noqa: BLE001 - the reporter hosted the store and is gone
+            pass
         if self._stop.wait(EXIT_GRACE_S):
             return  # the main thread is handling it (it failed too, or finished)
         exc = EndedByHang(f"rank {reporter if reporter is not None else '?'} reported a hang of the job "
@@ -228,14 +227,14 @@ class Responder:
         logger.complete()
         os._exit(1)
 
-    def _report_overdue(self, store: Any) -> None:
+    def _report_overdue(self, ch: Channel) -> None:
         """NCCL: a ctx collective is open past distfn's timeout; report now, before the watchdog aborts."""
-        state = LEDGER.state(self.rank)
+        state = self.ledger.state(self.rank)
         op = state.last.text() if state.last is not None else "a collective"
         exc = TimeoutError(f"{op} did not finish within the timeout of {self.timeout_s:g} s (distfn's deadline; "
                            f"NCCL's watchdog aborts this rank {NCCL_MARGIN_S:g} s later)")
         stack = failures.main_stack(_dump_threads(), self.bootstrap, others=True)
-        self._collect(store, exc, own_stack=stack)
+        self._collect(ch, exc, own_stack=stack)
         if self.report is not None:
             self.report(exc)
         else:
@@ -249,62 +248,57 @@ class Responder:
         if self._claimed or not _is_hang(exc):
             return
         try:
-            self._collect(self.store, exc, own_stack="".join(traceback.format_exception(exc)))
+            self._collect(self.channel, exc, own_stack="".join(traceback.format_exception(exc)))
         except Exception as err:  # noqa: BLE001 - never hide the rank's own failure behind the report's
             logger.debug("rank {}: could not collect the hang report: {}", self.rank, err)
 
-    def _collect(self, store: Any, exc: BaseException, *, own_stack: str) -> None:
+    def _collect(self, ch: Channel, exc: BaseException, *, own_stack: str) -> None:
         self._claimed = True
-        self._answer(store, stack=own_stack)
-        if not self._claim(store):
-            self._pick_up_report(store, exc)
+        self._answer(ch, stack=own_stack)
+        if not self._claim(ch):
+            self._pick_up_report(ch, exc)
             return
-        store.set(self._key("by"), str(self.rank))
-        store.set(self._key("request"), str(self.rank))
-        answers, dead, silent, left = self._gather(store)
+        ch.set("by", str(self.rank))
+        ch.set("request", str(self.rank))
+        answers, dead, silent, left = self._gather(ch)
         first = failures.Failure.from_exception(self.rank, exc)
-        text = _report(first, answers, LEDGER.state(self.rank), dead=dead, silent=silent, left=left,
+        text = _report(first, answers, self.ledger.state(self.rank), dead=dead, silent=silent, left=left,
                        timeout_s=self.timeout_s)
-        store.set(self._key("report"), json.dumps([text.diagnosis, text.stacks]))
+        ch.set("report", json.dumps([text.diagnosis, text.stacks]))
         failures.attach_report(exc, text.diagnosis, text.stacks, reporter=self.rank)
 
-    def _claim(self, store: Any) -> bool:
+    def _claim(self, ch: Channel) -> bool:
         """Whether this rank reports: the lowest rank that failed within `CLAIM_WINDOW_S` of the others (ranks
         waiting in one collective time out together), and the first to claim (``store.add``) after that."""
-        store.set(self._key("failed", self.rank), "1")
+        ch.post("failed", "1")
         time.sleep(CLAIM_WINDOW_S)
-        if any(store.check([self._key("failed", r)]) for r in range(self.rank)):
+        if ch.read("failed", range(self.rank)):
             return False
-        return int(store.add(self._key("claim"), 1)) == 1
+        return ch.add("claim") == 1
 
-    def _pick_up_report(self, store: Any, exc: BaseException) -> None:
-        deadline = time.monotonic() + ANSWER_WAIT_S + 2.0
-        while time.monotonic() < deadline:
-            if store.check([self._key("report")]):
-                reporter = int(store.get(self._key("by")).decode())
+    def _pick_up_report(self, ch: Channel, exc: BaseException) -> None:
+        for _ in poll(ANSWER_WAIT_S + 2.0):
+            if ch.has("report"):
+                reporter = int(ch.get("by").decode())
                 failures.attach_report(exc, _see(reporter), "", reporter=reporter)
                 return
-            time.sleep(0.05)
 
-    def _gather(self, store: Any) -> tuple[dict[int, dict[str, Any]], dict[int, str], list[int], list[int]]:
+    def _gather(self, ch: Channel) -> tuple[dict[int, dict[str, Any]], dict[int, str], list[int], list[int]]:
         """Every rank's answer, within `ANSWER_WAIT_S`; and the ranks that are dead, silent, or left."""
-        others = [r for r in range(self.world_size) if r != self.rank]
+        others = ch.others()
         answers: dict[int, dict[str, Any]] = {}
         left: list[int] = []
-        deadline, pause = time.monotonic() + ANSWER_WAIT_S, 0.01
-        while True:
-            for r in others:
-                key = self._key("answer", r)
-                if r not in answers and store.check([key]):
-                    answers[r] = json.loads(store.get(key))
-            left = [r for r in self.checkin.finished_ranks() if r not in answers and r != self.rank]
-            dead_seen = {d for a in answers.values() for d in a["dead"]} | set(self._dead_here(store))
+        pending = others
+        dead_seen: set[int] = set()
+        for _ in poll(ANSWER_WAIT_S, first=0.01):
+            wanted = [r for r in others if r not in answers]
+            answers.update({r: json.loads(v) for r, v in ch.read("answer", wanted).items()})
+            left = [r for r in self.left() if r not in answers and r != self.rank]
+            dead_seen = {d for a in answers.values() for d in a["dead"]} | set(self._dead_here(ch))
             pending = [r for r in others if r not in answers and r not in left and r not in dead_seen]
-            if not pending or time.monotonic() >= deadline:
+            if not pending:
                 break
-            time.sleep(pause)
-            pause = min(pause * 2, 0.2)
-        infos = self._infos(store)
+        infos = self._infos(ch)
         dead = {r: f"pid {infos[r]['pid']} on {infos[r]['host']}" for r in sorted(dead_seen)
                 if r in infos and r not in answers}
         silent = [r for r in pending if r not in dead]

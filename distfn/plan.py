@@ -30,11 +30,17 @@ from .launch import pernode
 from .options import NPROCS_ENV, Options, default_nprocs, fixed_nprocs, requested_nprocs, with_env
 from .topology import Topology
 
-__all__ = ["KINDS", "CallPlan", "Kind", "Note", "plan_call"]
+__all__ = ["KINDS", "CallPlan", "CountSource", "Kind", "Note", "plan_call"]
 
 Kind = Literal["nested", "ray", "pernode", "in-place", "one-process", "spawn"]
 #: Every way a call can run (`CallPlan.kind`).
 KINDS: Final[tuple[Kind, ...]] = ("nested", "ray", "pernode", "in-place", "one-process", "spawn")
+
+#: What decided a plan's ``nprocs`` (`CallPlan.counted_by`), beside its wording (`CallPlan.source`): the
+#: ``DISTFN_NPROCS`` variable, the decorator's ``nprocs=``, a one-process mode, ``devices=``, the visible GPUs,
+#: no CUDA (one process), the external launcher, the Ray cluster, or nothing (a nested call).
+CountSource = Literal["DISTFN_NPROCS", "nprocs=", "mode", "devices", "gpus", "no-cuda", "launcher", "ray-cluster",
+                      "nested"]
 
 
 @attrs.frozen
@@ -57,6 +63,7 @@ class CallPlan:
             one-process), the actors when the count is given (ray; ``None``: one per GPU of the cluster) or 0
             (nested).
         source: where ``nprocs`` comes from, in words (``DISTFN_NPROCS``, ``visible CUDA devices``, ...).
+        counted_by: the same as a value to test (`CountSource`); ``source`` is only for people to read.
         topology: this process's place under an external launcher (in-place, pernode: the launching task's),
             `Topology.local` for one-process, else ``None``.
         layout: this node's part of a per-node launch, else ``None``.
@@ -69,6 +76,7 @@ class CallPlan:
     nprocs: int | None
     source: str
     reason: str
+    counted_by: CountSource
     topology: Topology | None = None
     layout: pernode.NodeLayout | None = None
     notes: tuple[Note, ...] = ()
@@ -112,14 +120,15 @@ def _restart_note(opts: Options, why: str) -> tuple[Note, ...]:
     return (Note("WARNING", f"max_restarts={opts.max_restarts} has no effect here: {why}"),)
 
 
-def _source(opts: Options, env: Mapping[str, str], gpus: int | None) -> str:
+def _source(opts: Options, env: Mapping[str, str], gpus: int | None) -> tuple[CountSource, str]:
+    """What decides the count, as a value and in words."""
     if requested_nprocs(opts, env) is not None:
-        return NPROCS_ENV if env.get(NPROCS_ENV, "").strip() else "nprocs="
+        return ("DISTFN_NPROCS", NPROCS_ENV) if env.get(NPROCS_ENV, "").strip() else ("nprocs=", "nprocs=")
     if opts.one_process:
-        return f"mode={opts.mode!r}"
+        return "mode", f"mode={opts.mode!r}"
     if opts.devices is not None:
-        return f"devices={list(opts.devices)}"
-    return "visible CUDA devices" if gpus else "no CUDA: one process"
+        return "devices", f"devices={list(opts.devices)}"
+    return ("gpus", "visible CUDA devices") if gpus else ("no-cuda", "no CUDA: one process")
 
 
 def _ray(opts: Options, env: Mapping[str, str]) -> CallPlan:
@@ -130,10 +139,17 @@ def _ray(opts: Options, env: Mapping[str, str]) -> CallPlan:
     ray_rules.check_options(opts)
     nprocs = fixed_nprocs(opts, env)
     where = env.get("RAY_ADDRESS") or "the one started on this machine (RAY_ADDRESS unset), else a new one"
-    return CallPlan(kind="ray", opts=opts, nprocs=nprocs,
-                    source=_source(opts, env, None) if nprocs is not None else "one per GPU of the Ray cluster",
+    by, source = _source(opts, env, None) if nprocs is not None else ("ray-cluster", "one per GPU of the Ray cluster")
+    return CallPlan(kind="ray", opts=opts, nprocs=nprocs, source=source, counted_by=by,
                     reason=f"launcher='ray': the ranks run as Ray actors on the Ray cluster at {where}",
                     notes=_restart_note(opts, "Ray starts the ranks as actors; restart the job from the driver"))
+
+
+def _per_node_count(opts: Options, env: Mapping[str, str]) -> CountSource:
+    """What decides a per-node launch's workers per node (as `distfn.launch.pernode` reads it)."""
+    if requested_nprocs(attrs.evolve(opts, nprocs=None), env) is not None:
+        return "DISTFN_NPROCS"
+    return "devices" if opts.devices is not None else "gpus"
 
 
 def _under_launcher(opts: Options, env: Mapping[str, str], topo: Topology, gpus: Callable[[], int]) -> CallPlan:
@@ -143,7 +159,8 @@ def _under_launcher(opts: Options, env: Mapping[str, str], topo: Topology, gpus:
     layout = pernode.plan(topo, opts, env, gpus)
     if layout is not None:
         return CallPlan(kind="pernode", opts=pernode.prepare(layout, opts), nprocs=layout.local_world_size,
-                        source=layout.source, topology=topo, layout=layout, reason=pernode.describe(layout),
+                        source=layout.source, counted_by=_per_node_count(opts, env), topology=topo, layout=layout,
+                        reason=pernode.describe(layout),
                         notes=_restart_note(opts, "a node cannot restart its workers alone in a per-node launch; "
                                                   "use the launcher's restarts") if layout.node_rank == 0 else ())
     notes: tuple[Note, ...] = ()
@@ -155,6 +172,7 @@ def _under_launcher(opts: Options, env: Mapping[str, str], topo: Topology, gpus:
         notes += _restart_note(opts, f"{topo.launcher} started the processes; use its own restarts "
                                      "(torchrun --max-restarts)")
     return CallPlan(kind="in-place", opts=opts, nprocs=1, source=f"{topo.launcher} started this process",
+                    counted_by="launcher",
                     topology=topo, reason=topo.reason, notes=notes)
 
 
@@ -172,7 +190,8 @@ def plan_call(opts: Options, env: Mapping[str, str], argv: Sequence[str], gpus: 
     """
     opts = with_env(opts, env)  # DISTFN_PRECISION, DISTFN_LAUNCHER & co., as the call sees them
     if nested:
-        return CallPlan(kind="nested", opts=opts, nprocs=0, source="", reason="inside a running distfn function")
+        return CallPlan(kind="nested", opts=opts, nprocs=0, source="", counted_by="nested",
+                        reason="inside a running distfn function")
     if opts.launcher == "ray":
         return _ray(opts, env)
     topo = topology.detect(env, argv, opts.launcher)  # no host resolution: the executor checks the master host
@@ -185,11 +204,12 @@ def plan_call(opts: Options, env: Mapping[str, str], argv: Sequence[str], gpus: 
         return counted[-1]
 
     nprocs = default_nprocs(opts, env, count)
-    source = _source(opts, env, counted[-1] if counted else None)
+    by, source = _source(opts, env, counted[-1] if counted else None)
     if nprocs == 1:
-        return CallPlan(kind="one-process", opts=opts, nprocs=1, source=source, topology=Topology.local(),
+        return CallPlan(kind="one-process", opts=opts, nprocs=1, source=source, counted_by=by,
+                        topology=Topology.local(),
                         reason=f"one process, run in place ({source})",
                         notes=_restart_note(opts, "one process runs in place; restarts need workers that distfn "
                                                   "starts (nprocs >= 2)"))
-    return CallPlan(kind="spawn", opts=opts, nprocs=nprocs, source=source,
+    return CallPlan(kind="spawn", opts=opts, nprocs=nprocs, source=source, counted_by=by,
                     reason=f"{topology.spawn_reason(env, opts.launcher)}: {nprocs} workers ({source})")

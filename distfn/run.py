@@ -15,37 +15,93 @@ a service used from a plain script takes its state as an argument (`distfn.data.
 `distfn.accumulation.Accumulator`'s ``loaders``, `distfn.fsdp.wrap`'s ``on_forward``) and does without it when
 none is given. What stays module-level is per process, not per run: the loguru configuration
 (`distfn.logs`), the nested-launch guard (`distfn.worker`), the fork server (`distfn.launch.forkserver`), the
-worker's stack pipe (`distfn.launch.local`) and the ledger of the main thread's collectives (`distfn.ledger`, reset
-by the bootstrap for each run).
+worker's stack pipe (`distfn.launch.local`) and the ledger of the main thread's collectives (`distfn.ledger`,
+which `collectives` writes; the run holds it as ``run.ledger`` and `Run.open` resets it).
 
-Imports: `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `options`, `preemption`,
-`rng`, `timings`, `tracking.session` (the types of its parts and the rules that pick them); nothing imports it but
-`context`, `worker` and
-`checkpoint.policy` (and, for annotations, the services it is passed to).
+The run also owns its lifecycle and the order of its services: `Run.open` (before the process group: the
+ledger, rank 0's tracking, the background saves, the timings), `Run.connect` (once the group is up: the run's
+store channel, `distfn.rankstore`, and on it the check-in, the start-up fingerprint and the hang responder), then
+the user's function, then `Run.fail` (the function raised: each service's failure step, before the failure is
+reported) and always `Run.close` (each service's end); both in the reverse order of the services' start. Each service
+registers its steps once, where it starts (`_Service`); a new one is one registration. `Run.collective` is the one
+hook around every collective distfn starts (the ``ctx`` ones and the checkpoint's): the sync point, the ledger
+entry the hang report reads and the step's comm time.
+
+Imports: `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `hangs`, `ledger`, `options`,
+`preemption`, `rankstore`, `rng`, `timings`, `topology` (types), `tracking.session` (the types of its parts and the
+rules that pick them); nothing imports it but `context`, `worker` and `checkpoint.policy` (and, for annotations,
+the services it is passed to).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Final, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
 from loguru import logger
 from torch import nn
 
-from .checkin import CheckIn, default_store
+from . import hangs
+from .checkin import RULES, CheckIn
 from .checkpoint.background import Saves
 from .data import LastLoader
 from .fingerprint import Agreement
 from .fsdp_options import FsdpOptions
-from .options import Mode, shards_state
+from .ledger import LEDGER, Ledger
+from .options import DEFAULT_TIMEOUT, Mode, shards_state
 from .preemption import StopSignals
+from .rankstore import Channel, default_store
 from .rng import gather_wait
 from .timings import Timings
-from .tracking.session import Session
+from .tracking.session import Session, open_session, status_of
+
+if TYPE_CHECKING:
+    from .options import Options
+    from .topology import Topology
 
 #: Seconds a rank whose function ended normally waits for peers that have not yet started their process group.
 PEER_START_WAIT: Final = 60.0
+
+
+@attrs.frozen
+class _Service:
+    """One service's steps in the run's lifecycle, each run in the reverse order of the services' start (the last
+    started ends first): ``fail`` when the function raised (before the failure is reported), ``close`` when the
+    run ends (always)."""
+
+    name: str
+    fail: Callable[[BaseException], None] | None = None
+    close: Callable[[BaseException | None], None] | None = None
+
+
+class _Collective:
+    """The ``with`` block of one kind of collective on one run (`Run.collective`): one instance per op, reused,
+    a plain class (a generator-based context manager costs about twice as much per call)."""
+
+    __slots__ = ("_entry", "_recorder", "_run")
+
+    def __init__(self, run: Run, op: str) -> None:
+        self._run = run
+        # the ledger entry only where the run has ranks to disagree with (`Run.connect`); a plain
+        # `distfn.collectives` call inside records nothing then (nested), and itself where this does not
+        self._entry = run.ledger.entered(op) if run.channel is not None else contextlib.nullcontext()
+        self._recorder: Any = None
+
+    def __enter__(self) -> None:
+        run = self._run
+        run.sync_point()  # first: a rank that skipped another's checkpoint call raises here, before any wait
+        self._entry.__enter__()
+        recorder = self._recorder = run.timings.recorder
+        if recorder is not None:
+            recorder.comm_begin()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.comm_end()
+        self._entry.__exit__(kind, value, tb)
 
 
 @attrs.define(eq=False)
@@ -61,17 +117,24 @@ class Run:
             ``ctx.accumulate``).
         wrapped: the models ``ctx.wrap`` sharded in this run (weakly held), where ``ctx.save`` / ``ctx.load``
             look for the model an optimizer in the state belongs to.
-        checkin: this rank's side of the "did every rank call this?" protocol, from `start_check_in` (multi-rank
-            runs with a store) to `finish`; ``None`` otherwise.
+        rank: this rank; world_size: the number of ranks.
+        timeout_s: distfn's deadline for every collective, in seconds (``@distributed(timeout=)``): no checked
+            call waits longer.
+        channel: the run's keys on the process group's store (`distfn.rankstore.Channel`), from `connect`
+            (multi-rank runs with a store); every cross-rank service speaks through its own child of it.
+        checkin: this rank's side of the "did every rank call this?" protocol, from `connect` to `close`;
+            ``None`` otherwise.
         agreement: the start-up comparison of the ranks' cfg and models that every ``ctx.wrap`` runs
-            (`distfn.fingerprint`), from the bootstrap once the process group is up; ``None`` otherwise.
+            (`distfn.fingerprint`), from `connect`; ``None`` otherwise.
+        responder: this rank's side of the cross-rank hang report (`distfn.hangs`), from `connect`.
         tracking: rank 0's experiment tracking (``ctx.log_metrics``, ``track=``), ``None`` on the other ranks
             (whose log calls then cost nothing); ``ctx.save`` stores its run's key, ``ctx.resume`` hands it back.
         saves: this rank's background checkpoint writer (``ctx.save(..., blocking=False)``, ``ctx.saves``), which
             every later checkpoint call, a true ``ctx.should_stop`` and the bootstrap (before the process group
             goes) wait for.
         timings: this rank's step accounting (data wait / compute / comm, `distfn.timings`): ``ctx.wrap`` and
-            ``ctx.dataloader`` feed it, ``ctx.timings()`` reads it, `finish` logs its summary on rank 0.
+            ``ctx.dataloader`` feed it, ``ctx.timings()`` reads it, `close` logs its summary on rank 0.
+        ledger: the ledger of this process's main-thread collectives (`distfn.ledger`), which the hang report reads.
     """
 
     mode: Mode = "single"
@@ -79,39 +142,137 @@ class Run:
     stop: StopSignals = attrs.field(factory=StopSignals)
     loaders: LastLoader = attrs.field(factory=LastLoader)
     wrapped: weakref.WeakSet[nn.Module] = attrs.field(factory=weakref.WeakSet)
+    timeout_s: float = DEFAULT_TIMEOUT.total_seconds()
+    rank: int = 0
+    world_size: int = 1
+    channel: Channel | None = None
     checkin: CheckIn | None = None
     agreement: Agreement | None = None
+    responder: hangs.Responder | None = None
     saves: Saves = attrs.field(factory=Saves)
     tracking: Session | None = None
     timings: Timings = attrs.field(factory=Timings)
+    ledger: Ledger = LEDGER
+    _services: list[_Service] = attrs.field(factory=list, init=False)
+    _blocks: dict[str, _Collective] = attrs.field(factory=dict, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
 
-    def start_check_in(self, rank: int, world_size: int) -> None:
-        """Start the check-in (call on every rank right after the process group is up; no collective).
+    # -- the lifecycle ------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, opts: Options, cfg: Any, topology: Topology, *, stop: StopSignals) -> Run:
+        """Start a run on this rank, before its process group: the ledger afresh, rank 0's tracking session, and
+        the services every run has (the background saves, the timings)."""
+        run = cls(mode=opts.mode, fsdp=opts.fsdp or FsdpOptions(), stop=stop, timeout_s=opts.timeout.total_seconds(),
+                  rank=topology.rank, world_size=topology.world_size,
+                  tracking=open_session(opts.track, cfg, topology.rank))
+        run.ledger.reset()
+        if run.tracking is not None:  # FINISHED / FAILED / KILLED, once; after a failure, before it is reported
+            session = run.tracking
+            run.register("tracking", fail=lambda exc: session.close(status_of(exc, run.stop.stopped)),
+                         close=lambda error: session.close(status_of(error, run.stop.stopped)))
+        run.register("timings", close=lambda error: run.timings.finish(failed=error is not None))
+        # a failure: the last asynchronous save still lands (this failure is the one reported)
+        run.register("saves", fail=lambda _: run.saves.wait(timeout=60))
+        return run
 
-        In ``mode="fsdp"`` every checkpoint call checks in and waits ``fsdp.save_timeout``; in the other modes only
-        ``ctx.save(..., rng=True)`` does, and rank 0 waits `distfn.rng.gather_wait` seconds.
+    def connect(self, cfg: Any, *, backend: str, report: Callable[[BaseException], None] | None = None,
+                bootstrap: Sequence[Callable[..., Any]] = ()) -> None:
+        """The services that speak through the process group's store, once the group is up (no collective): the
+        run's channel, the check-in, the start-up fingerprint and the hang responder.
+
+        Args:
+            cfg: the call's cfg (what the fingerprint compares).
+            backend: the group's backend (under NCCL the responder watches distfn's deadline itself).
+            report: how this rank's failure reaches a distfn launcher, else ``None`` (see `distfn.hangs.Responder`).
+            bootstrap: distfn's frames below the user's function (the hang report's stacks are cut there).
         """
         store = default_store()
         if store is None:
             if shards_state(self.mode):  # elsewhere only rng=True saves check in: not worth a warning every start
                 logger.warning("fsdp: the process group has no store; ctx.save on rank 0 only cannot be detected")
             return
-        timeout = self.fsdp.save_timeout if shards_state(self.mode) else gather_wait()
-        self.checkin = CheckIn.start(rank, world_size, timeout, store)
+        self.channel = channel = Channel.open(store, self.rank, self.world_size)
+        self._blocks.clear()  # made before the channel: they would not enter the ledger
+        wait, longer = self._check_in_wait()
+        self.checkin = checkin = CheckIn.start(self.rank, self.world_size, wait, channel.child("checkin"),
+                                               longer=longer)
+        # peers waiting in a check-in learn that this rank will never join it (after a normal end: once every
+        # rank's process group is up, so an immediate return cannot break a peer's set-up; see CheckIn.finish)
+        self.register("checkin", close=lambda error: checkin.finish(
+            wait_for_peers=0.0 if error is not None else PEER_START_WAIT))
+        self.responder = responder = hangs.Responder.start(
+            channel.child("hang"), timeout_s=self.timeout_s, left=checkin.finished_ranks, ledger=self.ledger,
+            bootstrap=bootstrap, report=report, deadline="nccl" in backend.lower())
+        # a timeout or a lost peer: the cross-rank report goes with the exception
+        self.register("hang responder", fail=responder.on_failure, close=lambda _: responder.stop())
+        self.agreement = Agreement.start(channel.child("fingerprint"), cfg, self.timeout_s)
+        self.timings.channel = channel.child("timings")
+
+    def register(self, name: str, *, fail: Callable[[BaseException], None] | None = None,
+                 close: Callable[[BaseException | None], None] | None = None) -> None:
+        """Add a service's steps to the lifecycle (see `_Service`); call it where the service starts."""
+        self._services.append(_Service(name, fail, close))
+
+    def fail(self, exc: BaseException) -> None:
+        """The function raised ``exc``: each service's failure step, in the reverse order of their start (the hang
+        responder's report first, then the last asynchronous save, then tracking's ``FAILED``; never raises)."""
+        for service in reversed(self._services):
+            if service.fail is not None:
+                _quietly(service.fail, exc, what=service.name)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """End the run on this rank (once; never raises): each service's end, in the reverse order of their start.
+        Ranks still waiting in a check-in learn that this one will never join it."""
+        if self._closed:
+            return
+        self._closed = True
+        for service in reversed(self._services):
+            if service.close is not None:
+                _quietly(service.close, error, what=service.name)
 
     def finish(self, *, failed: bool = False) -> None:
-        """End the run on this rank: ranks still waiting in a check-in learn that this one will never join it.
-        After a normal end it first waits (at most `PEER_START_WAIT` s) until every rank's process group is up, so
-        an immediate return cannot break a peer's group set-up (see `distfn.checkin.CheckIn.finish`)."""
-        self.timings.finish(failed=failed)  # rank 0's end-of-run summary table (the other ranks send their totals)
-        if self.checkin is not None:
-            self.checkin.finish(wait_for_peers=0.0 if failed else PEER_START_WAIT)
+        """`close` with the outcome only (``failed``: the function raised)."""
+        self.close(RuntimeError("the function failed") if failed else None)
+
+    def _check_in_wait(self) -> tuple[float, str | None]:
+        """Seconds a checked call waits, and how to wait longer when distfn's deadline is what bounds it.
+
+        In ``mode="fsdp"`` every checkpoint call checks in and waits ``fsdp.save_timeout``; in the other modes
+        only ``ctx.save(..., rng=True)`` does, and rank 0 waits `distfn.rng.gather_wait` seconds. Either is cut
+        to the run's collective deadline (``timeout=``), which covers every collective distfn starts.
+        """
+        wait = self.fsdp.save_timeout if shards_state(self.mode) else gather_wait()
+        if wait <= self.timeout_s:
+            return wait, None
+        rule = RULES["ctx.save" if shards_state(self.mode) else "ctx.save(..., rng=True)"]
+        return self.timeout_s, (f"raise @distributed(timeout=...), distfn's deadline for every collective, which "
+                                f"ended this wait (then {rule.longer})")
+
+    # -- during the function ------------------------------------------------------------------------------------
+    def start_check_in(self, rank: int, world_size: int) -> None:
+        """Start the check-in alone on the process group's store (a test's run; the bootstrap's is `connect`)."""
+        store = default_store()
+        if store is not None:
+            wait, longer = self._check_in_wait()
+            self.checkin = checkin = CheckIn.start(rank, world_size, wait, store, longer=longer)
+            self.register("checkin", close=lambda error: checkin.finish(
+                wait_for_peers=0.0 if error is not None else PEER_START_WAIT))
 
     def agree(self, model: nn.Module) -> None:
         """Before ``ctx.wrap``: raise `distfn.errors.ConfigError` when the ranks' cfg or ``model`` differ
         (`distfn.fingerprint`; no collective)."""
         if self.agreement is not None and isinstance(model, nn.Module):
             self.agreement.check(model)
+
+    def collective(self, op: str) -> contextlib.AbstractContextManager[None]:
+        """The one hook around a collective distfn starts (a ``ctx`` collective, a checkpoint's gather), as
+        ``with run.collective("all_reduce"):``: the sync point (`sync_point`), the ledger entry the hang report
+        and the NCCL deadline read (``op``, the caller's line), and the wait counted as the step's comm time."""
+        try:
+            return self._blocks[op]
+        except KeyError:
+            block = self._blocks[op] = _Collective(self, op)
+            return block
 
     def sync_point(self) -> None:
         """A point every rank passes equally often (a distfn collective, a forward of a sharded model): in
@@ -124,14 +285,25 @@ class Run:
 
         ``mode="fsdp"``: every checkpoint call with sharded objects is a collective. The other modes: only
         ``ctx.save(..., rng=True)`` (``rng``) is, by its gather of every rank's generator states. Without a process
-        group there is nothing to check.
+        group there is nothing to check. The wait is in the ledger, as the call's name: a hang report then says
+        which rank waits in which checkpoint call.
         """
         if self.checkin is None:
             return False
         if shards_state(self.mode):
-            self.checkin.check_in(call)
+            with self.ledger.entered(call):
+                self.checkin.check_in(call)
             return True
         if rng and call == "ctx.save":
-            self.checkin.check_in("ctx.save(..., rng=True)")
+            with self.ledger.entered("ctx.save(..., rng=True)"):
+                self.checkin.check_in("ctx.save(..., rng=True)")
             return True
         return False
+
+
+def _quietly(step: Callable[..., Any], *args: Any, what: str = "a service", **kwargs: Any) -> None:
+    """Run one lifecycle step; its failure is logged, never raised: the run's own outcome is what counts."""
+    try:
+        step(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a service's end must not hide the function's result or error
+        logger.debug("run: {} failed to end cleanly: {}", what, exc)

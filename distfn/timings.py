@@ -9,7 +9,8 @@ returned to the next):
   engine callbacks bracket DDP's own end-of-backward callback (queued from a pre-hook on the output's autograd
   node, so they run just before and just after it), which is where DDP waits for its buckets: no comm hook, so
   the user's own ``register_comm_hook`` still works. The rank that arrives last at the all-reduce waits least.
-  The time inside ``ctx`` collectives (``ctx.all_reduce``, ``ctx.barrier``, ...: `collective`) counts too.
+  The time inside ``ctx`` collectives (``ctx.all_reduce``, ``ctx.barrier``, ...: `distfn.run.Run.collective`)
+  counts too.
 * **compute**: the rest of the step (forward, backward, optimizer, the user's code).
 
 On CUDA the step and comm boundaries are CUDA events recorded on the current stream and read lazily: a step's
@@ -27,21 +28,20 @@ straggler (through ``ctx.progress`` when a loop runs under it, else as a log lin
 every rank sends its whole-run totals and rank 0 logs one summary table. ``DISTFN_TIMINGS=0`` switches it all
 off (the hooks are not even installed).
 
-Imports: `distfn.stragglers` (the table and the rule), `distfn.checkin` (the store). Imported by `distfn.run`
+Imports: `distfn.stragglers` (the table and the rule), `distfn.rankstore` (the run's channel). Imported by `distfn.run`
 (the run holds one `Timings`); ``ctx.wrap`` and ``ctx.dataloader`` hand it their model and batches.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Concatenate, Final, ParamSpec, Protocol, TypeVar
+from typing import Any, Final
 
 import attrs
 import torch
@@ -50,8 +50,8 @@ from loguru import logger
 from torch import nn
 
 from . import stragglers
-from .checkin import default_store
 from .errors import ConfigError
+from .rankstore import Channel, default_store
 from .stragglers import Detector, RankTimes, TimingTable
 from .tree import tree_leaves
 
@@ -313,91 +313,31 @@ class _ModelHooks:
         self._engine.queue_callback(self.recorder.comm_end)
 
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-class _HasRun(Protocol):
-    @property
-    def run(self) -> Any: ...
-
-
-def collective(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
-    """Count the time inside a ``Context`` collective (``ctx.all_reduce``, ``ctx.barrier``, ...) as comm of the
-    current step: the time this rank waited there for the others (host time; on CUDA, events on the current
-    stream, which waits for the collective). ``self.run.timings`` is the run's `Timings`."""
-
-    @functools.wraps(method)
-    def timed(self: _HasRun, *args: P.args, **kwargs: P.kwargs) -> R:
-        recorder = self.run.timings._recorder
-        if recorder is None:
-            return method(self, *args, **kwargs)
-        recorder.comm_begin()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            recorder.comm_end()
-
-    return timed
-
-
 # -- getting the rows to rank 0 -------------------------------------------------------------------------------------
-@attrs.define(eq=False)
-class Exchange:
-    """Rows through the process group's store: ranks write, rank 0 reads without blocking.
+@attrs.frozen
+class _Rows:
+    """The timings' protocol on the run's channel: every rank posts JSON rows, rank 0 reads the others' without
+    blocking (``channel`` ``None``: a world of one, or no store; rank 0 then sees only its own rows)."""
 
-    Attributes:
-        store: the store (``None``: a world of one, or no store; rank 0 then sees only its own rows).
-        prefix: this run's keys (numbered like `distfn.checkin.CheckIn.start`, so a second run or a torchrun
-            restart on the same store starts fresh).
-        rank: this rank.
-        world_size: the number of ranks.
-    """
-
-    store: Any
-    prefix: str
+    channel: Channel | None
     rank: int
-    world_size: int
-
-    @classmethod
-    def start(cls, rank: int, world_size: int, store: Any) -> Exchange:
-        """This rank's side for a run (no collective: every rank counts its own runs on the store)."""
-        if store is None or world_size < 2:
-            return cls(None, "", rank, world_size)
-        number = int(store.add(f"distfn/timings/runs/rank{rank}", 1))
-        return cls(store, f"distfn/timings/run{number}/", rank, world_size)
-
-    def _key(self, name: str, rank: int) -> str:
-        return f"{self.prefix}{name}/rank{rank}"
-
-    def _others(self, name: str) -> list[str]:
-        return [self._key(name, r) for r in range(self.world_size) if r != self.rank]
 
     def publish(self, name: str, payload: dict[str, Any]) -> None:
-        """Write this rank's ``payload`` under ``name`` (one store round trip; nothing without a store)."""
-        if self.store is not None:
-            self.store.set(self._key(name, self.rank), json.dumps(payload))
+        if self.channel is not None:
+            self.channel.post(name, json.dumps(payload))
 
     def read(self, name: str) -> list[dict[str, Any]] | None:
-        """The other ranks' payloads under ``name`` (rank order) when all have written it, else ``None``; two
-        store round trips, never a blocking ``get``."""
-        if self.store is None:
+        """The other ranks' payloads (rank order) when all have posted ``name``, else ``None``."""
+        if self.channel is None:
             return []
-        keys = self._others(name)
-        if not self.store.check(keys):
-            return None
-        return [json.loads(raw) for raw in self.store.multi_get(keys)]
+        found = self.channel.read_all(name, self.channel.others())
+        return None if found is None else [json.loads(raw) for raw in found.values()]
 
     def wait(self, name: str, seconds: float) -> list[dict[str, Any]]:
-        """The other ranks' payloads under ``name`` that were written within ``seconds`` (rank 0, end of run)."""
-        deadline, pause = time.monotonic() + seconds, 0.001
-        while (found := self.read(name)) is None:
-            if time.monotonic() >= deadline:
-                keys = [k for k in self._others(name) if self.store.check([k])]
-                return [json.loads(raw) for raw in self.store.multi_get(keys)] if keys else []
-            time.sleep(pause)
-            pause = min(2 * pause, 0.1)
-        return found
+        """The other ranks' payloads under ``name`` that were posted within ``seconds`` (rank 0, end of run)."""
+        if self.channel is None:
+            return []
+        return [json.loads(raw) for raw in self.channel.wait_all(name, seconds, self.channel.others()).values()]
 
 
 # -- the run's facade ---------------------------------------------------------------------------------------------
@@ -416,14 +356,17 @@ class Timings:
         display: where rank 0's straggler warning goes: ``ctx.progress`` sets its own writer while a loop runs
             under it (so the line does not break the bar); otherwise a loguru warning.
         latest: rank 0's table of the newest window every rank has reported (``None`` elsewhere, or before).
+        channel: where the rows travel: the run's (``run.channel.child("timings")``, set when the run opens);
+            ``None``: the process group's store, if any, when the first model is watched.
     """
 
     enabled: bool = attrs.field(factory=enabled_by_env)
     window: int | None = None
     display: Callable[[str], None] = _display
     latest: TimingTable | None = None
+    channel: Channel | None = None
     _recorder: Recorder | None = None
-    _exchange: Exchange | None = None
+    _exchange: _Rows | None = None
     _host: str = attrs.field(factory=socket.gethostname)
     _windows: int = 0  # windows this rank has written
     _unread: deque[tuple[int, RankTimes]] = attrs.field(factory=deque)  # rank 0: its own rows not yet matched
@@ -431,6 +374,12 @@ class Timings:
     _retry: tuple[int, int] = (0, 0)  # rank 0: (step of the next read attempt, gap after it), while a window waits
     _totals: int = 0  # whole-run tables asked for so far
     _summarised: int = -1  # steps the last whole-run table covered (the end-of-run log skips a repeat)
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """What the hooks feed, from the first watched model on (``None`` before, and when switched off);
+        `distfn.run.Run.collective` times a collective's wait through it."""
+        return self._recorder
 
     # -- the hooks' entry points ----------------------------------------------------------------------------
     def watch(self, model: nn.Module, device: torch.device, *, bracket: bool | None = None) -> None:
@@ -447,15 +396,21 @@ class Timings:
             return
         active = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if active else (0, 1)
-        recorder = self.start(rank, world, default_store() if active else None, clock_for(device))
+        channel = self.channel if self.channel is not None else default_store() if active else None
+        recorder = self.start(rank, world, channel, clock_for(device))
         _ModelHooks(recorder).install(model, bracket=world > 1 if bracket is None else bracket)
 
     def start(self, rank: int, world_size: int, store: Any, clock: Clock) -> Recorder:
-        """Begin this rank's accounting on ``store`` (``None``: this rank's rows only); returns the recorder the
-        hooks feed. `watch` calls it with the process group's facts."""
+        """Begin this rank's accounting on ``store`` (a `distfn.rankstore.Channel`, or a bare store that gets a
+        channel of its own; ``None``: this rank's rows only); returns the recorder the hooks feed. `watch` calls
+        it with the process group's facts."""
         if self.window is None:
             self.window = window_from_env()
-        self._exchange = Exchange.start(rank, world_size, store)
+        if store is None or world_size < 2:
+            channel = None
+        else:  # the run's channel, or (a plain script, a test) one of its own on a bare store
+            channel = store if isinstance(store, Channel) else Channel.open(store, rank, world_size, "timings")
+        self._exchange = _Rows(channel, rank)
         self._recorder = Recorder(clock, self.window, self._window_done,
                                   on_step=self._retry_read if rank == 0 and world_size > 1 else None)
         return self._recorder

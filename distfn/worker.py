@@ -2,9 +2,11 @@
 
 Every path ends here: a worker of a distfn launcher (`distfn.launch.local`, `distfn.launch.ray`) and a
 process started by torchrun / srun / mpirun (run
-in place by ``decorator.py``). In order: pick and pin the device, size the CPU thread pool, seed, set up logging,
-start the process group and the rank's hang responder (`distfn.hangs`), make the call's `distfn.run.Run` and the
-`Context` holding it, call the function, and always finish the run and destroy the process group.
+in place by ``decorator.py``). In order: set up logging and the stop signals, open the call's `distfn.run.Run`
+(`Run.open`), pick and pin the device, size the CPU thread pool, seed, start the process group and connect the
+run's services to it (`Run.connect`: check-in, fingerprint, hang responder), make the `Context` holding the run,
+call the function, and always close the run (`Run.fail` first after a failure, then the report) and leave the
+process group. Which services a run has, and their order, is the run's business, not this module's.
 
 The nested-launch guard (`in_worker`, `mark_active`, `WORKER_NAME`) and the legacy ``--local-rank`` rule
 (`adopt_legacy_local_rank`) live in `distfn.process`, which decoration imports without this module's machinery;
@@ -13,7 +15,6 @@ they are re-exported here, where the bootstrap sets the guard.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 from collections.abc import Callable
@@ -22,16 +23,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import devices, failures, fingerprint, fsdp, hangs, logs, preemption, rendezvous
+from . import devices, failures, fsdp, hangs, logs, preemption, rendezvous
 from .context import Context
-from .ledger import LEDGER
 from .options import restart_attempt
 from .process import WORKER_NAME as WORKER_NAME
 from .process import adopt_legacy_local_rank as adopt_legacy_local_rank
 from .process import in_worker as in_worker
 from .process import mark_active as mark_active
 from .run import Run
-from .tracking.session import open_session, status_of
 
 if TYPE_CHECKING:
     from .options import Options
@@ -60,6 +59,17 @@ def size_thread_pool(local_world_size: int) -> str:
     return f"{threads} CPU thread(s) per process ({cpus} CPUs / {local_world_size} processes on this node)"
 
 
+def _prepare(opts: Options, topology: Topology) -> tuple[torch.device, str]:
+    """Pick and pin the device, size the thread pool and seed; returns the device and the threads' phrase."""
+    device = devices.select_device(opts.mode, topology, opts.backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the process group, so NCCL binds the right GPU
+    threads = size_thread_pool(topology.local_world_size)
+    if opts.seed is not None:
+        seed_everything(opts.seed)
+    return device, threads
+
+
 def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any) -> str:
     """Start this rank's process group; returns its backend."""
     # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept
@@ -72,15 +82,6 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
     return backend
 
 
-def _start_responder(run_state: Run, opts: Options, backend: str,
-                     report: Callable[[BaseException], None] | None) -> hangs.Responder | None:
-    """This rank's side of the cross-rank hang report (`distfn.hangs`), on the run's check-in store."""
-    if run_state.checkin is None:
-        return None
-    return hangs.Responder.start(run_state.checkin, timeout_s=opts.timeout.total_seconds(), bootstrap=(run,),
-                                 report=report, deadline="nccl" in backend.lower())
-
-
 def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None:
     """``requeue=True``: the function returned after a stop signal, so rank 0 requeues the Slurm job."""
     if not (opts.requeue and ctx.run.stop.stopped):
@@ -90,10 +91,13 @@ def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None
         preemption.requeue(os.environ, signal_name=ctx.run.stop.signal)
 
 
-def _close_tracking(run_state: Run, error: BaseException | None) -> None:
-    """Rank 0: end the tracked run FINISHED / FAILED / KILLED (a bounded wait; never raises; once)."""
-    if run_state.tracking is not None:
-        run_state.tracking.close(status_of(error, run_state.stop.stopped))
+def _report(exc: BaseException, topology: Topology, report: Callable[[BaseException], None] | None) -> None:
+    """Deliver this rank's failure: to the launching process (``report``), else, under torchrun / srun / mpirun,
+    where no distfn parent collects it, in place (`distfn.failures.report_in_place`)."""
+    if report is not None:
+        report(exc)
+    elif topology.launcher not in ("spawn", "local"):
+        failures.report_in_place(topology.rank, exc)
 
 
 def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
@@ -103,78 +107,35 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     A failure is reported before the process group is torn down (aborted, not destroyed: NCCL's destroy waits
     for pending work, see `distfn.rendezvous.leave_process_group`): through ``report`` when given (the spawn
     entry passes its pipe to the launching process), else, under torchrun / srun / mpirun, by
-    `distfn.failures.report_in_place`.
+    `distfn.failures.report_in_place`. The run's services start and end in `distfn.run.Run`'s lifecycle.
     """
     mark_active(True)
     log = logs.setup(topology.rank, topology.world_size)
-    started_group = False
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
     stop, stop_handlers = preemption.install(opt_in=preemption.polls(fn))
-    run_state = Run(mode=opts.mode, fsdp=opts.fsdp or fsdp.FsdpOptions(), stop=stop,
-                    tracking=open_session(opts.track, cfg, topology.rank))
-    error: BaseException | None = None
-    responder: hangs.Responder | None = None
-    LEDGER.reset()
+    life, backend, error = Run.open(opts, cfg, topology, stop=stop), None, None
     try:
-        device = devices.select_device(opts.mode, topology, opts.backend)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # before the process group, so NCCL binds the right GPU
-        threads = size_thread_pool(topology.local_world_size)
-        if opts.seed is not None:
-            seed_everything(opts.seed)
-        backend: str | None = None
+        device, threads = _prepare(opts, topology)
         if opts.multi_rank:
             backend = _join_group(opts, topology, device, store)
-            started_group = True
-            run_state.start_check_in(topology.rank, topology.world_size)
-            responder = _start_responder(run_state, opts, backend, report)
-            if run_state.checkin is not None:
-                run_state.agreement = fingerprint.Agreement.start(run_state.checkin, cfg, opts.timeout.total_seconds())
+            life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
         if topology.rank == 0:
             log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}", topology.launcher,
                      topology.reason, topology.world_size, device, backend, threads)
-        ctx = Context(
-            rank=topology.rank,
-            local_rank=topology.local_rank,
-            world_size=topology.world_size,
-            local_world_size=topology.local_world_size,
-            node_rank=topology.node_rank,
-            num_nodes=topology.num_nodes,
-            device=device,
-            backend=backend,
-            mode=opts.mode,
-            launcher=topology.launcher,
-            seed=opts.seed,
-            log=log,
-            precision=opts.precision,
-            restart=restart_attempt(os.environ),
-            run=run_state,
-        )
+        ctx = Context.of(topology, device=device, backend=backend, opts=opts, log=log, run=life,
+                         restart=restart_attempt(os.environ))
         result = fn(cfg, ctx)
-        run_state.saves.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
+        life.saves.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
         _requeue_if_stopped(opts, topology, ctx)
         return result
     except BaseException as exc:
         error = exc
-        with contextlib.suppress(Exception):
-            run_state.saves.wait(timeout=60)  # the last asynchronous save still lands; this failure is the one reported
-        if responder is not None:
-            responder.on_failure(exc)  # a timeout or a lost peer: the cross-rank report goes with the exception
-        # before the report: once the launcher knows, it stops this process (SIGTERM, its default action then)
-        _close_tracking(run_state, exc)
-        if report is not None:
-            report(exc)
-        elif topology.launcher not in ("spawn", "local"):
-            # torchrun / srun / mpirun: no distfn parent collects the failure, so this rank reports it itself
-            failures.report_in_place(topology.rank, exc)
+        life.fail(exc)  # the services' failure steps (the hang report, the last save, tracking's FAILED) ...
+        _report(exc, topology, report)  # ... before this: once the launcher knows, it stops this process
         raise
     finally:
-        if responder is not None:
-            responder.stop()
-        # peers waiting in a check-in learn that this rank will never join it
-        run_state.finish(failed=error is not None)
-        _close_tracking(run_state, error)  # after a failure it was closed above, before the report
-        if started_group:
+        life.close(error)  # peers waiting in a check-in learn that this rank will never join it
+        if backend is not None:
             rendezvous.leave_process_group(failed=error is not None)
         logs.teardown()
         preemption.restore_handlers(stop_handlers)

@@ -243,3 +243,24 @@ def test_a_mode_passed_as_the_function_says_how_to_write_it() -> None:
         distributed("ddp")  # type: ignore[call-overload]
     with pytest.raises(ConfigError, match=r"options are keywords, e\.g\. @distributed\(mode='ddp'\)"):
         distributed("fast")  # type: ignore[call-overload]
+
+
+def test_the_fork_server_is_started_early_by_the_plans_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40 item 6: "may this launch use the fork server" is asked once, of the plan's options, so
+    ``DISTFN_START_METHOD=forkserver`` over a decorator's ``start_method="spawn"`` starts the server early too
+    (the decorator's own value used to end the question first), and ``spawn`` alone does not."""
+    import sys
+
+    from distfn import decorator
+    from distfn.launch import forkserver
+
+    if sys.platform != "linux":
+        pytest.skip("the fork server is Linux only")
+    started: list[bool] = []
+    monkeypatch.setattr(forkserver, "start_early", lambda: started.append(True))
+    distributed(mode="ddp", nprocs=2, start_method="spawn")(_fn)
+    assert started == []
+    monkeypatch.setenv("DISTFN_START_METHOD", "forkserver")
+    distributed(mode="ddp", nprocs=2, start_method="spawn")(_fn)
+    assert started == [True]
+    assert decorator._forkserver_expected("auto") and not decorator._forkserver_expected("fork")

@@ -84,15 +84,13 @@ def test_the_deadline_watch_reports_a_collective_open_past_distfns_timeout(monke
     own thread, while the main thread is still blocked (faked: a ledger entry opened 11 s ago, timeout 10 s)."""
     import torch.distributed as dist
 
-    from distfn.checkin import CheckIn
+    from distfn.rankstore import Channel
 
-    store = dist.HashStore()
-    checkin = CheckIn.start(0, 1, 5.0, store)
     reported: list[BaseException] = []
     book = Ledger()
-    monkeypatch.setattr(hangs, "LEDGER", book)
     monkeypatch.setattr(hangs, "POLL_S", 0.05)
-    responder = hangs.Responder.start(checkin, timeout_s=10.0, report=reported.append, deadline=True)
+    responder = hangs.Responder.start(Channel.open(dist.HashStore(), 0, 1).child("hang"), timeout_s=10.0,
+                                      ledger=book, report=reported.append, deadline=True)
     try:
         with book.entered("all_reduce"):
             assert not responder._overdue(time.monotonic())
@@ -157,6 +155,26 @@ def test_self_spawned_job_reports_the_sleeping_rank() -> None:
     assert done.returncode == 1, done.stderr[-3000:]
     _check_sleep_report(done.stderr)
     assert time.time() - max(start, _started(done.stdout)) < TIMEOUT + 15
+
+
+@pytest.mark.slow
+def test_an_fsdp_save_waiting_for_a_sleeping_rank_ends_with_the_report_within_the_timeout() -> None:
+    """Issue 41 item 14: rank 0 in ctx.save's full-state gather (its check-in) while rank 1 sleeps used to wait
+    fsdp's save_timeout (300 s) with no report; the job's timeout (3 s here) covers every collective distfn starts,
+    the checkpoint's included, and the report names the sleeping rank, its line, and the save rank 0 is in."""
+    timeout = 3.0
+    start = time.time()
+    done = subprocess.run([sys.executable, str(JOB), "fsdp-save", str(timeout)], capture_output=True, text=True,
+                          timeout=120, env=clean_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    text = done.stderr
+    save_line = next(i for i, line in enumerate(JOB.read_text().splitlines(), 1) if "HANG-SAVE-LINE" in line)
+    assert f"timed out after {timeout:g} s" in text and "CheckInTimeout" in text, text[-4000:]
+    assert f"rank 1 was in sleepy ({JOB}:{SLEEP_LINE})" in text
+    assert f"Collectives: rank 0 is in ctx.save #2 (hang_job.py:{save_line})" in text
+    assert "raise @distributed(timeout=...)" in text  # the wait to raise is the job's deadline, not save_timeout
+    assert text.count("Python stacks of the other ranks") == 1
+    assert time.time() - max(start, _started(done.stdout)) < timeout + 15
 
 
 @pytest.mark.slow
@@ -290,12 +308,12 @@ if __name__ == "__main__":
 def _agreements(world: int) -> list[Any]:
     import torch.distributed as dist
 
-    from distfn.checkin import CheckIn
     from distfn.fingerprint import Agreement
+    from distfn.rankstore import Channel
 
     store = dist.HashStore()
-    return [Agreement.start(CheckIn.start(r, world, 5.0, store), {"lr": 0.1 if r != 2 else 0.2, "opt": object()},
-                            5.0) for r in range(world)]
+    return [Agreement.start(Channel.open(store, r, world).child("fingerprint"),
+                            {"lr": 0.1 if r != 2 else 0.2, "opt": object()}, 5.0) for r in range(world)]
 
 
 def test_cfg_items_flatten_mappings_dataclasses_and_namespaces_and_ignore_addresses() -> None:

@@ -13,6 +13,8 @@ import ast
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "distfn"
 MAX_LINES = 750
 
@@ -151,3 +153,74 @@ def test_no_module_over_750_lines() -> None:
     long = {name: n for name, path in _modules().items()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+def _folder(name: str) -> str:
+    """The room a module stands in when each folder of distfn is drawn as one: ``distfn.checkpoint`` for every
+    module under ``distfn/checkpoint/`` (its sub-folders too), the module itself at the top level."""
+    parts = name.split(".")
+    return ".".join(parts[:2])
+
+
+def _folder_graph(graph: dict[str, set[str]], leave_out: frozenset[str] = frozenset()) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for name, imported in graph.items():
+        if name in leave_out:
+            continue
+        room = rooms.setdefault(_folder(name), set())
+        room.update(_folder(m) for m in imported if _folder(m) != _folder(name) and m not in leave_out)
+    for targets in list(rooms.values()):
+        for t in targets:
+            rooms.setdefault(t, set())
+    return rooms
+
+
+def test_no_import_runs_back_up_between_folders() -> None:
+    """Issue 40: drawn with each folder as one room, the import graph has no circle, so a folder such as
+    ``checkpoint/`` is a plain library below what uses it (it imports nothing that imports it). The reader is
+    checked first: a module of a folder that imports a top-level module importing the folder is found."""
+    assert _cycles(_folder_graph({"distfn.lib.a": {"distfn.user"}, "distfn.user": {"distfn.lib.b"},
+                                  "distfn.lib.b": set()})) == [["distfn.lib", "distfn.user"]]
+    graph = _graph()
+    cycles = _cycles(_folder_graph(graph))
+    if cycles and not _cycles(_folder_graph(graph, frozenset({"distfn.checkpoint.policy"}))):
+        pytest.xfail("only checkpoint/policy.py (the ctx.save policy, which imports the run) ties the checkpoint "
+                     "folder to the run; issue 40 item 4 moves it beside context")
+    assert not cycles, "imports that run back up between folders:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+#: The store's methods; only the channel module (`distfn.rankstore`) and the rendezvous that makes the store call them.
+_STORE_METHODS = frozenset({"set", "get", "add", "check", "wait", "compare_set", "multi_get", "delete_key"})
+_STORE_OWNERS = frozenset({"distfn.rankstore", "distfn.rendezvous"})
+
+
+def _store_calls(source: str) -> list[str]:
+    """Calls of a store method in ``source``: ``<receiver>.<method>(...)`` where the method is one only a store
+    has (``multi_get``, ``compare_set``), or a store method called on a receiver whose name ends in "store"
+    (``store``, ``self.store``, ``own_store``; not ``_STORES``, a dict of object stores)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STORE_METHODS:
+            receiver = ast.unparse(node.func.value)
+            if node.func.attr in ("multi_get", "compare_set") or receiver.lower().endswith("store"):
+                found.append(f"{receiver}.{node.func.attr} (line {node.lineno})")
+    return found
+
+
+def test_only_the_channel_module_and_the_rendezvous_touch_a_store() -> None:
+    """Issue 40 item 1: every cross-rank service speaks through `distfn.rankstore.Channel` (run-scoped keys, one
+    back-off), so a fifth one cannot grow a dialect of its own. The reader is checked on the old check-in's code."""
+    assert _store_calls("self.store.set(k, v)\nkeys = store.multi_get(ks)\nown.compare_set(a, b, c)\nd.get(x)\n"
+                        "_STORES.get(k)") == ["self.store.set (line 1)", "store.multi_get (line 2)",
+                                              "own.compare_set (line 3)"]
+    offenders = {name: calls for name, path in _modules().items() if name not in _STORE_OWNERS
+                 and (calls := _store_calls(path.read_text(encoding="utf-8")))}
+    assert not offenders, f"store access outside distfn.rankstore: {offenders}"
+
+
+def test_the_rank_bootstrap_reads_as_the_bootstrap() -> None:
+    """Issue 40 item 2: `worker.run` stays a bootstrap (at most 40 lines, docstring included); the services' order
+    is `distfn.run.Run`'s (open, connect, fail, close)."""
+    tree = ast.parse((PACKAGE / "worker.py").read_text(encoding="utf-8"))
+    run = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run")
+    assert run.end_lineno is not None and run.end_lineno - run.lineno + 1 <= 40

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from unittest import mock
 
+import attrs
 import pytest
 from loguru import logger
 from test_pernode import SRUN_N2_PERNODE1_TASK0_RECORDED, SRUN_N2_PERNODE1_TASK1_RECORDED
@@ -224,3 +225,20 @@ def test_the_ray_driver_treats_an_early_exit_as_under_self_spawn() -> None:
     with pytest.raises(WorkerError) as info:
         failed.outcome()
     assert {f.rank for f in info.value.failures} == {0, 1}  # with a failure, the rank that left is named too
+
+
+def test_what_decided_the_count_is_a_value_beside_its_wording() -> None:
+    """Issue 40 item 6: ``CallPlan.counted_by`` says what decided ``nprocs`` as a `Literal`, so ``distfn env`` no
+    longer searches ``source``'s sentence for "DISTFN_NPROCS" (a wording change would have changed its notes)."""
+    two = Options(nprocs=2)
+    assert plan({"DISTFN_NPROCS": "3"}).counted_by == "DISTFN_NPROCS"
+    assert plan({}, two).counted_by == "nprocs="
+    assert plan({}, Options(mode="single")).counted_by == "mode"
+    assert plan({}, gpus=lambda: 0).counted_by == "no-cuda"
+    assert plan(TORCHRUN_RANK1).counted_by == "launcher"
+    assert plan({}, nested=True).counted_by == "nested"
+    assert plan(SRUN_N2_PERNODE1_TASK0_RECORDED, Options(), gpus=lambda: 2).counted_by == "gpus"
+    assert plan({**SRUN_N2_PERNODE1_TASK0_RECORDED, "DISTFN_NPROCS": "2"}).counted_by == "DISTFN_NPROCS"
+    reworded = attrs.evolve(plan({}, two), source="two workers, not from DISTFN_NPROCS")
+    cuda = {"device_count": 0, "mapping": []}
+    assert cli.COUNT_NOTE in cli._plan(reworded, None, cuda)["notes"]

@@ -110,8 +110,9 @@ def save_state(
                               "{'model': model, 'optimizer': opt, 'step': step}")
         # every rank checks in before the RNG gather: a rank-0-only call must fail there, not hang in it
         checked_in = run.check_in("ctx.save", rng=True)
-        obj = {**obj, "rng": gather_rng_states()}
-        _same_path_everywhere(target)  # every rank is in a collective here anyway
+        with run.collective("gather_object"):  # the run's hook: ledger, deadline, timing (distfn.run)
+            obj = {**obj, "rng": gather_rng_states()}
+            _same_path_everywhere(target)  # every rank is in a collective here anyway
     if as_directory:
         if not checked_in:
             run.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
@@ -188,8 +189,8 @@ def resume_state(
     run.saves.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
     resolve(directory, storage_options)  # on every rank: a URL's options are remembered for the load below too
     last = api.latest(directory, prefix=prefix) if rank == 0 else None
-    run.sync_point()  # the broadcast below is a collective every rank makes
-    last = collectives.broadcast_object(None if last is None else str(last))
+    with run.collective("broadcast_object"):  # a collective every rank makes
+        last = collectives.broadcast_object(None if last is None else str(last))
     if last is None:
         return 0
     if run.tracking is not None and run.tracking.active:  # rank 0: continue the run the checkpoint belongs to

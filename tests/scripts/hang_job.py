@@ -5,7 +5,8 @@ Usage: python hang_job.py CASE [TIMEOUT]
 CASE: ``sleep`` (rank 1 sleeps in user code while the others wait at a barrier), ``mismatch`` (rank 0 calls
 all_reduce, rank 1 broadcast_object), ``kill`` (rank 1 SIGKILLs itself while the others wait at a barrier),
 ``gil`` (rank 1 stuck in C code that holds the GIL), ``cfg`` (a different cfg on rank 1), ``model`` (one layer of
-a different size on rank 1). Run it as is (self-spawn, 2 ranks), or under any launcher.
+a different size on rank 1), ``fsdp-save`` (mode="fsdp": rank 0 in ctx.save's full-state gather while rank 1
+sleeps). Run it as is (self-spawn, 2 ranks), or under any launcher.
 TIMEOUT: the collective timeout in seconds (default 10).
 """
 
@@ -13,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 
 import torch
@@ -58,10 +60,22 @@ def job(cfg, ctx):
     return "done"
 
 
+@distributed(mode="fsdp", timeout=TIMEOUT, fsdp={"min_params": 1}, **({} if LAUNCHED else {"nprocs": 2}))
+def fsdp_save(cfg, ctx):
+    model = ctx.wrap(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)))
+    ctx.barrier()
+    if ctx.rank == 0:
+        print("STARTED", time.time(), flush=True)
+    if ctx.rank == 1:
+        sleepy(120)
+    ctx.save(model, os.path.join(tempfile.gettempdir(), f"distfn-hang-{os.getpid()}.safetensors"))  # HANG-SAVE-LINE
+    return "done"
+
+
 if __name__ == "__main__":
     cfg = {"lr": 0.1, "model": {"width": 8}}
     rank = os.environ.get("RANK", "0")
     if CASE == "cfg" and rank == "1":
         cfg["lr"] = 0.2
-    print("RESULT", job(cfg), flush=True)
+    print("RESULT", (fsdp_save if CASE == "fsdp-save" else job)(cfg), flush=True)
     torch.set_num_threads(1)
