@@ -9,14 +9,13 @@ Imports: `tracking.base`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
 
-from .base import Row, RunInfo, Settings, Status, require
+from .base import Row, RunInfo, Settings, Status, require, root_setting, run_directory
 
 
 def _last_step(directory: Path) -> int | None:
@@ -41,7 +40,7 @@ class TensorBoard(Settings):
         root: the directory holding one folder per run.
     """
 
-    root: str = attrs.field(default="runs", converter=os.fspath)
+    root: str = attrs.field(default="runs", converter=root_setting)
     name: ClassVar[str] = "tensorboard"
 
     def check(self) -> None:
@@ -50,7 +49,7 @@ class TensorBoard(Settings):
 
     def open(self, run: RunInfo) -> TensorBoardRun:
         """A writer on the run's directory (continuing its event files when there are some)."""
-        return TensorBoardRun(Path(self.root) / run.key, run)
+        return TensorBoardRun(run_directory(self.root, run.key), run)
 
 
 class TensorBoardRun:
