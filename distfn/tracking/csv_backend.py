@@ -145,7 +145,8 @@ class CsvRun:
                 os.truncate(self.path, end)
         self.ids: Mapping[str, str] = {"dir": str(directory.resolve())}
         new = not self.path.exists() or self.path.stat().st_size == 0
-        self._file = self.path.open("a", newline="")
+        # UTF-8 whatever the locale; a name that is no text (a lone surrogate) is written escaped, not refused
+        self._file = self.path.open("a", newline="", encoding="utf-8", errors="backslashreplace")
         self._rows = csv.writer(self._file)
         if new:
             self._rows.writerow(HEADER)

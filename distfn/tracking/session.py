@@ -53,10 +53,12 @@ FLUSH_EVERY: Final = 1.0
 #: The most rows a backend keeps while it cannot send (``on_error="buffer"``); older ones are dropped beyond.
 MAX_PENDING: Final = 100_000
 
-#: Seconds `Session.close` waits for the last send and the runs' end after a normal end / after a failure (the
-#: launcher kills a failed job's ranks a few seconds after the failure, see `distfn.launch.local.STOP_GRACE`).
+#: Seconds `Session.close` waits for the last send and the runs' end after a normal end / after a failure: the
+#: launcher stops the other ranks of a failed attempt with SIGTERM and kills them 2 s later
+#: (`distfn.launch.local.WorkerGroup.stop`), so the wait ends before that and its warning is still written. The
+#: rows logged before the last checkpoint were sent at that ``ctx.save`` already (`Session.stamp`).
 CLOSE_WAIT: Final = 30.0
-CLOSE_WAIT_FAILED: Final = 3.0
+CLOSE_WAIT_FAILED: Final = 1.5
 
 #: The longest ``ctx.save`` waits on rank 0 for the rows logged before it to be sent (the first save may include
 #: opening the run: importing mlflow takes 2-5 s). A backend already failing is not waited for.
@@ -80,17 +82,19 @@ def _number(name: str, value: Any) -> float:
     kind = type(value)
     if kind is float:
         return value
-    if kind is int:
-        return float(value)
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"ctx.log_metrics: {name!r} is a tensor of shape {tuple(value.shape)}; log one value "
-                            "per name (e.g. loss.mean(), or ctx.all_reduce(loss) for the mean over ranks)")
-        return float(value.item())  # item() never records autograd history: no detach() needed
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool):
-        return float(value)
+    try:
+        if kind is int:
+            return float(value)
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise TypeError(f"ctx.log_metrics: {name!r} is a tensor of shape {tuple(value.shape)}; log one "
+                                "value per name (e.g. loss.mean(), or ctx.all_reduce(loss) for the mean over ranks)")
+            return float(value.item())  # item() never records autograd history: no detach() needed
+        if isinstance(value, (numbers.Real, bool)):
+            return float(value)
+    except OverflowError:  # an int beyond a float's range (10**400)
+        raise TypeError(f"ctx.log_metrics: {name!r} is {_short(value)}, too large for a float (metrics are "
+                        "floats)") from None
     raise TypeError(f"ctx.log_metrics: {name!r} is {type(value).__name__} ({value!r}); metrics are numbers or "
                     "one-element tensors (log text with ctx.log_params)")
 
