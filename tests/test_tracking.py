@@ -931,3 +931,149 @@ def test_rows_logged_before_a_checkpoint_survive_a_killed_rank(tmp_path: Path) -
     steps = [json.loads(line)[0] for line in (tmp_path / "out" / "nofloor.jsonl").read_text().splitlines()]
     assert sorted(set(steps)) == list(range(1, 21))  # the floor from the record (10): 11-12 may come twice
     assert "floor exploded" in out and "ids exploded" in out and "Exception in thread" not in out
+
+
+# -- property tests (issue 41 B): what tracking reads back from files and checkpoints, and what users hand it -----
+def _hypothesis() -> Any:
+    return pytest.importorskip("hypothesis", reason="needs hypothesis, from the 'test' extra: pip install -e '.[test]'")
+
+
+#: Names that attack the CSV floor reader: a newline and a step inside quotes, quotes, CR, a lone surrogate (an
+#: encoding attack), longer than the first tail read (64 KiB) and than csv's field limit (128 KiB).
+_HOSTILE_NAMES = ["\n999,x", '"', '""\n"', "\r\n", ",", "\udc80", "x" * 5000, "y\n" * 40_000, "z" * 140_000, ""]
+
+
+def test_property_the_csv_floor_of_rows_cut_anywhere(tmp_path: Path) -> None:
+    """Rows with any names, the file cut at any byte (a killed write): `scan` finds the last whole row's step and
+    where it ends, and a continued run starts right there (the cut-short row removed)."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from distfn.tracking.csv_backend import CsvRun, scan
+
+    names = st.one_of(st.text(max_size=40), st.sampled_from(_HOSTILE_NAMES))
+    count = iter(range(10**6))
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 2**63 - 1), names), max_size=6), st.floats(0, 1))
+    def prop(rows: list[tuple[int, str]], where: float) -> None:
+        directory = tmp_path / str(next(count))
+        info = RunInfo(key="k", name="k")
+        run = CsvRun(directory, info)
+        ends = [run.path.stat().st_size]  # the header's end
+        steps = sorted(step for step, _ in rows)
+        for step, (_, name) in zip(steps, rows, strict=True):
+            run.log_metrics([(step, {name: 1.0})])
+            ends.append(run.path.stat().st_size)
+        run.close("KILLED")
+        cut = round(where * ends[-1])
+        os.truncate(run.path, cut)
+        whole = [i for i, end in enumerate(ends) if end <= cut]
+        floor = steps[whole[-1] - 1] if whole and whole[-1] > 0 else None
+        assert scan(run.path) == (floor, ends[whole[-1]] if whole else 0)
+        again = CsvRun(directory, info)
+        assert again.floor == floor and again.path.stat().st_size == (ends[whole[-1]] if whole else ends[0])
+        again.close("FINISHED")
+
+    prop()
+
+
+def test_property_the_csv_floor_of_any_bytes(tmp_path: Path) -> None:
+    """Whatever bytes ``metrics.csv`` holds, `scan` answers ``(step or None, end)`` within the file, and quickly:
+    no exception, no step that is not one."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from distfn.tracking.csv_backend import scan
+
+    pieces = st.sampled_from([b'"', b"\n", b"\r\n", b",", b"1", b"9" * 25, b"1,a,1.0,2\r\n", b"\xff\xfe", b"\x00",
+                              "²".encode(), b"nan", b" "])
+    path = tmp_path / "metrics.csv"
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.one_of(pieces, st.binary(max_size=16)), max_size=40).map(b"".join))
+    def prop(data: bytes) -> None:
+        path.write_bytes(data)
+        started = time.monotonic()
+        floor, end = scan(path)
+        assert time.monotonic() - started < 2
+        assert 0 <= end <= len(data) and (end == 0 or data[end - 1:end] == b"\n")
+        assert floor is None or (type(floor) is int and 0 <= floor < 2**63)
+
+    prop()
+
+
+def test_property_run_keys_from_the_environment_and_checkpoints(tmp_path: Path) -> None:
+    """Any key text (``DISTFN_TRACK_KEY``) becomes a key that is one path component under the root; any metadata
+    read back from a checkpoint gives ``None``, a valid ``(key, step)``, or `BadRecord`, and `Session.adopt`
+    never raises (the job goes on with its own key)."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from distfn.tracking.key import BadRecord, is_key
+
+    root = tmp_path.resolve()
+    json_values = st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20),
+                  st.sampled_from(["../../x", "/etc", "..", "ok-key", "a" * 200, "k\x00", "\udc80"])),
+        lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+        max_leaves=12)
+    records = st.one_of(json_values, st.fixed_dictionaries({"key": json_values, "step": json_values}))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.text(), records)
+    def prop(given_key: str, entry: Any) -> None:
+        key = job_key({KEY_ENV: given_key})
+        assert is_key(key) and (root / key).resolve().parent == root
+        try:
+            found = key_in({RECORD_KEY: entry})
+        except BadRecord:
+            found = None
+        if found is not None:
+            assert is_key(found[0]) and (found[1] is None or 0 <= found[1] < 2**63)
+        session = Session((FakeBackend(),), {}, {KEY_ENV: "own"})
+        session.adopt({RECORD_KEY: entry})
+        assert is_key(session.key)
+
+    prop()
+    deep: Any = "k"
+    for _ in range(100_000):  # a record nested 100,000 deep is looked at one level only
+        deep = {"key": deep}
+    with pytest.raises(BadRecord):
+        key_in({RECORD_KEY: deep})
+
+
+def test_property_metric_names_and_values(tmp_path: Path) -> None:
+    """Any metric name and value: ``log_metrics`` queues the row or raises `TypeError` (never another error);
+    a name `valid_name` accepts is one MLflow accepts (checked with MLflow's own rule when it is installed)."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from distfn.tracking.mlflow_backend import valid_name
+
+    mlflow_check: Any = None
+    if importlib.util.find_spec("mlflow") is not None:
+        from mlflow.utils.validation import _validate_metric_name
+
+        mlflow_check = _validate_metric_name
+    values = st.one_of(st.floats(), st.integers(min_value=-(10**400), max_value=10**400), st.booleans(), st.none(),
+                       st.text(max_size=5), st.lists(st.floats(), max_size=2), st.binary(max_size=3))
+    session = Session((FakeBackend(),), {}, {KEY_ENV: "names"}, flush_every=60.0)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.dictionaries(st.one_of(st.text(max_size=300), st.sampled_from(_HOSTILE_NAMES[:6])), values,
+                           max_size=4), st.text(max_size=260))
+    def prop(metrics: dict[str, Any], name: str) -> None:
+        try:
+            session.log_metrics(metrics)
+        except TypeError as exc:
+            assert "ctx.log_metrics" in str(exc)
+        if valid_name(name) and mlflow_check is not None:
+            mlflow_check(name)  # raises when MLflow refuses it
+
+    prop()
+    session.close("FINISHED")

@@ -150,6 +150,7 @@ class CsvRun:
         self._rows = csv.writer(self._file)
         if new:
             self._rows.writerow(HEADER)
+            self._file.flush()
         self._write_json("run.json", {"key": run.key, "name": run.name, "tags": dict(run.tags), "status": "RUNNING"})
 
     def _write_json(self, name: str, value: object) -> None:

@@ -128,7 +128,9 @@ def key_in(metadata: Mapping[str, Any]) -> tuple[str, int | None] | None:
         return None
     key = entry.get("key") if isinstance(entry, Mapping) else None
     if not isinstance(key, str) or not is_key(key):
-        shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
+        # only a str is shown (cut): the repr of a value nested 100,000 deep would raise RecursionError
+        shown = (repr(key) if len(key) <= 60 else repr(key[:57]) + "...") if isinstance(key, str) else \
+            f"a {type(key).__name__}"
         raise BadRecord(f"its run key {shown} is not a valid key (1-{MAX_KEY} letters, digits, '.', '_' or '-', "
                         "starting with a letter or digit)")
     step = entry.get("step")
