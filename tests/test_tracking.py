@@ -851,8 +851,8 @@ def _mlflow_refused_names_are_dropped_and_a_refused_store_is_off(tmp_path: Path,
 
 
 # A 2-rank job whose rank 1 dies (SIGKILL) at step 12 of attempt 0 (max_restarts=1, resumed from ckpt-10),
-# tracked by backends that open as slowly as MLflow's first import: one is fine, the other's floor raises; both
-# name their runs badly (ids raises). argv: ckpt_dir out_dir.
+# tracked by a backend that opens as slowly as MLflow's first import and one whose floor raises; both name their
+# runs badly (ids raises). argv: ckpt_dir out_dir.
 KILLED_JOB = textwrap.dedent('''
     import json, os, signal, sys, time
     import torch
@@ -888,17 +888,17 @@ KILLED_JOB = textwrap.dedent('''
     class Slow:
         on_error, log_cfg = "buffer", False
 
-        def __init__(self, name, floor_raises):
-            self.name, self.floor_raises = name, floor_raises
+        def __init__(self, name, floor_raises, delay):
+            self.name, self.floor_raises, self.delay = name, floor_raises, delay
 
         def check(self):
             pass
 
         def open(self, run):
-            time.sleep(2.5)  # as long as importing mlflow
+            time.sleep(self.delay)  # as long as importing mlflow
             return FileRun(os.path.join(out, self.name + ".jsonl"), self.floor_raises)
 
-    @distributed(mode="ddp", nprocs=2, seed=0, max_restarts=1, track=[Slow("slow", False), Slow("nofloor", True)])
+    @distributed(mode="ddp", nprocs=2, seed=0, max_restarts=1, track=[Slow("slow", False, 2.5), Slow("nofloor", True, 0)])
     def train(cfg, ctx):
         state = {"w": torch.zeros(2), "step": 0}
         start = ctx.resume(state, ckpt)

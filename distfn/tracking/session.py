@@ -95,7 +95,7 @@ def _number(name: str, value: Any) -> float:
     except OverflowError:  # an int beyond a float's range (10**400)
         raise TypeError(f"ctx.log_metrics: {name!r} is {_short(value)}, too large for a float (metrics are "
                         "floats)") from None
-    raise TypeError(f"ctx.log_metrics: {name!r} is {type(value).__name__} ({value!r}); metrics are numbers or "
+    raise TypeError(f"ctx.log_metrics: {name!r} is {type(value).__name__} ({_short(value)}); metrics are numbers or "
                     "one-element tensors (log text with ctx.log_params)")
 
 
