@@ -898,7 +898,9 @@ KILLED_JOB = textwrap.dedent('''
             time.sleep(self.delay)  # as long as importing mlflow
             return FileRun(os.path.join(out, self.name + ".jsonl"), self.floor_raises)
 
-    @distributed(mode="ddp", nprocs=2, seed=0, max_restarts=1, track=[Slow("slow", False, 2.5), Slow("nofloor", True, 0)])
+    track = [Slow("slow", False, 2.5), Slow("nofloor", True, 0)]
+
+    @distributed(mode="ddp", nprocs=2, seed=0, max_restarts=1, track=track)
     def train(cfg, ctx):
         state = {"w": torch.zeros(2), "step": 0}
         start = ctx.resume(state, ckpt)
@@ -1077,3 +1079,48 @@ def test_property_metric_names_and_values(tmp_path: Path) -> None:
 
     prop()
     session.close("FINISHED")
+
+
+@requires("tensorboard", "tensorboard")
+def test_property_the_tensorboard_floor_of_any_event_file(tmp_path: Path) -> None:
+    """An event file read back when a run continues: a record claiming 64 GiB is not read (it was a MemoryError
+    inside tensorboard's reader, a smaller claim a huge allocation); a cut or corrupted file gives the steps before
+    the damage; any bytes give a step or ``None``, quickly."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from torch.utils.tensorboard import SummaryWriter
+
+    from distfn.tracking.tensorboard_backend import _last_step
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "ok"))
+    for step in range(30):
+        writer.add_scalar("x", 1.0, step)
+    writer.close()
+    (events,) = (tmp_path / "ok").glob("events.out.tfevents.*")
+    whole = events.read_bytes()
+    assert _last_step(tmp_path / "ok") == 29
+    events.write_bytes(whole[:-5])
+    assert _last_step(tmp_path / "ok") == 28
+    claim = struct.pack("<Q", 2**36)
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    (hostile / "events.out.tfevents.1.x").write_bytes(claim + struct.pack("<I", masked_crc32c(claim)) + b"abc")
+    os.mkfifo(hostile / "events.out.tfevents.2.fifo")  # never opened (it would block)
+    assert _last_step(hostile) is None
+
+    fuzz = tmp_path / "fuzz"
+    fuzz.mkdir()
+    path = fuzz / "events.out.tfevents.3.x"
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.binary(max_size=300), st.integers(0, len(whole)), st.integers(0, len(whole)))
+    def prop(noise: bytes, at: int, cut: int) -> None:
+        path.write_bytes((whole[:at] + noise + whole[at:])[:max(cut, 12)])
+        started = time.monotonic()
+        found = _last_step(fuzz)
+        assert time.monotonic() - started < 2
+        assert found is None or 0 <= found <= 29
+
+    prop()

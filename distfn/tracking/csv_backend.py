@@ -22,6 +22,7 @@ from typing import BinaryIO, ClassVar, Final
 import attrs
 from loguru import logger
 
+from ..errors import ConfigError
 from .base import Row, RunInfo, Settings, Status, root_setting, run_directory
 
 HEADER = ("step", "name", "value", "time")
@@ -136,6 +137,8 @@ class CsvRun:
         self.directory = directory
         self.path = directory / "metrics.csv"
         self.floor: int | None = None
+        if self.path.exists() and not self.path.is_file():  # a FIFO or a device: never opened
+            raise ConfigError(f"{self.path} is not a regular file; the CSV backend writes nothing there")
         if self.path.exists():
             self.floor, end = scan(self.path)
             cut = self.path.stat().st_size - end
