@@ -1124,3 +1124,40 @@ def test_property_the_tensorboard_floor_of_any_event_file(tmp_path: Path) -> Non
         assert found is None or 0 <= found <= 29
 
     prop()
+
+
+def test_damaged_run_files_and_refused_parameters_never_hold_the_metrics_back(tmp_path: Path,
+                                                                             warnings_seen: Any) -> None:
+    """A continued CSV run reads ``params.json`` back: nested 100,000 deep (RecursionError), or not JSON, made
+    every send of parameters fail, and the rows waited behind them for ever. A damaged file is replaced (one
+    warning); a backend that refuses parameters still gets its rows; a planted symlink is not written through."""
+    run = tmp_path / "job"
+    run.mkdir()
+    (run / "params.json").write_text("[" * 100_000 + "]" * 100_000)
+    (run / "run.json").write_text("{not json")
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep")
+    (run / ".params.json.tmp").symlink_to(outside)
+    session = Session((CSV(root=str(tmp_path)),), {"lr": 0.1}, {KEY_ENV: "job"}, flush_every=0.02)
+    session.log_metrics({"loss": 1.0}, step=1)
+    session.close("FINISHED")
+    assert json.loads((run / "params.json").read_text()) == {"lr": "0.1"}
+    assert json.loads((run / "run.json").read_text())["status"] == "FINISHED" and outside.read_text() == "keep"
+    assert (run / "metrics.csv").read_text().splitlines()[1].startswith("1,loss,1.0,")
+    assert [m for m in warnings_seen if "cannot be read back" in m and "RecursionError" in m]
+
+    class NoParams(FakeRun):
+        def log_params(self, params: Mapping[str, str]) -> None:
+            raise ValueError("parameter refused")
+
+    class Backend(FakeBackend):
+        def open(self, run: RunInfo) -> FakeRun:
+            return NoParams(self.log, self.fail)
+
+    backend = Backend()
+    session = _session(backend)
+    for step in (1, 2):
+        session.log_metrics({"loss": 1.0}, step=step)
+    session.close("FINISHED")
+    assert [x for x in backend.log if isinstance(x, int)] == [1, 2]
+    assert len([m for m in warnings_seen if "fake could not send its parameters" in m]) == 1

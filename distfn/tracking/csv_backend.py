@@ -154,11 +154,16 @@ class CsvRun:
         if new:
             self._rows.writerow(HEADER)
             self._file.flush()
-        self._write_json("run.json", {"key": run.key, "name": run.name, "tags": dict(run.tags), "status": "RUNNING"})
+        # what run.json holds, kept here: close rewrites it without reading back a file that may be damaged
+        self._info = {"key": run.key, "name": run.name, "tags": dict(run.tags)}
+        self._write_json("run.json", {**self._info, "status": "RUNNING"})
+        self._params = _read_params(directory / "params.json")
 
     def _write_json(self, name: str, value: object) -> None:
         tmp = self.directory / f".{name}.tmp"
-        tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
+        tmp.unlink(missing_ok=True)  # a leftover (or a planted symlink) is replaced, never written through
+        with tmp.open("x", encoding="utf-8") as f:
+            f.write(json.dumps(value, indent=1, sort_keys=True))
         tmp.replace(self.directory / name)
 
     def log_metrics(self, rows: Sequence[Row]) -> None:
@@ -170,13 +175,32 @@ class CsvRun:
 
     def log_params(self, params: Mapping[str, str]) -> None:
         """Merge ``params`` into ``params.json``."""
-        path = self.directory / "params.json"
-        merged = json.loads(path.read_text()) if path.exists() else {}
-        merged.update(params)
-        self._write_json("params.json", merged)
+        self._params.update(params)
+        self._write_json("params.json", self._params)
 
     def close(self, status: Status) -> None:
         """Close the file and record ``status`` in ``run.json``."""
         self._file.close()
-        info = json.loads((self.directory / "run.json").read_text())
-        self._write_json("run.json", {**info, "status": status})
+        self._write_json("run.json", {**self._info, "status": status})
+
+
+#: The largest ``params.json`` read back (parameters are short texts; a bigger file is not one of ours).
+MAX_PARAMS_FILE: Final = 16 << 20
+
+
+def _read_params(path: Path) -> dict[str, str]:
+    """The parameters an earlier attempt wrote to ``params.json``, to merge into; a file that is not such a
+    mapping (damaged, nested too deep, too big, not a regular file) is replaced, with one warning."""
+    if not path.exists():
+        return {}
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_PARAMS_FILE:
+            raise ValueError(f"not a regular file of at most {MAX_PARAMS_FILE >> 20} MiB")
+        value = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ValueError("not a mapping of names to texts")
+        return value
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        logger.warning("csv: {} cannot be read back ({}: {}); the parameters logged now replace it", path,
+                       type(exc).__name__, exc)
+        return {}

@@ -427,17 +427,23 @@ class Session:
                                 "not sent again", channel.name, floor)
                 channel.replays += len(rows) - len(kept)
             rows = kept
-        try:
-            if channel.params:
+        failure: tuple[str, Exception] | None = None
+        if channel.params:  # apart from the rows: parameters a backend refuses must not hold the metrics back
+            try:
                 handle.log_params(channel.params)
                 channel.params = {}
-            if rows:
+            except Exception as exc:  # noqa: BLE001 - a backend's failure never reaches the job
+                failure = ("send its parameters", exc)
+        if rows:
+            try:
                 handle.log_metrics(rows)
-        except Exception as exc:  # noqa: BLE001 - a backend's failure never reaches the job
-            channel.keep(rows)  # kept, in order, for the next try ("buffer"); beyond MAX_PENDING the oldest go
-            channel.failed("send", exc)
-            return
-        channel.recovered()
+            except Exception as exc:  # noqa: BLE001 - a backend's failure never reaches the job
+                channel.keep(rows)  # kept, in order, for the next try ("buffer"); beyond MAX_PENDING the oldest go
+                failure = ("send", exc)
+        if failure is not None:
+            channel.failed(*failure)
+        else:
+            channel.recovered()
 
 
 def _short(value: Any) -> str:
