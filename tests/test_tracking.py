@@ -153,7 +153,8 @@ def _history(uri: str, run_id: str, key: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_mlflow_one_run_across_a_restart_and_a_resumed_rerun(tmp_path: Path, mlflow_server: str) -> None:
+def test_mlflow_one_run_across_a_restart_and_a_resumed_rerun(tmp_path: Path, mlflow_server: str,
+                                                             warnings_seen: Any) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = _env(tmp_path)
@@ -184,6 +185,7 @@ def test_mlflow_one_run_across_a_restart_and_a_resumed_rerun(tmp_path: Path, mlf
     other = next(r for r in runs if r.info.run_id != run.info.run_id)
     assert other.data.tags["slurm_job_id"] == "4242" and other.data.tags["distfn.key"] == "slurm-4242"
     assert _history(mlflow_server, other.info.run_id, "loss") == [1, 2, 3]
+    _mlflow_refused_names_are_dropped_and_a_refused_store_is_off(tmp_path, mlflow_server, warnings_seen)
 
 
 def _mlflow_client(uri: str) -> Any:
@@ -611,3 +613,551 @@ def test_replays_below_the_floor_are_counted_and_logged_once(tmp_path: Path, war
     session.close("FINISHED")
     assert [x for x in backend.log if isinstance(x, int)] == [5, 6, 7]
     assert session._channels[0].replays == 4
+
+
+# -- issue 41: untrusted keys, floors and names; backends that fail; what ctx.save sends -------------------------
+def test_a_run_key_read_from_a_checkpoint_is_one_path_component(tmp_path: Path, warnings_seen: Any) -> None:
+    """Item 7: a stored key of ``../../x`` or an absolute path is refused (the job logs to a run of its own,
+    inside the root); a key from the environment is made safe; the backends refuse a bad key themselves too."""
+    from distfn.tracking.base import run_directory
+    from distfn.tracking.key import BadRecord, is_key
+
+    for bad in ("../../x", "/tmp/x", "..", ".", ".hidden", "a/b", "a\\b", "", " x", "x" * 129, 3, None, ["k"]):
+        with pytest.raises(BadRecord, match="is not a valid key"):
+            key_in({RECORD_KEY: {"key": bad, "step": 3}})
+    assert key_in({RECORD_KEY: {"key": "20261202-013005-3fa9c1", "step": 2**63}}) == ("20261202-013005-3fa9c1", None)
+    assert key_in({"other": 1}) is None and key_in({RECORD_KEY: None}) is None
+    for given in ("..", "../../x", "/abs/path", ".", "-", "x" * 1000, "é/ü"):
+        key = job_key({KEY_ENV: given})
+        assert is_key(key) and (tmp_path / key).resolve().parent == tmp_path.resolve(), (given, key)
+    for bad in ("..", "../x", "/x", ""):
+        with pytest.raises(ValueError, match="not one plain path component"):
+            run_directory(str(tmp_path), bad)
+
+    root = tmp_path / "deep" / "runs"
+    session = Session((CSV(root=str(root)),), {}, {KEY_ENV: "own"}, flush_every=0.02)
+    session.adopt({RECORD_KEY: {"key": "../../escape", "step": 3}})
+    session.log_metrics({"loss": 1.0}, step=1)
+    session.close("FINISHED")
+    assert sorted(p.name for p in root.iterdir()) == ["own"] and not (tmp_path / "escape").exists()
+    assert not (tmp_path / "deep" / "escape").exists()
+    assert [m for m in warnings_seen if "tracking record is not used" in m and "'../../escape'" in m]
+
+
+class _Bad(FakeBackend):
+    """A backend whose run's ``floor`` and/or ``ids`` raise (item 9)."""
+
+    def __init__(self, floor_raises: bool, ids_raise: bool) -> None:
+        super().__init__()
+        self.floor_raises, self.ids_raise = floor_raises, ids_raise
+
+    def open(self, run: RunInfo) -> FakeRun:
+        outer = self
+
+        class Run(FakeRun):
+            @property  # type: ignore[misc]
+            def floor(self) -> int | None:
+                if outer.floor_raises:
+                    raise RuntimeError("floor exploded")
+                return None
+
+            @floor.setter
+            def floor(self, value: Any) -> None:
+                pass
+
+            @property  # type: ignore[misc]
+            def ids(self) -> Mapping[str, str]:
+                if outer.ids_raise:
+                    raise RuntimeError("ids exploded")
+                return {"id": "fine"}
+
+            @ids.setter
+            def ids(self, value: Any) -> None:
+                pass
+
+        self.opened.append(run)
+        return Run(self.log, self.fail)
+
+
+def test_a_backend_whose_floor_or_ids_raise_never_stops_tracking_or_the_save(warnings_seen: Any) -> None:
+    """Item 9: ``floor`` raising used to kill the tracking thread (nothing more sent, by any backend); ``ids``
+    raising made ``stamp`` (ctx.save) raise. Now: one warning each, the rows arrive, the record is written."""
+    floor_bad, ids_bad, good = _Bad(True, False), _Bad(False, True), FakeBackend()
+    good.name = "good"  # type: ignore[misc]
+    floor_bad.name, ids_bad.name = "floorbad", "idsbad"  # type: ignore[misc]
+    session = _session(floor_bad, ids_bad, good)
+    session.adopt({RECORD_KEY: {"key": "k1", "step": 2}})  # the record's floor applies to the one that cannot tell
+    for step in range(1, 6):
+        session.log_metrics({"loss": 1.0}, step=step)
+    stamped = session.stamp({})  # ctx.save's part: never raises
+    assert stamped is not None and stamped[RECORD_KEY]["runs"] == {"floorbad": {"id": "fine"}, "good": {"id": "fake"}}
+    session.log_metrics({"loss": 1.0}, step=6)
+    session.close("FINISHED")
+    for backend in (floor_bad, ids_bad, good):
+        assert [x for x in backend.log if isinstance(x, int)] == [3, 4, 5, 6], backend.name
+    assert len([m for m in warnings_seen if "floor exploded" in m]) == 1
+    assert len([m for m in warnings_seen if "ids exploded" in m]) == 1
+
+
+def _csv_rows(rows: Sequence[tuple[int, str]]) -> bytes:
+    import csv as csv_module
+    import io
+
+    from distfn.tracking.csv_backend import HEADER
+
+    buffer = io.StringIO(newline="")
+    writer = csv_module.writer(buffer)
+    writer.writerow(HEADER)
+    writer.writerows((step, name, 1.0, 2.0) for step, name in rows)
+    return buffer.getvalue().encode()
+
+
+def test_the_csv_floor_is_read_by_csv_rules_and_a_half_row_is_cut(tmp_path: Path) -> None:
+    """Item 10: a name holding ``"\\n999,x"`` made the floor 999 (every later step dropped); a name over 4 KiB hid
+    the floor (steps logged twice). The floor is the last whole row's step; a half row a killed write left is cut
+    off before appending (appended to, it swallowed the next row)."""
+    from distfn.tracking.csv_backend import scan
+
+    path = tmp_path / "m.csv"
+    for rows, floor in (([(1, "a"), (2, "\n999,x")], 2), ([(1, "a"), (2, "x" * 5000)], 2),
+                        ([(1, "a"), (7, 'q"\n"' * 40_000 + "\n")], 7), ([], None), ([(1, "²"), (2, "\r\n")], 2)):
+        path.write_bytes(_csv_rows(rows))
+        assert scan(path) == (floor, path.stat().st_size), rows
+    whole = _csv_rows([(1, "a"), (2, "b")])
+    path.write_bytes(whole + b'3,"cut\n4,')  # killed inside a quoted name
+    assert scan(path) == (2, len(whole))
+    path.write_bytes(whole.replace(b"2,b", b"\xb2,b") + b"99999999999999999999999,x,1,2\r\n")  # not steps
+    assert scan(path)[0] == 1
+
+    # through the backend: continued twice, the name with a newline first, a half row between the attempts
+    env = {KEY_ENV: "job"}
+    first = Session((CSV(root=str(tmp_path)),), {}, env, flush_every=0.02)
+    for step in (1, 2):
+        first.log_metrics({"\n999,x": 1.0, "a" * 5000: 2.0, "\udc80": 3.0}, step=step)  # a lone surrogate too
+    first.close("KILLED")
+    metrics = tmp_path / "job" / "metrics.csv"
+    with metrics.open("ab") as f:
+        f.write(b'3,"half')
+    second = Session((CSV(root=str(tmp_path)),), {}, env, flush_every=0.02)
+    for step in (2, 3, 4):
+        second.log_metrics({"loss": 1.0}, step=step)
+    second.close("FINISHED")
+    import csv as csv_module
+
+    with metrics.open(newline="", encoding="utf-8") as f:
+        rows = list(csv_module.reader(f))
+    assert rows[0] == ["step", "name", "value", "time"]
+    assert [(int(r[0]), r[1][:6]) for r in rows[1:]] == [
+        (1, "\n999,x"), (1, "aaaaaa"), (1, "\\udc80"), (2, "\n999,x"), (2, "aaaaaa"), (2, "\\udc80"),
+        (3, "loss"), (4, "loss")]
+
+
+def test_arguments_are_checked_with_errors_naming_them(tmp_path: Path) -> None:
+    """Item 11: the class instead of an object, a non-bool log_cfg, a non-path root, a metrics value that is no
+    mapping: errors naming the argument (they were bare TypeError / AttributeError from inside distfn)."""
+    from distfn.tracking import TensorBoard, WandB
+
+    with pytest.raises(ConfigError, match=r"got the class CSV.*pass CSV\(\)"):
+        make_options({"track": CSV})
+    with pytest.raises(ConfigError, match=r"got the class MLflow"):
+        make_options({"track": ["csv", MLflow]})
+    with pytest.raises(ConfigError, match=r"CSV\(log_cfg='yes'\): this is True or False"):
+        CSV(log_cfg="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"root=3 is not a directory"):
+        CSV(root=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"root=None is not a directory"):
+        TensorBoard(root=None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"MLflow\(uri=5000\)"):
+        MLflow(uri=5000)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"WandB\(project=\['p'\]\)"):
+        WandB(project=["p"])  # type: ignore[arg-type]
+    assert CSV(root=tmp_path).root == str(tmp_path) and WandB(dir=tmp_path).dir == str(tmp_path)
+
+    class Odd(FakeBackend):
+        pass
+
+    for attribute, value, message in (("on_error", "keep", "on_error='keep' is not valid"),
+                                      ("log_cfg", "yes", "its log_cfg is 'yes'"), ("name", "", "its name is ''")):
+        odd = Odd()
+        setattr(odd, attribute, value)
+        with pytest.raises(ConfigError, match=message):
+            make_options({"track": odd})
+
+    session = _session(FakeBackend())
+    for bad in (0.5, [("loss", 1.0)], None, "loss"):
+        with pytest.raises(TypeError, match=r"ctx.log_metrics\(metrics\): metrics is a mapping"):
+            session.log_metrics(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ctx.log_params\(params\): params is a mapping"):
+        session.log_params(0.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="too large for a float"):
+        session.log_metrics({"n": 10**400}, step=1)
+    assert not session.started
+
+
+class _Off(FakeBackend):
+    def open(self, run: RunInfo) -> FakeRun:
+        raise ConfigError("the tracking URI 'file:/x' cannot be used")
+
+
+def test_a_backend_that_can_never_open_is_off_at_once_and_counts_its_rows(warnings_seen: Any) -> None:
+    """Item 12: settings that can never work (a ConfigError from open) are said once, at the first log call, not
+    after the end; the backend is not retried, and the end counts the rows it did not record (no "kept")."""
+    off, drop = _Off(), FakeBackend("drop", fail=1000)
+    drop.name = "down"  # type: ignore[misc]
+    session = _session(off, drop)
+    session.log_metrics({"loss": 1.0, "acc": 0.5}, step=1)
+    deadline = time.monotonic() + 10
+    while not [m for m in warnings_seen if "fake is off for this run" in m] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [m for m in warnings_seen if "fake is off for this run" in m and "file:/x" in m]  # before the end
+    for step in range(2, 6):
+        session.log_metrics({"loss": 1.0}, step=step)
+    session.close("FINISHED")
+    assert len([m for m in warnings_seen if "fake is off" in m]) == 1
+    assert [m for m in warnings_seen if "fake did not record 5 row(s)" in m and "it was off" in m]
+    assert [m for m in warnings_seen if "down did not record 5 row(s)" in m and "ConnectionError" in m]
+    assert not [m for m in warnings_seen if "fake could not" in m or ("kept" in m and "fake" in m)]
+
+
+def _mlflow_refused_names_are_dropped_and_a_refused_store_is_off(tmp_path: Path, mlflow_server: str,
+                                                                  warnings_seen: Any) -> None:
+    """Items 8 and 12 against a real server (the server of the test above: a start costs 10-40 s): ``acc,top1``
+    made the server refuse the whole batch, retried for ever (no metric arrived); MLflow 3 refusing a plain
+    ``file:`` store is one "off" warning at once."""
+    from distfn.tracking.mlflow_backend import valid_name
+
+    assert valid_name("train/acc top-1:x.y") and not valid_name("acc,top1") and not valid_name("a/../b")
+    assert not valid_name("x" * 251) and not valid_name("") and not valid_name("/abs") and not valid_name("acc\n")
+    env = {KEY_ENV: "names", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    session = Session((MLflow(uri=mlflow_server, experiment="names"),), {"a,b": 1, "lr": 0.1}, env,
+                      flush_every=0.05)
+    for step in (1, 2, 3):
+        session.log_metrics({"acc,top1": 0.5, "loss": 1.0 / step, "x" * 300: 1.0}, step=step)
+    session.close("FINISHED")
+    (run,) = _mlflow_runs(mlflow_server, "names")
+    assert _history(mlflow_server, run.info.run_id, "loss") == [1, 2, 3] and set(run.data.metrics) == {"loss"}
+    assert run.data.params == {"lr": "0.1"}
+    refused = [m for m in warnings_seen if "MLflow refuses" in m]
+    assert len(refused) == 3 and any("'acc,top1'" in m for m in refused) and any("'a,b'" in m for m in refused)
+    assert not [m for m in warnings_seen if "could not send" in m]
+
+    os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+    store = Session((MLflow(uri=f"file:{tmp_path / 'mlruns'}"),), {}, {KEY_ENV: "file"}, flush_every=0.05)
+    for step in (1, 2):
+        store.log_metrics({"loss": 1.0}, step=step)
+    store.close("FINISHED")
+    assert [m for m in warnings_seen if "mlflow is off for this run" in m and "cannot use the tracking URI" in m]
+    assert [m for m in warnings_seen if "mlflow did not record 2 row(s)" in m]
+
+
+# A 2-rank job whose rank 1 dies (SIGKILL) at step 12 of attempt 0 (max_restarts=1, resumed from ckpt-10),
+# tracked by a backend that opens as slowly as MLflow's first import and one whose floor raises; both name their
+# runs badly (ids raises). argv: ckpt_dir out_dir.
+KILLED_JOB = textwrap.dedent('''
+    import json, os, signal, sys, time
+    import torch
+    from distfn import distributed
+
+    ckpt, out = sys.argv[1], sys.argv[2]
+
+    class FileRun:
+        def __init__(self, path, floor_raises):
+            self.path, self.floor_raises = path, floor_raises
+
+        @property
+        def floor(self):
+            if self.floor_raises:
+                raise RuntimeError("floor exploded")
+            steps = [json.loads(line)[0] for line in open(self.path)] if os.path.exists(self.path) else []
+            return max(steps, default=None)
+
+        @property
+        def ids(self):
+            raise RuntimeError("ids exploded")
+
+        def log_metrics(self, rows):
+            with open(self.path, "a") as f:
+                f.writelines(json.dumps([step, values]) + "\\n" for step, values in rows)
+
+        def log_params(self, params):
+            pass
+
+        def close(self, status):
+            pass
+
+    class Slow:
+        on_error, log_cfg = "buffer", False
+
+        def __init__(self, name, floor_raises, delay):
+            self.name, self.floor_raises, self.delay = name, floor_raises, delay
+
+        def check(self):
+            pass
+
+        def open(self, run):
+            time.sleep(self.delay)  # as long as importing mlflow
+            return FileRun(os.path.join(out, self.name + ".jsonl"), self.floor_raises)
+
+    track = [Slow("slow", False, 2.5), Slow("nofloor", True, 0)]
+
+    @distributed(mode="ddp", nprocs=2, seed=0, max_restarts=1, track=track)
+    def train(cfg, ctx):
+        state = {"w": torch.zeros(2), "step": 0}
+        start = ctx.resume(state, ckpt)
+        for step in range(start + 1, 21):
+            ctx.log_metrics({"loss": 1.0 / step, "ranks": ctx.all_reduce(1.0, op="sum")}, step=step)
+            if step % 5 == 0:
+                ctx.save({**state, "step": step}, f"{ckpt}/ckpt-{step}.safetensors")
+            if step == 12 and ctx.restart == 0 and ctx.rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return ctx.restart
+
+    if __name__ == "__main__":
+        print("attempt", train({}))
+''')
+
+
+@pytest.mark.slow
+def test_rows_logged_before_a_checkpoint_survive_a_killed_rank(tmp_path: Path) -> None:
+    """Item 13: rank 1 SIGKILLed at step 12, the job restarted and resumed from ckpt-10: the run used to hold
+    steps 11-20 only (the slow open had not finished when the launcher stopped rank 0). ctx.save now sends the
+    rows logged before it; and a floor / ids that raise (item 9) stop neither the tracking nor the save."""
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_JOB)
+    (tmp_path / "out").mkdir()
+    out = _run(script, [str(tmp_path / "ckpt"), str(tmp_path / "out")], _env(tmp_path), tmp_path)
+    assert "attempt 1" in out
+    rows = [json.loads(line) for line in (tmp_path / "out" / "slow.jsonl").read_text().splitlines()]
+    assert [step for step, _ in rows] == list(range(1, 21))  # each step once, none lost
+    assert all(values["ranks"] == 2.0 for _, values in rows)  # both ranks reached every logged step
+    steps = [json.loads(line)[0] for line in (tmp_path / "out" / "nofloor.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == list(range(1, 21))  # the floor from the record (10): 11-12 may come twice
+    assert "floor exploded" in out and "ids exploded" in out and "Exception in thread" not in out
+
+
+# -- property tests (issue 41 B): what tracking reads back from files and checkpoints, and what users hand it -----
+def _hypothesis() -> Any:
+    return pytest.importorskip("hypothesis", reason="needs hypothesis, from the 'test' extra: pip install -e '.[test]'")
+
+
+#: Names that attack the CSV floor reader: a newline and a step inside quotes, quotes, CR, a lone surrogate (an
+#: encoding attack), longer than the first tail read (64 KiB) and than csv's field limit (128 KiB).
+_HOSTILE_NAMES = ["\n999,x", '"', '""\n"', "\r\n", ",", "\udc80", "x" * 5000, "y\n" * 40_000, "z" * 140_000, ""]
+
+
+def test_property_the_csv_floor_of_rows_cut_anywhere(tmp_path: Path) -> None:
+    """Rows with any names, the file cut at any byte (a killed write): `scan` finds the last whole row's step and
+    where it ends, and a continued run starts right there (the cut-short row removed)."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from distfn.tracking.csv_backend import CsvRun, scan
+
+    names = st.one_of(st.text(max_size=40), st.sampled_from(_HOSTILE_NAMES))
+    count = iter(range(10**6))
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 2**63 - 1), names), max_size=6), st.floats(0, 1))
+    def prop(rows: list[tuple[int, str]], where: float) -> None:
+        directory = tmp_path / str(next(count))
+        info = RunInfo(key="k", name="k")
+        run = CsvRun(directory, info)
+        ends = [run.path.stat().st_size]  # the header's end
+        steps = sorted(step for step, _ in rows)
+        for step, (_, name) in zip(steps, rows, strict=True):
+            run.log_metrics([(step, {name: 1.0})])
+            ends.append(run.path.stat().st_size)
+        run.close("KILLED")
+        cut = round(where * ends[-1])
+        os.truncate(run.path, cut)
+        whole = [i for i, end in enumerate(ends) if end <= cut]
+        floor = steps[whole[-1] - 1] if whole and whole[-1] > 0 else None
+        assert scan(run.path) == (floor, ends[whole[-1]] if whole else 0)
+        again = CsvRun(directory, info)
+        assert again.floor == floor and again.path.stat().st_size == (ends[whole[-1]] if whole else ends[0])
+        again.close("FINISHED")
+
+    prop()
+
+
+def test_property_the_csv_floor_of_any_bytes(tmp_path: Path) -> None:
+    """Whatever bytes ``metrics.csv`` holds, `scan` answers ``(step or None, end)`` within the file, and quickly:
+    no exception, no step that is not one."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from distfn.tracking.csv_backend import scan
+
+    pieces = st.sampled_from([b'"', b"\n", b"\r\n", b",", b"1", b"9" * 25, b"1,a,1.0,2\r\n", b"\xff\xfe", b"\x00",
+                              "²".encode(), b"nan", b" "])
+    path = tmp_path / "metrics.csv"
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.one_of(pieces, st.binary(max_size=16)), max_size=40).map(b"".join))
+    def prop(data: bytes) -> None:
+        path.write_bytes(data)
+        started = time.monotonic()
+        floor, end = scan(path)
+        assert time.monotonic() - started < 2
+        assert 0 <= end <= len(data) and (end == 0 or data[end - 1:end] == b"\n")
+        assert floor is None or (type(floor) is int and 0 <= floor < 2**63)
+
+    prop()
+
+
+def test_property_run_keys_from_the_environment_and_checkpoints(tmp_path: Path) -> None:
+    """Any key text (``DISTFN_TRACK_KEY``) becomes a key that is one path component under the root; any metadata
+    read back from a checkpoint gives ``None``, a valid ``(key, step)``, or `BadRecord`, and `Session.adopt`
+    never raises (the job goes on with its own key)."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from distfn.tracking.key import BadRecord, is_key
+
+    root = tmp_path.resolve()
+    json_values = st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20),
+                  st.sampled_from(["../../x", "/etc", "..", "ok-key", "a" * 200, "k\x00", "\udc80"])),
+        lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+        max_leaves=12)
+    records = st.one_of(json_values, st.fixed_dictionaries({"key": json_values, "step": json_values}))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.text(), records)
+    def prop(given_key: str, entry: Any) -> None:
+        key = job_key({KEY_ENV: given_key})
+        assert is_key(key) and (root / key).resolve().parent == root
+        try:
+            found = key_in({RECORD_KEY: entry})
+        except BadRecord:
+            found = None
+        if found is not None:
+            assert is_key(found[0]) and (found[1] is None or 0 <= found[1] < 2**63)
+        session = Session((FakeBackend(),), {}, {KEY_ENV: "own"})
+        session.adopt({RECORD_KEY: entry})
+        assert is_key(session.key)
+
+    prop()
+    deep: Any = "k"
+    for _ in range(100_000):  # a record nested 100,000 deep is looked at one level only
+        deep = {"key": deep}
+    with pytest.raises(BadRecord):
+        key_in({RECORD_KEY: deep})
+
+
+def test_property_metric_names_and_values(tmp_path: Path) -> None:
+    """Any metric name and value: ``log_metrics`` queues the row or raises `TypeError` (never another error);
+    a name `valid_name` accepts is one MLflow accepts (checked with MLflow's own rule when it is installed)."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from distfn.tracking.mlflow_backend import valid_name
+
+    mlflow_check: Any = None
+    if importlib.util.find_spec("mlflow") is not None:
+        from mlflow.utils.validation import _validate_metric_name
+
+        mlflow_check = _validate_metric_name
+    values = st.one_of(st.floats(), st.integers(min_value=-(10**400), max_value=10**400), st.booleans(), st.none(),
+                       st.text(max_size=5), st.lists(st.floats(), max_size=2), st.binary(max_size=3))
+    session = Session((FakeBackend(),), {}, {KEY_ENV: "names"}, flush_every=60.0)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.dictionaries(st.one_of(st.text(max_size=300), st.sampled_from(_HOSTILE_NAMES[:6])), values,
+                           max_size=4), st.text(max_size=260))
+    def prop(metrics: dict[str, Any], name: str) -> None:
+        try:
+            session.log_metrics(metrics)
+        except TypeError as exc:
+            assert "ctx.log_metrics" in str(exc)
+        if valid_name(name) and mlflow_check is not None:
+            mlflow_check(name)  # raises when MLflow refuses it
+
+    prop()
+    session.close("FINISHED")
+
+
+@requires("tensorboard", "tensorboard")
+def test_property_the_tensorboard_floor_of_any_event_file(tmp_path: Path) -> None:
+    """An event file read back when a run continues: a record claiming 64 GiB is not read (it was a MemoryError
+    inside tensorboard's reader, a smaller claim a huge allocation); a cut or corrupted file gives the steps before
+    the damage; any bytes give a step or ``None``, quickly."""
+    _hypothesis()
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from torch.utils.tensorboard import SummaryWriter
+
+    from distfn.tracking.tensorboard_backend import _last_step
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "ok"))
+    for step in range(30):
+        writer.add_scalar("x", 1.0, step)
+    writer.close()
+    (events,) = (tmp_path / "ok").glob("events.out.tfevents.*")
+    whole = events.read_bytes()
+    assert _last_step(tmp_path / "ok") == 29
+    events.write_bytes(whole[:-5])
+    assert _last_step(tmp_path / "ok") == 28
+    claim = struct.pack("<Q", 2**36)
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    (hostile / "events.out.tfevents.1.x").write_bytes(claim + struct.pack("<I", masked_crc32c(claim)) + b"abc")
+    os.mkfifo(hostile / "events.out.tfevents.2.fifo")  # never opened (it would block)
+    assert _last_step(hostile) is None
+
+    fuzz = tmp_path / "fuzz"
+    fuzz.mkdir()
+    path = fuzz / "events.out.tfevents.3.x"
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.binary(max_size=300), st.integers(0, len(whole)), st.integers(0, len(whole)))
+    def prop(noise: bytes, at: int, cut: int) -> None:
+        path.write_bytes((whole[:at] + noise + whole[at:])[:max(cut, 12)])
+        started = time.monotonic()
+        found = _last_step(fuzz)
+        assert time.monotonic() - started < 2
+        assert found is None or 0 <= found <= 29
+
+    prop()
+
+
+def test_damaged_run_files_and_refused_parameters_never_hold_the_metrics_back(tmp_path: Path,
+                                                                             warnings_seen: Any) -> None:
+    """A continued CSV run reads ``params.json`` back: nested 100,000 deep (RecursionError), or not JSON, made
+    every send of parameters fail, and the rows waited behind them for ever. A damaged file is replaced (one
+    warning); a backend that refuses parameters still gets its rows; a planted symlink is not written through."""
+    run = tmp_path / "job"
+    run.mkdir()
+    (run / "params.json").write_text("[" * 100_000 + "]" * 100_000)
+    (run / "run.json").write_text("{not json")
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep")
+    (run / ".params.json.tmp").symlink_to(outside)
+    session = Session((CSV(root=str(tmp_path)),), {"lr": 0.1}, {KEY_ENV: "job"}, flush_every=0.02)
+    session.log_metrics({"loss": 1.0}, step=1)
+    session.close("FINISHED")
+    assert json.loads((run / "params.json").read_text()) == {"lr": "0.1"}
+    assert json.loads((run / "run.json").read_text())["status"] == "FINISHED" and outside.read_text() == "keep"
+    assert (run / "metrics.csv").read_text().splitlines()[1].startswith("1,loss,1.0,")
+    assert [m for m in warnings_seen if "cannot be read back" in m and "RecursionError" in m]
+
+    class NoParams(FakeRun):
+        def log_params(self, params: Mapping[str, str]) -> None:
+            raise ValueError("parameter refused")
+
+    class Backend(FakeBackend):
+        def open(self, run: RunInfo) -> FakeRun:
+            return NoParams(self.log, self.fail)
+
+    backend = Backend()
+    session = _session(backend)
+    for step in (1, 2):
+        session.log_metrics({"loss": 1.0}, step=step)
+    session.close("FINISHED")
+    assert [x for x in backend.log if isinstance(x, int)] == [1, 2]
+    assert len([m for m in warnings_seen if "fake could not send its parameters" in m]) == 1

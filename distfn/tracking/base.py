@@ -14,7 +14,9 @@ Imports: `errors` only, so that `distfn.options` can validate ``track=`` without
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -128,9 +130,52 @@ def check_on_error(value: Any) -> OnError:
                       "'drop' (throw it away)")
 
 
+def run_directory(root: str, key: str) -> Path:
+    """``<root>/<key>``, the folder of a run: ``key`` must be one plain path component (the session only hands
+    over valid keys, `distfn.tracking.key.is_key`; this is the last check before a directory is made)."""
+    if not key or key in (".", "..") or "/" in key or "\\" in key or "\0" in key or key != key.strip():
+        raise ValueError(f"the run key {key!r} is not one plain path component; no directory is made for it")
+    return Path(root) / key
+
+
+def _as_dir(argument: str, value: Any) -> str:
+    try:
+        text = os.fspath(value)
+    except TypeError:
+        text = None
+    if not isinstance(text, str):
+        raise ConfigError(f"{argument}={value!r} is not a directory: pass a str or a pathlib.Path")
+    return text
+
+
+def root_setting(value: Any) -> str:
+    """``root=`` as a str (a str or an ``os.PathLike``), else a `ConfigError` naming it."""
+    return _as_dir("root", value)
+
+
+def dir_setting(value: Any) -> str | None:
+    """``dir=`` as a str, or ``None``; else a `ConfigError` naming it."""
+    return None if value is None else _as_dir("dir", value)
+
+
+def _named(check: Any) -> Any:
+    """``check`` as an attrs validator whose `ConfigError` names the class and the argument."""
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        problem = check(value)
+        if problem:
+            raise ConfigError(f"{type(instance).__name__}({attribute.name}={value!r}): {problem}")
+    return validate
+
+
+#: ``log_cfg=`` is a bool (``"yes"`` is not: any non-empty string is truthy).
+is_bool = _named(lambda v: None if isinstance(v, bool) else "this is True or False")
+#: ``uri=``, ``experiment=``, ``project=``...: a str or None.
+is_text = _named(lambda v: None if v is None or isinstance(v, str) else "this is a str (or None for the default)")
+
+
 @attrs.frozen(kw_only=True)
 class Settings:
     """The settings every built-in backend has (`Backend`'s ``on_error`` and ``log_cfg``)."""
 
     on_error: OnError = attrs.field(default="buffer", converter=check_on_error)
-    log_cfg: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    log_cfg: bool = attrs.field(default=True, validator=is_bool)

@@ -39,6 +39,26 @@ RECORD_KEY: Final = "distfn.tracking"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
+#: The longest key: a directory name (255 bytes on most file systems), a W&B run id (at most 128 characters)
+#: and an MLflow tag value all hold it.
+MAX_KEY: Final = 128
+
+#: What a key is: one path component of letters, digits, ``.``, ``_`` and ``-``, starting with a letter or digit
+#: (so never ``.``, ``..`` or a hidden name), at most `MAX_KEY` long. Backends turn it into a directory under
+#: their root, a run id, an MLflow filter string: nothing else may reach them.
+_KEY = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_KEY - 1}}}")
+
+
+def is_key(value: object) -> bool:
+    """Whether ``value`` is a valid job key (see `_KEY`): the check a key read back from a file must pass."""
+    return isinstance(value, str) and _KEY.fullmatch(value) is not None
+
+
+def _safe(text: str) -> str:
+    """``text`` made a valid key (unsafe characters become ``-``, leading dots and dashes go, long text is cut);
+    empty when nothing usable is left."""
+    return _UNSAFE.sub("-", text).lstrip(".-_")[:MAX_KEY]
+
 
 def fresh_key() -> str:
     """A new key, readable and unique enough: ``20261202-013005-3fa9c1``."""
@@ -48,15 +68,15 @@ def fresh_key() -> str:
 def job_key(env: Mapping[str, str]) -> str:
     """This job's key: ``DISTFN_TRACK_KEY``, else the Slurm job's, else torchrun's rendezvous id, else fresh
     (a file and run-id safe string in every case)."""
-    given = env.get(KEY_ENV, "").strip()
+    given = _safe(env.get(KEY_ENV, "").strip())
     if given:
-        return _UNSAFE.sub("-", given)
+        return given
     slurm = slurm_job_id(env)
     if slurm:
-        return f"slurm-{_UNSAFE.sub('-', slurm)}"
+        return _safe(f"slurm-{slurm}")
     rdzv = env.get("TORCHELASTIC_RUN_ID", "").strip()
     if rdzv and rdzv != "none":  # torchrun's default id without --rdzv-id is the literal "none"
-        return f"torchrun-{_UNSAFE.sub('-', rdzv)}"
+        return _safe(f"torchrun-{rdzv}")
     return fresh_key()
 
 
@@ -92,10 +112,27 @@ def record(key: str, step: int | None, ids: Mapping[str, Mapping[str, str]]) -> 
     return {"key": key, "step": step, "runs": {name: dict(v) for name, v in ids.items()}}
 
 
+class BadRecord(ValueError):
+    """A checkpoint's tracking record that is there but cannot be used (its key is not a valid key)."""
+
+
 def key_in(metadata: Mapping[str, Any]) -> tuple[str, int | None] | None:
-    """``(key, step)`` of the tracking record in a checkpoint's metadata, or ``None`` (none, or not one)."""
-    entry = metadata.get(RECORD_KEY)
-    if not isinstance(entry, Mapping) or not isinstance(entry.get("key"), str) or not entry["key"]:
+    """``(key, step)`` of the tracking record in a checkpoint's metadata, or ``None`` (no record).
+
+    The metadata was read back from a file, so nothing in it is trusted: the key must be a valid key (`is_key`:
+    one path component, never ``..`` or an absolute path, which would make the CSV and TensorBoard backends
+    write outside their root), else `BadRecord`; a step that is not a non-negative int (below 2**63) is no step.
+    """
+    entry = metadata.get(RECORD_KEY) if isinstance(metadata, Mapping) else None
+    if entry is None:
         return None
+    key = entry.get("key") if isinstance(entry, Mapping) else None
+    if not isinstance(key, str) or not is_key(key):
+        # only a str is shown (cut): the repr of a value nested 100,000 deep would raise RecursionError
+        shown = (repr(key) if len(key) <= 60 else repr(key[:57]) + "...") if isinstance(key, str) else \
+            f"a {type(key).__name__}"
+        raise BadRecord(f"its run key {shown} is not a valid key (1-{MAX_KEY} letters, digits, '.', '_' or '-', "
+                        "starting with a letter or digit)")
     step = entry.get("step")
-    return entry["key"], step if isinstance(step, int) and not isinstance(step, bool) else None
+    ok = type(step) is int and 0 <= step < 2**63
+    return key, step if ok else None

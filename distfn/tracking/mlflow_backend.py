@@ -14,6 +14,8 @@ Imports: `tracking.base`.
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final
@@ -21,11 +23,26 @@ from typing import Any, ClassVar, Final
 import attrs
 from loguru import logger
 
-from .base import KEY_TAG, Row, RunInfo, Settings, Status, require
+from ..errors import ConfigError
+from .base import KEY_TAG, Row, RunInfo, Settings, Status, is_text, require
 
 #: The most metrics / parameters MLflow takes in one ``log_batch``.
 MAX_METRICS: Final = 1000
 MAX_PARAMS: Final = 100
+
+#: MLflow's rule for metric and parameter names (``mlflow.utils.validation``): letters, digits, ``_ - . / :``
+#: and spaces, at most 250 characters, and a name that stays itself as a path (no ``..``, no leading ``/``).
+#: One name it refuses makes it refuse the whole ``log_batch``, so such names are dropped here (one warning each).
+MAX_NAME: Final = 250
+_NAME = re.compile(r"[/\w.\- :]+")
+
+
+def valid_name(name: str) -> bool:
+    """Whether MLflow takes ``name`` as a metric or parameter name."""
+    if len(name) > MAX_NAME or _NAME.fullmatch(name) is None:
+        return False
+    norm = posixpath.normpath(name)
+    return norm == name and norm != "." and not norm.startswith(("..", "/"))
 
 
 @attrs.frozen(kw_only=True)
@@ -39,8 +56,8 @@ class MLflow(Settings):
             ``Default``.
     """
 
-    uri: str | None = None
-    experiment: str | None = None
+    uri: str | None = attrs.field(default=None, validator=is_text)
+    experiment: str | None = attrs.field(default=None, validator=is_text)
     name: ClassVar[str] = "mlflow"
 
     def check(self) -> None:
@@ -59,7 +76,14 @@ class MlflowRun:
         # imported here: mlflow takes seconds to import and exists on rank 0 of a tracked job only
         from mlflow import MlflowClient
 
-        self._client: Any = MlflowClient(tracking_uri=settings.uri)
+        try:
+            self._client: Any = MlflowClient(tracking_uri=settings.uri)
+        except Exception as exc:
+            # (MLflow 3 refuses a plain directory or file: store unless MLFLOW_ALLOW_FILE_STORE=true)
+            uri = settings.uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default"
+            raise ConfigError(f"MLflow cannot use the tracking URI {uri!r} ({type(exc).__name__}: "
+                              f"{str(exc)[:400]})") from exc
+        self._refused: set[str] = set()
         experiment = settings.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default"
         found = self._client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
@@ -87,7 +111,8 @@ class MlflowRun:
         from mlflow.entities import Metric  # already imported by MlflowClient: a dictionary look-up
 
         now = int(time.time() * 1000)
-        metrics = [Metric(name, value, now, step) for step, values in rows for name, value in values.items()]
+        metrics = [Metric(name, value, now, step) for step, values in rows for name, value in values.items()
+                   if self._takes(name, "metric")]
         for start in range(0, len(metrics), MAX_METRICS):
             self._client.log_batch(self.run_id, metrics=metrics[start:start + MAX_METRICS])
 
@@ -100,10 +125,22 @@ class MlflowRun:
         if changed:
             logger.warning("mlflow: run {} already has different values for {}; MLflow parameters cannot change, "
                            "the new values are not logged", self.run_id, ", ".join(changed))
-        new = [Param(k, v) for k, v in params.items() if k not in self._params]
+        new = [Param(k, v) for k, v in params.items() if k not in self._params and self._takes(k, "parameter")]
         for start in range(0, len(new), MAX_PARAMS):
             self._client.log_batch(self.run_id, params=new[start:start + MAX_PARAMS])
         self._params.update((p.key, p.value) for p in new)
+
+    def _takes(self, name: str, kind: str) -> bool:
+        """Whether ``name`` can be sent; a name MLflow refuses is dropped, with one warning."""
+        if name in self._refused:
+            return False
+        if valid_name(name):
+            return True
+        self._refused.add(name)
+        shown = repr(name) if len(name) <= 80 else repr(name[:77]) + "..."
+        logger.warning("mlflow: the {} name {} is one MLflow refuses (letters, digits, '_', '-', '.', '/', ':' and "
+                       "spaces, at most {} characters); it is not logged, the others are", kind, shown, MAX_NAME)
+        return False
 
     def close(self, status: Status) -> None:
         """End the run with ``status``."""

@@ -9,25 +9,51 @@ Imports: `tracking.base`.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+import struct
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
 
-from .base import Row, RunInfo, Settings, Status, require
+from .base import Row, RunInfo, Settings, Status, require, root_setting, run_directory
+
+
+def _records(path: Path) -> Iterator[bytes]:
+    """The records of one event file (TFRecord framing: length, its CRC, data, its CRC), up to the first that
+    does not check out: a killed write's tail, or a length the file cannot hold, which is never read (the
+    file is read back from disk, so what it claims is checked before anything is allocated for it)."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        pos = 0
+        while pos + 16 <= size:
+            header = f.read(12)
+            (length,), (crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
+            if masked_crc32c(header[:8]) != crc or length > size - pos - 16:
+                return
+            data, trailer = f.read(length), f.read(4)
+            if len(trailer) < 4 or masked_crc32c(data) != struct.unpack("<I", trailer)[0]:
+                return
+            yield data
+            pos += 16 + length
 
 
 def _last_step(directory: Path) -> int | None:
     """The highest step of the event files in ``directory`` (not its subfolders), or ``None``."""
-    # imported here: tensorboard's reader pulls in its whole backend (~0.5 s), wanted only on rank 0 and only
-    # when a run continues
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    # imported here: tensorboard's protobufs, wanted only on rank 0 and only when a run continues
+    from tensorboard.compat.proto.event_pb2 import Event
 
     best: int | None = None
     for path in sorted(directory.glob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
+        if not path.is_file():  # a FIFO would block the open for ever
+            continue
+        for data in _records(path):
+            try:
+                event = Event.FromString(data)
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError: framed right but not an event, so the rest
+                break  # of the file is not trusted either
             if event.HasField("summary") and (best is None or event.step > best):
                 best = int(event.step)
     return best
@@ -41,7 +67,7 @@ class TensorBoard(Settings):
         root: the directory holding one folder per run.
     """
 
-    root: str = attrs.field(default="runs", converter=os.fspath)
+    root: str = attrs.field(default="runs", converter=root_setting)
     name: ClassVar[str] = "tensorboard"
 
     def check(self) -> None:
@@ -50,7 +76,7 @@ class TensorBoard(Settings):
 
     def open(self, run: RunInfo) -> TensorBoardRun:
         """A writer on the run's directory (continuing its event files when there are some)."""
-        return TensorBoardRun(Path(self.root) / run.key, run)
+        return TensorBoardRun(run_directory(self.root, run.key), run)
 
 
 class TensorBoardRun:

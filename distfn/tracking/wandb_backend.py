@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from .base import Row, RunInfo, Settings, Status, require
+from .base import Row, RunInfo, Settings, Status, dir_setting, is_text, require
 
 
 @attrs.frozen(kw_only=True)
@@ -30,9 +30,9 @@ class WandB(Settings):
         dir: where W&B writes its local files; ``None``: ``WANDB_DIR`` or the working directory.
     """
 
-    project: str | None = None
-    entity: str | None = None
-    dir: str | None = attrs.field(default=None, converter=attrs.converters.optional(os.fspath))
+    project: str | None = attrs.field(default=None, validator=is_text)
+    entity: str | None = attrs.field(default=None, validator=is_text)
+    dir: str | None = attrs.field(default=None, converter=dir_setting)
     name: ClassVar[str] = "wandb"
 
     def check(self) -> None:
