@@ -247,7 +247,7 @@ def test_a_meta_model_is_sharded_then_materialised_and_initialised(tmp_path: Pat
         bound = 1 / fan_in**0.5
         for kind in ("weight", "bias"):
             t = init[f"{name}.{kind}"]
-            assert t.abs().max() <= bound and t.std() > bound / 4, name
+            assert t.abs().max() <= bound and (t.numel() < 8 or t.std() > bound / 4), name  # b.bias: 4 draws
     assert torch.isfinite(init["emb.weight"]).all() and 0.5 < init["emb.weight"].std() < 1.5
     for ones in ("norm.weight", "bn.weight", "bn.running_var"):
         assert torch.equal(init[ones], torch.ones(32)), ones
@@ -256,6 +256,11 @@ def test_a_meta_model_is_sharded_then_materialised_and_initialised(tmp_path: Pat
     # the two ranks' shards of a weight are drawn independently (not the same values twice)
     assert init["a.weight"][:16].tolist() != init["a.weight"][16:].tolist()
     assert len(result["local_a"]) == 16  # this rank held only its half
+    # ... and together they are exactly what one process seeded alike draws (world-size independent)
+    assert result["init_is_single_process"]
+    # rank's device a GPU, shards offloaded to the CPU (issue 42, finding 1): distinct rows, a single process's values
+    assert result["offload_local_rows"] == 32 and result["offload_local_device"] == "cpu"
+    assert result["offload_rows_differ"] and result["offload_is_single_process"]
     # from the same checkpoint, a meta-built and a CPU-built model train to identical weights
     assert result["trained"] and result["trained_equal"]
 
