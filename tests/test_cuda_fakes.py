@@ -1,0 +1,163 @@
+"""CUDA paths checked on the CPU build with CUDA faked (issue 42): object collectives from another thread run on the
+rank's GPU, a background save synchronises every GPU its copies came from, and no timing event is recorded while a
+CUDA graph is being captured. The real-GPU counterparts are in tests/test_gpu.py and bench/gpu_check.sh."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distfn import collectives, timings
+from distfn.checkpoint.background import HostBuffers
+
+
+class _Devices:
+    """A stand-in for ``torch.cuda.device``: records (device, thread name) on entry, and what ran inside."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any, str]] = []
+        self.inside: Any = None
+
+    def __call__(self, device: Any) -> contextlib.AbstractContextManager[None]:
+        @contextlib.contextmanager
+        def entered() -> Iterator[None]:
+            self.log.append(("enter", device, threading.current_thread().name))
+            previous, self.inside = self.inside, device
+            try:
+                yield
+            finally:
+                self.inside = previous
+                self.log.append(("exit", device, threading.current_thread().name))
+
+        return entered()
+
+
+def _in_thread(fn: Any) -> Any:
+    box: list[Any] = []
+    worker = threading.Thread(target=lambda: box.append(fn()), name="not-main")
+    worker.start()
+    worker.join(10)
+    assert box, "the thread failed"
+    return box[0]
+
+
+# -- finding 5: object collectives ---------------------------------------------------------------------------------
+def test_object_collectives_from_another_thread_run_on_the_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    devices = _Devices()
+    monkeypatch.setattr(torch.cuda, "device", devices)
+    world = type("World", (), {"bound_device_id": torch.device("cuda", 3)})()
+    monkeypatch.setattr(dist.distributed_c10d._world, "_default_pg", world)  # what GroupMember.WORLD reads
+    monkeypatch.setattr(collectives, "active", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    seen: list[tuple[str, Any]] = []
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
+        seen.append(("all_gather_object", devices.inside))
+        out[0] = obj
+
+    def broadcast_object_list(box: list[Any], src: int = 0, group: Any = None) -> None:
+        seen.append(("broadcast_object_list", devices.inside))
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    assert _in_thread(lambda: (collectives.gather_object("x"), collectives.broadcast_object("y"))) == (["x"], "y")
+    # both ran inside the rank's device, entered from the calling (non-main) thread
+    assert seen == [("all_gather_object", torch.device("cuda", 3)), ("broadcast_object_list", torch.device("cuda", 3))]
+    assert {(kind, thread) for kind, _, thread in devices.log} == {("enter", "not-main"), ("exit", "not-main")}
+    # a group bound to no GPU (CPU runs): nothing is entered
+    devices.log.clear()
+    monkeypatch.setattr(world, "bound_device_id", None)
+    assert collectives.gather_object(1) == [1] and not devices.log
+
+
+# -- finding 4: background saves -----------------------------------------------------------------------------------
+class _OnGpu:
+    """A tensor that says it is on ``cuda:index`` (its values are a CPU tensor's)."""
+
+    def __init__(self, values: torch.Tensor, index: int) -> None:
+        self.values, self.device = values, torch.device("cuda", index)
+        self.shape, self.dtype = values.shape, values.dtype
+
+    def detach(self) -> torch.Tensor:
+        return self.values
+
+
+def test_a_background_copy_synchronises_every_gpu_it_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[Any] = []
+    devices = _Devices()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    monkeypatch.setattr(torch.cuda, "device", devices)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))  # no pinning here
+    buffers = HostBuffers()
+
+    def save() -> list[torch.Tensor]:
+        buffers.begin()
+        copies = [buffers.copy(_OnGpu(torch.full((4,), float(i)), i % 2)) for i in range(3)]  # type: ignore[arg-type]
+        buffers.copy(torch.ones(2))  # a CPU tensor: no device to wait for
+        buffers.end()
+        return copies
+
+    copies = _in_thread(save)  # the current device of a thread that is not the main one is cuda:0
+    assert [c.tolist() for c in copies] == [[float(i)] * 4 for i in range(3)]
+    assert sorted(synced, key=str) == [torch.device("cuda", 0), torch.device("cuda", 1)]  # each GPU once
+    # the pinned buffers were allocated under their source's device, not the thread's cuda:0
+    assert [d for kind, d, _ in devices.log if kind == "enter"] == [torch.device("cuda", i % 2) for i in range(3)]
+    synced.clear()
+    buffers.begin()
+    buffers.copy(torch.ones(2))
+    buffers.end()
+    assert synced == []  # a save of CPU tensors only synchronises nothing
+
+
+# -- finding 7: CUDA graph capture ---------------------------------------------------------------------------------
+class _Marks:
+    """A clock counting its marks (host time underneath)."""
+
+    def __init__(self) -> None:
+        self.marks = 0
+        self.host = timings.HostClock()
+
+    def mark(self) -> Any:
+        self.marks += 1
+        return self.host.mark()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.host, name)
+
+
+def test_no_timing_event_is_recorded_while_a_cuda_graph_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Marks()
+    run = timings.Timings(enabled=True, window=100)
+    recorder = run.start(0, 1, None, clock)  # type: ignore[arg-type]
+    timings._ModelHooks(recorder).install(model := nn.Linear(4, 1), bracket=True)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    class Ctx:
+        def __init__(self) -> None:
+            self.run = type("Run", (), {"timings": run})()
+
+        @timings.collective
+        def all_reduce(self) -> int:
+            return 1
+
+    def step() -> None:
+        model(torch.randn(2, 4)).sum().backward()
+        assert Ctx().all_reduce() == 1
+
+    step()
+    step()
+    assert clock.marks == 0  # captured: no boundary, no backward bracket, no collective marks
+    capturing[0] = False
+    step()
+    step()
+    assert clock.marks >= 6  # the same steps outside a capture: two boundaries and two pairs per step at least
