@@ -34,11 +34,13 @@ Imports: `failures` (the diagnosis and the in-place report), `ledger`, `checkin`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -54,7 +56,7 @@ from .checkin import CheckIn
 from .ledger import LEDGER, RankState, disagreement
 
 __all__ = ["ANSWER_WAIT_S", "EXIT_GRACE_S", "NCCL_MARGIN_S", "POLL_S", "EndedByHang", "Responder",
-           "group_timeout"]
+           "group_timeout", "nccl_abort_after"]
 
 #: Seconds between two looks of a rank's responder at the store.
 POLL_S: Final = 0.5
@@ -66,6 +68,8 @@ ANSWER_WAIT_S: Final = 5.0
 EXIT_GRACE_S: Final = 5.0
 #: Seconds NCCL's own timeout is set after distfn's, so that the report is collected before the watchdog aborts.
 NCCL_MARGIN_S: Final = 15.0
+#: torch's default of ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (ProcessGroupNCCL.cpp, ``HeartbeatMonitor``: 15 * 1000).
+_NCCL_DUMP_MS: Final = 15_000
 
 
 class EndedByHang(RuntimeError):
@@ -77,6 +81,35 @@ def group_timeout(timeout: datetime.timedelta, backend: str | None) -> datetime.
     if backend is not None and "nccl" in backend.lower():
         return timeout + datetime.timedelta(seconds=NCCL_MARGIN_S)
     return timeout
+
+
+def nccl_abort_after(environ: Any = None) -> float | None:
+    """Seconds from distfn's deadline to the NCCL watchdog's abort of a rank whose collective timed out, with this
+    process's settings; ``None`` when the watchdog does not tear the process down.
+
+    The watchdog (ProcessGroupNCCL.cpp, ``Watchdog::runLoop``; torch 2.13's header declares each piece) notices the
+    timeout at the group's timeout, `NCCL_MARGIN_S` after distfn's, measured from the collective's enqueue; it then
+    calls ``broadcastDumpSignal()``, sleeps ``getDumpTimeout() * 4`` (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, 15 s by
+    default: 60 s) and only then ``handleException``, whose rethrow from its own thread ends the process (SIGABRT)
+    unless ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 0 (NoHandling) or 2 (CleanUpOnly): ``SHOULD_TEAR_DOWN``. With the
+    defaults: 15 + 60 = 75 s after distfn's deadline (plus the watchdog's 100 ms poll)."""
+    env = os.environ if environ is None else environ
+    handling = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING", "3")).strip()
+    if handling in ("0", "2"):
+        return None
+    try:
+        dump_ms = max(0, int(env.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", _NCCL_DUMP_MS)))
+    except ValueError:
+        dump_ms = _NCCL_DUMP_MS
+    return NCCL_MARGIN_S + 4 * dump_ms / 1000
+
+
+def _abort_phrase() -> str:
+    after = nccl_abort_after()
+    if after is None:
+        return "NCCL's watchdog does not end this rank (TORCH_NCCL_ASYNC_ERROR_HANDLING); its launcher or distfn does"
+    return (f"NCCL's watchdog aborts this rank about {after:g} s later: it notices the timeout after "
+            f"{NCCL_MARGIN_S:g} s, then waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC for flight-recorder dumps")
 
 
 def _is_hang(exc: BaseException) -> bool:
@@ -233,13 +266,18 @@ class Responder:
         state = LEDGER.state(self.rank)
         op = state.last.text() if state.last is not None else "a collective"
         exc = TimeoutError(f"{op} did not finish within the timeout of {self.timeout_s:g} s (distfn's deadline; "
-                           f"NCCL's watchdog aborts this rank {NCCL_MARGIN_S:g} s later)")
+                           f"{_abort_phrase()})")
         stack = failures.main_stack(_dump_threads(), self.bootstrap, others=True)
         self._collect(store, exc, own_stack=stack)
         if self.report is not None:
             self.report(exc)
         else:
             failures.report_in_place(self.rank, exc)
+        # out now: the watchdog's abort (SIGABRT) would drop whatever the log sinks and stdio still buffer
+        logger.complete()
+        for stream in (sys.stderr, sys.stdout):
+            with contextlib.suppress(Exception):
+                stream.flush()
 
     # -- the failing rank -------------------------------------------------------------------------------------
     def on_failure(self, exc: BaseException) -> None:
