@@ -18,13 +18,14 @@ CPU (gloo, CPU tensors): it checks the plumbing on a machine without a GPU; its 
   pinned buffers; the write runs in a thread) vs a blocking ``ctx.save``. Target ≤ 0.10×. The first
   asynchronous save, which allocates and pins its buffers, is kept out of the rounds and reported as a note.
 
-* ``hang`` (issue 42; one GPU is enough): two world-1 NCCL jobs (``timeout=10``) made to hang by queueing
+* ``hang`` (issue 42; one GPU is enough): three world-1 NCCL jobs (``timeout=10``) made to hang by queueing
   ``torch.cuda._sleep`` of ~5 minutes before the collective (the NCCL stream waits on the current one, and the
-  watchdog counts from the enqueue), run side by side: (a) ``ctx.all_reduce(1.0)``, a collective that blocks the
-  host, where distfn's deadline report is expected at about 10 s; (b) ``ctx.all_reduce`` of a CUDA tensor, then
-  ``torch.cuda.synchronize()``, where no report is expected (the call returns at once). Both then end by NCCL's
-  watchdog; the time of that abort after the collective was queued is measured against
-  `distfn.hangs.nccl_abort_after` (10 + 15 + 4 x 15 = 85 s with torch's defaults). Needs CUDA (no rehearsal).
+  watchdog counts from the enqueue), run side by side: ``number``, ``ctx.all_reduce(1.0)``, which blocks the host
+  inside the call (distfn's report expected at about 10 s); ``tensor``, ``ctx.all_reduce`` of a CUDA tensor, which
+  returns once queued, then ``torch.cuda.synchronize()`` (the report expected at about 10 s too, from the ledger's
+  CUDA event); ``raw``, ``torch.distributed.all_reduce`` of a CUDA tensor, which distfn does not see (no report
+  expected). All three then end by NCCL's watchdog; the time of that abort after the collective was queued is
+  measured against `distfn.hangs.nccl_abort_after` (10 + 15 + 4 x 15 = 85 s with torch's defaults). Needs CUDA.
 
 Each part stops starting rounds after ``--budget`` seconds (what it has by then is reported), so a slow disk or
 a slow NCCL start cannot push ``gpu_check.sh`` past its limit. ``--summary DIR`` writes ``DIR/summary.json``:
@@ -257,9 +258,12 @@ def job(cfg, ctx):
     torch.cuda._sleep(int(per_s * 300))  # ~5 minutes of GPU work queued before the collective
     if VARIANT == "number":
         ctx.all_reduce(1.0)  # blocks the host in .tolist(): distfn's deadline sees it
-    else:
-        ctx.all_reduce(torch.ones(1, device=ctx.device))  # returns once queued
+    elif VARIANT == "tensor":
+        ctx.all_reduce(torch.ones(1, device=ctx.device))  # returns once queued: the ledger's CUDA event sees it
         torch.cuda.synchronize()  # the rank waits here, outside any distfn call
+    else:
+        torch.distributed.all_reduce(torch.ones(1, device=ctx.device))  # not seen by distfn
+        torch.cuda.synchronize()
     print("FINISHED", time.time(), flush=True)
 
 if __name__ == "__main__":
@@ -312,12 +316,12 @@ def hang_tables(tmp: Path, timeout: float = 10.0, limit: float = 105.0) -> tuple
     env = c.clean_env()
     after = nccl_abort_after(env)
     expected = None if after is None else timeout + after
-    c.log(f"gpu hang: two world-1 NCCL jobs, timeout {timeout:g} s; NCCL's abort expected at "
+    c.log(f"gpu hang: three world-1 NCCL jobs, timeout {timeout:g} s; NCCL's abort expected at "
           f"{expected if expected is not None else 'never'} s after the enqueue")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = dict(zip(("number", "tensor"), pool.map(
-            lambda v: _watch([sys.executable, str(script), v, str(timeout)], env, limit), ("number", "tensor")),
-            strict=True))
+    variants = ("number", "tensor", "raw")
+    with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
+        runs = dict(zip(variants, pool.map(
+            lambda v: _watch([sys.executable, str(script), v, str(timeout)], env, limit), variants), strict=True))
     samples: dict[str, list[float]] = {}
     notes, ok = [], True
     for variant, run in runs.items():
@@ -335,11 +339,11 @@ def hang_tables(tmp: Path, timeout: float = 10.0, limit: float = 105.0) -> tuple
                      f"{'at %.1f s' % (run['report'] - t0) if run['report'] else 'none'}; end at "
                      f"{run['end'] - t0:.1f} s; last lines: " + " | ".join(run["tail"][-4:]))
         ok = ok and run["finished"] is None and not run.get("killed")
-    ok = ok and "number: distfn's report" in samples and "tensor: distfn's report" not in samples
-    targets = [{"variant": "number: distfn's report", "max_value": timeout + 6.0}]
+    ok = (ok and "number: distfn's report" in samples and "tensor: distfn's report" in samples
+          and "raw: distfn's report" not in samples)
+    targets = [{"variant": f"{v}: distfn's report", "max_value": timeout + 6.0} for v in ("number", "tensor")]
     if expected is not None:
-        targets += [{"variant": f"{v}: process end (NCCL abort)", "max_value": expected + 10.0}
-                    for v in ("number", "tensor")]
+        targets += [{"variant": f"{v}: process end (NCCL abort)", "max_value": expected + 10.0} for v in variants]
     title = (f"NCCL hang on one GPU (world 1, timeout={timeout:g} s, collective queued behind torch.cuda._sleep): "
              f"seconds after the enqueue; NCCL's abort expected at {expected} s (distfn.hangs.nccl_abort_after)")
     return [c.table(title, "s", samples, baseline=None, targets=targets)], notes, ok

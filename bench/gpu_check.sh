@@ -9,9 +9,10 @@
 #      rank 0's wait for a slow rank 1 as comm), and no timing event recorded under CUDA graph capture. The tests
 #      that need 2 GPUs skip there, saying so (two NCCL ranks cannot share a GPU: "Duplicate GPU detected").
 #   2. distfn-test-gpu: `distfn test --gpu` (a self-spawned NCCL job: all-reduce, barrier, checkpoint, DDP step).
-#   3. gpu-hang: two world-1 NCCL jobs made to hang by torch.cuda._sleep queued before the collective: distfn's
-#      deadline report for a host-blocking ctx collective at the timeout, none for a CUDA tensor's all-reduce, and
-#      the time of NCCL's watchdog abort in both, measured (bench/bench_gpu.py --only hang -> gpu-hang.json).
+#   3. gpu-hang: three world-1 NCCL jobs made to hang by torch.cuda._sleep queued before the collective: distfn's
+#      deadline report at the timeout for a host-blocking ctx collective and for a CUDA tensor's ctx.all_reduce
+#      (the ledger's CUDA event), none for a raw torch.distributed call, and the time of NCCL's watchdog abort in
+#      each, measured (bench/bench_gpu.py --only hang -> gpu-hang.json).
 #   4. gpu-save: 1 GiB of CUDA state saved by distfn vs save_file / torch.save, and how long an asynchronous
 #      ctx.save of it blocks (bench/bench_gpu.py --only save -> gpu-save.json).
 #   With 2 or more GPUs, also (their limits add 155 s): 5. bench-step, the step benchmark over NCCL;

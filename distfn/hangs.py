@@ -24,8 +24,9 @@ process that owns every rank, but every rank has the process group's key-value s
 
 Under NCCL the watchdog aborts a timed-out rank from its own thread, before Python sees an error. So with NCCL
 the process group's timeout is distfn's plus `NCCL_MARGIN_S` (`group_timeout`), and the responder itself notices a
-ctx collective open for longer than distfn's timeout (the ledger's ``inside_since``) and reports then, before the
-watchdog fires.
+ctx collective open for longer than distfn's timeout (the ledger's ``inside_since``), or one whose host call
+returned at once but that the GPU has not finished after that timeout (the ledger's CUDA events, `Ledger.gpu_event`:
+a CUDA tensor's ``ctx.all_reduce``), and reports then, before the watchdog fires (`nccl_abort_after`).
 
 Cost: one store ``check`` per rank every `POLL_S` (0.5 s) while the function runs; nothing on the training path.
 
@@ -102,6 +103,31 @@ def nccl_abort_after(environ: Any = None) -> float | None:
     except ValueError:
         dump_ms = _NCCL_DUMP_MS
     return NCCL_MARGIN_S + 4 * dump_ms / 1000
+
+
+def _watch_gpu() -> None:
+    """Under NCCL with CUDA in use, let the ledger note a CUDA event after each collective (`Ledger.gpu_event`)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        def recorded() -> Any:
+            event = torch.cuda.Event()
+            event.record()  # the current stream: the collective's result is ready for it once this is passed
+            return event
+
+        LEDGER.gpu_event = recorded
+
+
+def _passed(event: Any) -> bool:
+    """Whether the GPU has passed ``event``, asked from the responder's thread under the event's device (a query
+    with no current device would open a context on cuda:0, another rank's GPU)."""
+    device = getattr(event, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        with torch.cuda.device(device):
+            return bool(event.query())
+    return bool(event.query())
 
 
 def _abort_phrase() -> str:
@@ -188,12 +214,15 @@ class Responder:
             return self
         self._thread = threading.Thread(target=self._serve, args=(own,), daemon=True,
                                         name=f"distfn-hang-responder-{self.rank}")
+        if deadline:
+            _watch_gpu()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         """End the thread (the run is over); it is a daemon, so a thread stuck on a dead store never blocks exit."""
         self._stop.set()
+        LEDGER.gpu_event = None
 
     def _key(self, *parts: Any) -> str:
         return self.prefix + "/".join(map(str, parts))
@@ -208,6 +237,11 @@ class Responder:
                     return
                 if self.deadline and self._overdue(time.monotonic()):
                     self._report_overdue(store)
+                    return
+                on_gpu = LEDGER.gpu_overdue(time.monotonic(), self.timeout_s, _passed) if self.deadline else None
+                if on_gpu is not None:
+                    LEDGER.failed = True  # the report's ledger line: the rank is still in it
+                    self._report_overdue(store, on_gpu=on_gpu.text())
                     return
         except Exception as exc:  # noqa: BLE001 - the store went away (the job is being torn down): nothing to do
             logger.trace("hang responder of rank {} ends: {}", self.rank, exc)
@@ -261,11 +295,15 @@ class Responder:
         logger.complete()
         os._exit(1)
 
-    def _report_overdue(self, store: Any) -> None:
-        """NCCL: a ctx collective is open past distfn's timeout; report now, before the watchdog aborts."""
+    def _report_overdue(self, store: Any, *, on_gpu: str | None = None) -> None:
+        """NCCL: a ctx collective is open past distfn's timeout (or, ``on_gpu``, one the GPU has not finished that
+        long after its call returned); report now, before the watchdog aborts."""
         state = LEDGER.state(self.rank)
-        op = state.last.text() if state.last is not None else "a collective"
-        exc = TimeoutError(f"{op} did not finish within the timeout of {self.timeout_s:g} s (distfn's deadline; "
+        if on_gpu is not None:
+            what = f"{on_gpu} (queued, its call returned) did not finish on the GPU"
+        else:
+            what = f"{state.last.text() if state.last is not None else 'a collective'} did not finish"
+        exc = TimeoutError(f"{what} within the timeout of {self.timeout_s:g} s (distfn's deadline; "
                            f"{_abort_phrase()})")
         stack = failures.main_stack(_dump_threads(), self.bootstrap, others=True)
         self._collect(store, exc, own_stack=stack)

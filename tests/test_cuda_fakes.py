@@ -161,3 +161,66 @@ def test_no_timing_event_is_recorded_while_a_cuda_graph_is_captured(monkeypatch:
     step()
     step()
     assert clock.marks >= 6  # the same steps outside a capture: two boundaries and two pairs per step at least
+
+
+# -- finding 3: a collective queued on the GPU, under NCCL ----------------------------------------------------------
+class _Event:
+    """A CUDA event that the GPU passes when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_queued_collective_the_gpu_has_not_finished_is_reported_at_the_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under NCCL a CUDA tensor's ctx.all_reduce returns once queued: the ledger block closes at once, and the rank
+    # waits later (loss.item()), outside distfn. The ledger keeps an event recorded as the call returned; the
+    # responder reports when the GPU has not passed it after distfn's timeout (faked: entered 11 s ago, timeout 10).
+    import time
+
+    from distfn import hangs
+    from distfn.checkin import CheckIn
+    from distfn.ledger import Ledger
+
+    book = Ledger()
+    events: list[_Event] = []
+
+    def make() -> _Event:
+        events.append(_Event())
+        return events[-1]
+
+    monkeypatch.setattr(hangs, "LEDGER", book)
+    monkeypatch.setattr(hangs, "POLL_S", 0.05)
+    monkeypatch.setattr(hangs, "_watch_gpu", lambda: setattr(book, "gpu_event", make))
+    checkin = CheckIn.start(0, 1, 5.0, dist.HashStore())
+    reported: list[BaseException] = []
+    responder = hangs.Responder.start(checkin, timeout_s=10.0, report=reported.append, deadline=True)
+    try:
+        with book.entered("all_reduce"):
+            pass  # the host call returns at once
+        with book.entered("all_reduce"):
+            pass
+        assert len(events) == 2 and book.inside_since is None
+        events[0].done = True  # the GPU finished the first one: dropped when the next call returns
+        with book.entered("barrier"):
+            pass
+        assert [seq for _, _, seq in book._queued] == [2, 3]
+        time.sleep(0.3)
+        assert not reported  # queued 0.3 s ago, timeout 10 s
+        book._queued[0] = (events[1], time.monotonic() - 11.0, 2)
+        deadline = time.monotonic() + 5
+        while not reported and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        responder.stop()
+    assert reported, "the deadline watch did not report the collective still on the GPU"
+    message = str(reported[0])
+    assert isinstance(reported[0], TimeoutError) and "all_reduce #2 (test_cuda_fakes.py:" in message, message
+    assert "did not finish on the GPU within the timeout of 10 s" in message and "about 75 s later" in message
+    assert book.state(0).inside and book.gpu_event is None  # the report says it is in it; stopped: no more events
+    # once the GPU has passed it, nothing is overdue
+    events[1].done = True
+    assert book.gpu_overdue(time.monotonic() + 100, 10.0, lambda e: e.query()) is None
