@@ -111,6 +111,8 @@ def _watch_gpu() -> None:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         def recorded() -> Any:
+            if torch.cuda.is_current_stream_capturing():  # an event captured into a graph is never passed
+                return None
             event = torch.cuda.Event()
             event.record()  # the current stream: the collective's result is ready for it once this is passed
             return event

@@ -191,7 +191,8 @@ class Ledger:
     #: how many `entered` blocks the main thread is in (more than one: a collective inside another)
     _depth: int = 0
     _blocks: dict[str, _Entered] = attrs.field(factory=dict)
-    #: Under NCCL (the hang responder sets it, `distfn.hangs`): makes an event recorded on the current CUDA stream.
+    #: Under NCCL (the hang responder sets it, `distfn.hangs`): makes an event recorded on the current CUDA stream
+    #: (``None`` when it cannot, e.g. while a CUDA graph is captured).
     #: A collective's host call may return once it is queued (a CUDA tensor's all-reduce); the event, recorded as
     #: the call returns, is passed only when the GPU has finished it, so the deadline watch still sees it.
     gpu_event: Callable[[], Any] | None = None
@@ -199,12 +200,19 @@ class Ledger:
     _queued: collections.deque[tuple[Any, float, int]] = attrs.field(factory=collections.deque)
 
     def _queue(self, since: float | None) -> None:
-        """Main thread, a collective's host call returned: drop the finished ones (their events passed), note it."""
+        """Main thread, a collective's host call returned: drop the finished ones (their events passed), note it.
+        Never raises into the collective's caller: a CUDA error here (a torn-down context) ends the watch."""
         queued, make = self._queued, self.gpu_event
-        while queued and queued[0][0].query():
-            queued.popleft()
-        if make is not None and since is not None and len(queued) < RING_SIZE:  # full: the oldest ones matter
-            queued.append((make(), since, self.seq))
+        try:
+            while queued and queued[0][0].query():
+                queued.popleft()
+            event = make() if make is not None and since is not None and len(queued) < RING_SIZE else None
+        except Exception:  # noqa: BLE001 - the watch is a diagnosis aid; the collective itself succeeded
+            self.gpu_event = None
+            queued.clear()
+            return
+        if event is not None and since is not None:  # (full: the oldest ones are what matters)
+            queued.append((event, since, self.seq))
 
     def gpu_overdue(self, now: float, timeout_s: float, query: Callable[[Any], bool]) -> Entry | None:
         """The oldest collective whose host call returned more than ``timeout_s`` ago and that the GPU has not

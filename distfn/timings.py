@@ -284,7 +284,7 @@ class _ModelHooks:
         model.register_forward_pre_hook(torch.compiler.disable(self._pre_forward))
         if not bracket:
             return
-        from .fsdp import bracket_final_callback  # cheap (no torch.distributed.fsdp import)
+        from .fsdp_hooks import bracket_final_callback  # free: it imports nothing
 
         # FSDP2 queues its end-of-backward callback from a tensor hook, which the engine runs before our node
         # pre-hook, so a callback of ours would come after its wait: bracket FSDP's own callback instead (issue 42)

@@ -224,3 +224,23 @@ def test_a_queued_collective_the_gpu_has_not_finished_is_reported_at_the_deadlin
     # once the GPU has passed it, nothing is overdue
     events[1].done = True
     assert book.gpu_overdue(time.monotonic() + 100, 10.0, lambda e: e.query()) is None
+
+
+def test_the_gpu_watch_never_raises_into_a_collective() -> None:
+    from distfn.ledger import Ledger
+
+    class Broken:
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: the context was torn down")
+
+    book = Ledger()
+    book.gpu_event = Broken
+    with book.entered("all_reduce"):
+        pass
+    with book.entered("all_reduce"):  # the first one's query raises: the watch ends, the collective does not fail
+        pass
+    assert book.gpu_event is None and not book._queued and book.seq == 2
+    book.gpu_event = lambda: None  # no event (a CUDA graph being captured): nothing queued
+    with book.entered("barrier"):
+        pass
+    assert not book._queued
