@@ -161,7 +161,8 @@ def on_rank_device() -> contextlib.AbstractContextManager[Any]:
     """The rank's GPU as the calling thread's current device, around an object collective (issue 42, finding 5).
 
     torch's object collectives move the pickle to ``_get_object_coll_device(group)``, a device *type* ("cuda"),
-    which resolves to the calling thread's current device (torch/distributed/distributed_c10d.py:3500 and 3616);
+    which resolves to the calling thread's current device (torch/distributed/distributed_c10d.py:3500 in
+    all_gather_object, 4012 in broadcast_object_list, then ``.to(device)`` at 3410);
     ``torch.cuda.set_device`` in the worker holds for the main thread only, so from another thread (a background
     save, a user's thread) that would be cuda:0, another rank's GPU. The rank's device is the one bound to the
     default group (``device_id=`` at init, `distfn.rendezvous`); without one (CPU, or no CUDA binding) nothing is

@@ -382,7 +382,7 @@ if __name__ == "__main__":
 def test_two_gloo_ranks_sharing_one_gpu(tmp_path: Path) -> None:
     script = tmp_path / "shared_gpu.py"
     script.write_text(_SHARED_GPU)
-    done = run_python([str(script), str(tmp_path)], timeout=240)
+    done = run_python([str(script), str(tmp_path)], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.split("RESULT", 1)[1].strip())
     assert out["device"] == "cuda:0", out
