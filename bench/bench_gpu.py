@@ -1,4 +1,4 @@
-"""GPU figures: launch on GPUs, a save from GPU memory, and the time an asynchronous save of GPU state blocks.
+"""GPU figures: launch on GPUs, a save from GPU memory, the time an asynchronous save of GPU state blocks, NCCL hangs.
 
 Run with ``--gpu`` on a machine with NVIDIA GPUs (``bench/gpu_check.sh`` does, one part per step with its own time
 limit: ``--only launch``, ``--only save``). Without ``--gpu``, or without CUDA, it measures nothing and exits 0
@@ -17,6 +17,15 @@ CPU (gloo, CPU tensors): it checks the plumbing on a machine without a GPU; its 
   In the same job and rounds: ``ctx.save(..., blocking=False)``'s blocked time (the device→host copy into reused
   pinned buffers; the write runs in a thread) vs a blocking ``ctx.save``. Target ≤ 0.10×. The first
   asynchronous save, which allocates and pins its buffers, is kept out of the rounds and reported as a note.
+
+* ``hang`` (issue 42; one GPU is enough): three world-1 NCCL jobs (``timeout=10``) made to hang by queueing
+  ``torch.cuda._sleep`` of ~5 minutes before the collective (the NCCL stream waits on the current one, and the
+  watchdog counts from the enqueue), run side by side: ``number``, ``ctx.all_reduce(1.0)``, which blocks the host
+  inside the call (distfn's report expected at about 10 s); ``tensor``, ``ctx.all_reduce`` of a CUDA tensor, which
+  returns once queued, then ``torch.cuda.synchronize()`` (the report expected at about 10 s too, from the ledger's
+  CUDA event); ``raw``, ``torch.distributed.all_reduce`` of a CUDA tensor, which distfn does not see (no report
+  expected). All three then end by NCCL's watchdog; the time of that abort after the collective was queued is
+  measured against `distfn.hangs.nccl_abort_after` (10 + 15 + 4 x 15 = 85 s with torch's defaults). Needs CUDA.
 
 Each part stops starting rounds after ``--budget`` seconds (what it has by then is reported), so a slow disk or
 a slow NCCL start cannot push ``gpu_check.sh`` past its limit. ``--summary DIR`` writes ``DIR/summary.json``:
@@ -37,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 
-PARTS = ("launch", "save")
+PARTS = ("launch", "save", "hang")
 SKIPPED = "no CUDA: skipped"
 CHUNK = 64 * 2**20  # bytes per tensor of the saved state
 
@@ -228,6 +237,118 @@ def save_tables(gib: float, rounds: int, budget: float, rehearse: bool, tiny: bo
     return [saves, blocked], notes, bool(out["intact"])
 
 
+# -- hang -------------------------------------------------------------------------------------------------------
+HANG = """
+import sys
+import time
+import torch
+from distfn import distributed
+
+VARIANT, TIMEOUT = sys.argv[1], float(sys.argv[2])
+
+@distributed(nprocs=1, backend="nccl", timeout=TIMEOUT)
+def job(cfg, ctx):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**8)
+    end.record()
+    end.synchronize()
+    per_s = 1e8 / (start.elapsed_time(end) / 1000)  # the GPU's cycles per second, measured
+    print("T0", time.time(), flush=True)
+    torch.cuda._sleep(int(per_s * 300))  # ~5 minutes of GPU work queued before the collective
+    if VARIANT == "number":
+        ctx.all_reduce(1.0)  # blocks the host in .tolist(): distfn's deadline sees it
+    elif VARIANT == "tensor":
+        ctx.all_reduce(torch.ones(1, device=ctx.device))  # returns once queued: the ledger's CUDA event sees it
+        torch.cuda.synchronize()  # the rank waits here, outside any distfn call
+    else:
+        torch.distributed.all_reduce(torch.ones(1, device=ctx.device))  # not seen by distfn
+        torch.cuda.synchronize()
+    print("FINISHED", time.time(), flush=True)
+
+if __name__ == "__main__":
+    job(None)
+"""
+REPORT_LINE = "did not finish within the timeout of"
+
+
+def _watch(cmd: list[str], env: dict[str, str], limit: float) -> dict[str, Any]:
+    """Run ``cmd``, stamping each output line as it arrives: T0 (the script's), the report line's time, the end."""
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: dict[str, Any] = {"t0": None, "report": None, "finished": None, "tail": []}
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            now = time.time()
+            if line.startswith("T0 "):
+                seen["t0"] = float(line.split()[1])
+            elif line.startswith("FINISHED "):
+                seen["finished"] = now
+            elif REPORT_LINE in line and seen["report"] is None:
+                seen["report"] = now
+            seen["tail"] = [*seen["tail"][-30:], line.rstrip()[:400]]
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+        seen["killed"] = True
+    seen["end"], seen["rc"] = time.time(), rc
+    reader.join(5)
+    return seen
+
+
+def hang_tables(tmp: Path, timeout: float = 10.0, limit: float = 105.0) -> tuple[list[dict[str, Any]], list[str],
+                                                                                  bool]:
+    import concurrent.futures
+
+    from distfn.hangs import nccl_abort_after
+
+    script = tmp / "hang_nccl.py"
+    script.write_text(HANG)
+    env = c.clean_env()
+    after = nccl_abort_after(env)
+    expected = None if after is None else timeout + after
+    c.log(f"gpu hang: three world-1 NCCL jobs, timeout {timeout:g} s; NCCL's abort expected at "
+          f"{expected if expected is not None else 'never'} s after the enqueue")
+    variants = ("number", "tensor", "raw")
+    with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
+        runs = dict(zip(variants, pool.map(
+            lambda v: _watch([sys.executable, str(script), v, str(timeout)], env, limit), variants), strict=True))
+    samples: dict[str, list[float]] = {}
+    notes, ok = [], True
+    for variant, run in runs.items():
+        t0 = run["t0"]
+        if t0 is None:
+            notes.append(f"hang {variant}: the job never started its collective (exit {run['rc']}): "
+                         + " | ".join(run["tail"][-8:]))
+            ok = False
+            continue
+        if run["report"] is not None:
+            samples[f"{variant}: distfn's report"] = [run["report"] - t0]
+        samples[f"{variant}: process end (NCCL abort)"] = [run["end"] - t0]
+        notes.append(f"hang {variant}: exit {run['rc']} ({'SIGABRT' if run['rc'] == -6 else 'not SIGABRT'})"
+                     f"{', killed at the limit' if run.get('killed') else ''}; distfn report "
+                     f"{'at %.1f s' % (run['report'] - t0) if run['report'] else 'none'}; end at "
+                     f"{run['end'] - t0:.1f} s; last lines: " + " | ".join(run["tail"][-4:]))
+        ok = ok and run["finished"] is None and not run.get("killed")
+    ok = (ok and "number: distfn's report" in samples and "tensor: distfn's report" in samples
+          and "raw: distfn's report" not in samples)
+    targets = [{"variant": f"{v}: distfn's report", "max_value": timeout + 6.0} for v in ("number", "tensor")]
+    if expected is not None:
+        targets += [{"variant": f"{v}: process end (NCCL abort)", "max_value": expected + 10.0} for v in variants]
+    title = (f"NCCL hang on one GPU (world 1, timeout={timeout:g} s, collective queued behind torch.cuda._sleep): "
+             f"seconds after the enqueue; NCCL's abort expected at {expected} s (distfn.hangs.nccl_abort_after)")
+    return [c.table(title, "s", samples, baseline=None, targets=targets)], notes, ok
+
+
 # -- summary ----------------------------------------------------------------------------------------------------
 def summarize(directory: Path) -> dict[str, Any]:
     """Every figure of every result JSON in ``directory`` (and every step of its ``steps.txt``), in one dict."""
@@ -299,6 +420,14 @@ def main(argv: list[str] | None = None) -> int:
         save, save_notes, ok = save_tables(args.gib, args.rounds, args.budget, args.rehearse, args.tiny)
         tables += save
         notes += save_notes
+    if "hang" in parts and args.rehearse:
+        notes.append("hang: needs NCCL on a GPU, not rehearsed on the CPU")
+    elif "hang" in parts:
+        with tempfile.TemporaryDirectory(prefix="distfn-bench-gpu-hang-") as tmp:
+            hang, hang_notes, hang_ok = hang_tables(Path(tmp))
+        tables += hang
+        notes += hang_notes
+        ok = ok and hang_ok
     if args.rehearse:
         notes.append("rehearsal on the CPU: the code paths ran, the figures mean nothing for a GPU")
     c.emit({"benchmark": "gpu", "tables": tables, "skipped": False, "rehearsal": args.rehearse, "gpus": gpus,

@@ -12,6 +12,7 @@ that one and not recorded twice.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeVar
 
@@ -158,6 +159,22 @@ def _reduce_numbers(values: tuple[Number, ...], op: str, torch_op: Any, device: 
     return [_typed(v, r, op) for v, r in zip(values, reduced, strict=True)]
 
 
+def on_rank_device() -> contextlib.AbstractContextManager[Any]:
+    """The rank's GPU as the calling thread's current device, around an object collective (issue 42, finding 5).
+
+    torch's object collectives move the pickle to ``_get_object_coll_device(group)``, a device *type* ("cuda"),
+    which resolves to the calling thread's current device (torch/distributed/distributed_c10d.py:3500 in
+    all_gather_object, 4012 in broadcast_object_list, then ``.to(device)`` at 3410);
+    ``torch.cuda.set_device`` in the worker holds for the main thread only, so from another thread (a background
+    save, a user's thread) that would be cuda:0, another rank's GPU. The rank's device is the one bound to the
+    default group (``device_id=`` at init, `distfn.rendezvous`); without one (CPU, or no CUDA binding) nothing is
+    entered."""
+    bound = getattr(dist.GroupMember.WORLD, "bound_device_id", None)
+    if bound is None or bound.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(bound)
+
+
 def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
     """Every rank's ``obj`` as a list indexed by rank, on every rank (objects must be picklable).
 
@@ -169,7 +186,7 @@ def gather_object(obj: Any, *, group: Any = None) -> list[Any]:
     if not active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    with LEDGER.entered("gather_object"):
+    with LEDGER.entered("gather_object"), on_rank_device():
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -185,7 +202,7 @@ def broadcast_object(obj: Any, src: int = 0, *, group: Any = None) -> Any:
     if not active():
         return obj
     box = [obj]
-    with LEDGER.entered("broadcast_object"):
+    with LEDGER.entered("broadcast_object"), on_rank_device():
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 

@@ -33,11 +33,12 @@ from torch import nn
 
 from .devices import collective_device
 from .errors import ConfigError
+from .fsdp_hooks import bracket_final_callback
 from .fsdp_options import FsdpOptions, MixedPrecision, parse_options
 from .fsdp_state import is_sharded, load, save
 
-__all__ = ["FsdpOptions", "MixedPrecision", "is_meta", "is_sharded", "load", "materialize", "parse_options",
-           "plan_units", "required_backend", "save", "wrap"]
+__all__ = ["FsdpOptions", "MixedPrecision", "bracket_final_callback", "is_meta", "is_sharded", "load", "materialize",
+           "parse_options", "plan_units", "required_backend", "save", "wrap"]
 
 # --------------------------------------------------------------------------------------------------
 # Wrap policy
@@ -223,18 +224,75 @@ def _check_resettable(model: nn.Module) -> None:
         )
 
 
+# The in-place random ops an initialiser uses (nn.init's uniform_/normal_/trunc_normal_, bernoulli_, ...): each
+# only reads its target's shape, so drawing a whole tensor and keeping this rank's slice is exact.
+_INPLACE_RANDOM: Final = frozenset({"uniform_", "normal_", "bernoulli_", "exponential_", "cauchy_", "log_normal_",
+                                    "geometric_", "random_"})
+
+
+def _slice_of(target: Any) -> tuple[slice, ...] | None:
+    """The global index of ``target``'s local tensor (a DTensor sharded by ``Shard``/``Replicate`` only), or None
+    when its layout is not a box of the global tensor (a strided shard under FSDP + TP, a partial)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in target.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if tuple(shape) != tuple(target._local_tensor.shape):
+        return None
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _global_draw_mode() -> Any:
+    """A dispatch mode that runs an in-place random op on a DTensor whose shard is a CPU tensor as one draw of the
+    whole tensor from the CPU generator, of which this rank keeps its slice: the values a single process gives.
+
+    Why it is needed: DTensor's own RNG handling (``OffsetBasedRNGTracker``) exists for CUDA local tensors only; a
+    CPU local tensor, on a CPU mesh or offloaded on a CUDA mesh (``cpu_offload``), draws straight from the rank's
+    CPU generator (torch/distributed/tensor/_dispatch.py:373-394: the tracker's ``_distribute_region`` moves the
+    *CUDA* philox offset, the op itself reads the CPU generator), and every rank's starts the same (distfn's
+    ``seed=``, or torch's fixed default), so every shard would get the same values. The cost is one parameter's full
+    size of CPU memory, transiently; a layout that is not a box of the global tensor falls back to a per-rank
+    stream (distinct shards, not a single process's values)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GlobalDraw(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            target = args[0] if args else None
+            if (func.overloadpacket.__name__ not in _INPLACE_RANDOM or not isinstance(target, DTensor)
+                    or target._local_tensor.device.type != "cpu" or kwargs.get("generator") is not None):
+                return func(*args, **kwargs)
+            where = _slice_of(target)
+            local = target._local_tensor
+            if where is None:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                gen = torch.Generator().manual_seed((torch.initial_seed() * 1_000_003 + rank + 1) % (2**63))
+                func(local, *args[1:], **{**kwargs, "generator": gen})
+                return target
+            whole = torch.empty(target.shape, dtype=target.dtype)
+            func(whole, *args[1:], **kwargs)  # the mode is off inside its own __torch_dispatch__
+            local.copy_(whole[where])
+            return target
+
+    return GlobalDraw()
+
+
 @contextlib.contextmanager
-def _shard_rng(device: torch.device) -> Iterator[None]:
-    """On a CPU mesh DTensor's random ops draw each shard from the rank's own generator, and every rank's is
-    seeded alike, so every shard would get the same values: draw from a per-rank stream instead (the caller's
-    RNG state is restored afterwards). GPU meshes have DTensor's own offset-based tracker."""
-    if device.type != "cpu":
+def _shard_rng(shards: torch.device) -> Iterator[None]:
+    """Random initialisation of shards held on ``shards``: on the CPU (a CPU mesh, or a CUDA mesh offloading to the
+    CPU) each in-place random op on a DTensor is one global draw sliced per rank (`_global_draw_mode`); shards on a
+    GPU have DTensor's own offset-based tracker, which gives each shard its slice of one global draw too.
+
+    The decision is keyed on where the shards live, not on the rank's device: with ``cpu_offload`` on GPUs the rank's
+    device is CUDA but the shards are CPU tensors (issue 42, finding 1)."""
+    if shards.type != "cpu":
         yield
         return
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    with _global_draw_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.manual_seed((torch.initial_seed() * 1_000_003 + rank + 1) % (2**63))
         yield
 
 
@@ -257,7 +315,7 @@ def materialize(model: nn.Module, device: torch.device, *, init: Callable[[nn.Mo
     # memory too). _apply on the root: FSDP2's FSDPModule._apply then re-registers its sharded parameters, as it
     # does after to_empty.
     model._apply(allocate)
-    with torch.no_grad(), _shard_rng(device):
+    with torch.no_grad(), _shard_rng(target):
         if init is not None:
             init(model)
         else:

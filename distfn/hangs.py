@@ -24,8 +24,9 @@ process that owns every rank, but every rank has the process group's key-value s
 
 Under NCCL the watchdog aborts a timed-out rank from its own thread, before Python sees an error. So with NCCL
 the process group's timeout is distfn's plus `NCCL_MARGIN_S` (`group_timeout`), and the responder itself notices a
-ctx collective open for longer than distfn's timeout (the ledger's ``inside_since``) and reports then, before the
-watchdog fires.
+ctx collective open for longer than distfn's timeout (the ledger's ``inside_since``), or one whose host call
+returned at once but that the GPU has not finished after that timeout (the ledger's CUDA events, `Ledger.gpu_event`:
+a CUDA tensor's ``ctx.all_reduce``), and reports then, before the watchdog fires (`nccl_abort_after`).
 
 Cost: one store ``check`` per rank every `POLL_S` (0.5 s) while the function runs; nothing on the training path.
 
@@ -34,11 +35,13 @@ Imports: `failures` (the diagnosis and the in-place report), `ledger`, `rankstor
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -54,7 +57,7 @@ from .ledger import LEDGER, Ledger, RankState, disagreement
 from .rankstore import Channel, poll
 
 __all__ = ["ANSWER_WAIT_S", "EXIT_GRACE_S", "NCCL_MARGIN_S", "POLL_S", "EndedByHang", "Responder",
-           "group_timeout"]
+           "group_timeout", "nccl_abort_after"]
 
 #: Seconds between two looks of a rank's responder at the store.
 POLL_S: Final = 0.5
@@ -66,6 +69,8 @@ ANSWER_WAIT_S: Final = 5.0
 EXIT_GRACE_S: Final = 5.0
 #: Seconds NCCL's own timeout is set after distfn's, so that the report is collected before the watchdog aborts.
 NCCL_MARGIN_S: Final = 15.0
+#: torch's default of ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (ProcessGroupNCCL.cpp, ``HeartbeatMonitor``: 15 * 1000).
+_NCCL_DUMP_MS: Final = 15_000
 
 
 class EndedByHang(RuntimeError):
@@ -77,6 +82,62 @@ def group_timeout(timeout: datetime.timedelta, backend: str | None) -> datetime.
     if backend is not None and "nccl" in backend.lower():
         return timeout + datetime.timedelta(seconds=NCCL_MARGIN_S)
     return timeout
+
+
+def nccl_abort_after(environ: Any = None) -> float | None:
+    """Seconds from distfn's deadline to the NCCL watchdog's abort of a rank whose collective timed out, with this
+    process's settings; ``None`` when the watchdog does not tear the process down.
+
+    The watchdog (ProcessGroupNCCL.cpp, ``Watchdog::runLoop``; torch 2.13's header declares each piece) notices the
+    timeout at the group's timeout, `NCCL_MARGIN_S` after distfn's, measured from the collective's enqueue; it then
+    calls ``broadcastDumpSignal()``, sleeps ``getDumpTimeout() * 4`` (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, 15 s by
+    default: 60 s) and only then ``handleException``, whose rethrow from its own thread ends the process (SIGABRT)
+    unless ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is 0 (NoHandling) or 2 (CleanUpOnly): ``SHOULD_TEAR_DOWN``. With the
+    defaults: 15 + 60 = 75 s after distfn's deadline (plus the watchdog's 100 ms poll)."""
+    env = os.environ if environ is None else environ
+    handling = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING", "3")).strip()
+    if handling in ("0", "2"):
+        return None
+    try:
+        dump_ms = max(0, int(env.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", _NCCL_DUMP_MS)))
+    except ValueError:
+        dump_ms = _NCCL_DUMP_MS
+    return NCCL_MARGIN_S + 4 * dump_ms / 1000
+
+
+def _watch_gpu() -> None:
+    """Under NCCL with CUDA in use, let the ledger note a CUDA event after each collective (`Ledger.gpu_event`)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        def recorded() -> Any:
+            if torch.cuda.is_current_stream_capturing():  # an event captured into a graph is never passed
+                return None
+            event = torch.cuda.Event()
+            event.record()  # the current stream: the collective's result is ready for it once this is passed
+            return event
+
+        LEDGER.gpu_event = recorded
+
+
+def _passed(event: Any) -> bool:
+    """Whether the GPU has passed ``event``, asked from the responder's thread under the event's device (a query
+    with no current device would open a context on cuda:0, another rank's GPU)."""
+    device = getattr(event, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        with torch.cuda.device(device):
+            return bool(event.query())
+    return bool(event.query())
+
+
+def _abort_phrase() -> str:
+    after = nccl_abort_after()
+    if after is None:
+        return "NCCL's watchdog does not end this rank (TORCH_NCCL_ASYNC_ERROR_HANDLING); its launcher or distfn does"
+    return (f"NCCL's watchdog aborts this rank about {after:g} s later: it notices the timeout after "
+            f"{NCCL_MARGIN_S:g} s, then waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC for flight-recorder dumps")
 
 
 def _is_hang(exc: BaseException) -> bool:
@@ -155,6 +216,8 @@ class Responder:
             return self
         self._thread = threading.Thread(target=self._serve, args=(own,), daemon=True,
                                         name=f"distfn-hang-responder-{channel.rank}")
+        if deadline:
+            _watch_gpu()
         self._thread.start()
         return self
 
@@ -166,6 +229,7 @@ class Responder:
     def stop(self) -> None:
         """End the thread (the run is over); it is a daemon, so a thread stuck on a dead store never blocks exit."""
         self._stop.set()
+        LEDGER.gpu_event = None
 
     # -- the thread -------------------------------------------------------------------------------------------
     def _serve(self, ch: Channel) -> None:
@@ -177,6 +241,11 @@ class Responder:
                     return
                 if self.deadline and self._overdue(time.monotonic()):
                     self._report_overdue(ch)
+                    return
+                on_gpu = self.ledger.gpu_overdue(time.monotonic(), self.timeout_s, _passed) if self.deadline else None
+                if on_gpu is not None:
+                    self.ledger.failed = True  # the report's ledger line: the rank is still in it
+                    self._report_overdue(ch, on_gpu=on_gpu.text())
                     return
         except Exception as exc:  # noqa: BLE001 - the store went away (the job is being torn down): nothing to do
             logger.trace("hang responder of rank {} ends: {}", self.rank, exc)
@@ -227,18 +296,27 @@ class Responder:
         logger.complete()
         os._exit(1)
 
-    def _report_overdue(self, ch: Channel) -> None:
-        """NCCL: a ctx collective is open past distfn's timeout; report now, before the watchdog aborts."""
+    def _report_overdue(self, ch: Channel, *, on_gpu: str | None = None) -> None:
+        """NCCL: a ctx collective is open past distfn's timeout (or, ``on_gpu``, one the GPU has not finished that
+        long after its call returned); report now, before the watchdog aborts."""
         state = self.ledger.state(self.rank)
-        op = state.last.text() if state.last is not None else "a collective"
-        exc = TimeoutError(f"{op} did not finish within the timeout of {self.timeout_s:g} s (distfn's deadline; "
-                           f"NCCL's watchdog aborts this rank {NCCL_MARGIN_S:g} s later)")
+        if on_gpu is not None:
+            what = f"{on_gpu} (queued, its call returned) did not finish on the GPU"
+        else:
+            what = f"{state.last.text() if state.last is not None else 'a collective'} did not finish"
+        exc = TimeoutError(f"{what} within the timeout of {self.timeout_s:g} s (distfn's deadline; "
+                           f"{_abort_phrase()})")
         stack = failures.main_stack(_dump_threads(), self.bootstrap, others=True)
         self._collect(ch, exc, own_stack=stack)
         if self.report is not None:
             self.report(exc)
         else:
             failures.report_in_place(self.rank, exc)
+        # out now: the watchdog's abort (SIGABRT) would drop whatever the log sinks and stdio still buffer
+        logger.complete()
+        for stream in (sys.stderr, sys.stdout):
+            with contextlib.suppress(Exception):
+                stream.flush()
 
     # -- the failing rank -------------------------------------------------------------------------------------
     def on_failure(self, exc: BaseException) -> None:

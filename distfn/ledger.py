@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any, Final
 
@@ -166,6 +166,8 @@ class _Entered:
         book._depth -= 1
         if book._depth == 0:
             book.failed = kind is not None  # a collective that raised (a timeout): the rank is still "in" it
+            if book.gpu_event is not None and kind is None:
+                book._queue(book.inside_since)
             book.inside_since = None
 
 
@@ -189,6 +191,40 @@ class Ledger:
     #: how many `entered` blocks the main thread is in (more than one: a collective inside another)
     _depth: int = 0
     _blocks: dict[str, _Entered] = attrs.field(factory=dict)
+    #: Under NCCL (the hang responder sets it, `distfn.hangs`): makes an event recorded on the current CUDA stream
+    #: (``None`` when it cannot, e.g. while a CUDA graph is captured).
+    #: A collective's host call may return once it is queued (a CUDA tensor's all-reduce); the event, recorded as
+    #: the call returns, is passed only when the GPU has finished it, so the deadline watch still sees it.
+    gpu_event: Callable[[], Any] | None = None
+    #: (event, entered at, seq) of the collectives the GPU may not have finished, oldest first
+    _queued: collections.deque[tuple[Any, float, int]] = attrs.field(factory=collections.deque)
+
+    def _queue(self, since: float | None) -> None:
+        """Main thread, a collective's host call returned: drop the finished ones (their events passed), note it.
+        Never raises into the collective's caller: a CUDA error here (a torn-down context) ends the watch."""
+        queued, make = self._queued, self.gpu_event
+        try:
+            while queued and queued[0][0].query():
+                queued.popleft()
+            event = make() if make is not None and since is not None and len(queued) < RING_SIZE else None
+        except Exception:  # noqa: BLE001 - the watch is a diagnosis aid; the collective itself succeeded
+            self.gpu_event = None
+            queued.clear()
+            return
+        if event is not None and since is not None:  # (full: the oldest ones are what matters)
+            queued.append((event, since, self.seq))
+
+    def gpu_overdue(self, now: float, timeout_s: float, query: Callable[[Any], bool]) -> Entry | None:
+        """The oldest collective whose host call returned more than ``timeout_s`` ago and that the GPU has not
+        finished (``query(event)`` false), or ``None`` (any thread: the main thread only appends and pops)."""
+        try:
+            event, since, seq = self._queued[0]
+        except IndexError:
+            return None
+        if now - since <= timeout_s or query(event):
+            return None
+        slot = next((s for s in list(self._ring) if s[0] == seq), None)
+        return _entry(slot) if slot is not None else Entry(seq, "a collective", "?")
 
     @property
     def entries(self) -> list[Entry]:
@@ -202,6 +238,8 @@ class Ledger:
         self.inside_since = None
         self.failed = False
         self._main = threading.get_ident()
+        self.gpu_event = None
+        self._queued.clear()
 
     def entered(self, op: str) -> contextlib.AbstractContextManager[None]:
         """Record ``op`` for the duration of the ``with`` block (the collective itself); other threads are not

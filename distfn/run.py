@@ -55,7 +55,7 @@ from .options import DEFAULT_TIMEOUT, Mode, shards_state
 from .preemption import StopSignals
 from .rankstore import Channel, default_store
 from .rng import gather_wait
-from .timings import Timings
+from .timings import Timings, capturing
 from .tracking.session import Session, open_session, status_of
 
 if TYPE_CHECKING:
@@ -94,7 +94,8 @@ class _Collective:
         run = self._run
         run.sync_point()  # first: a rank that skipped another's checkpoint call raises here, before any wait
         self._entry.__enter__()
-        recorder = self._recorder = run.timings.recorder
+        # no marks while a CUDA graph is captured: an event recorded into a graph is never passed (issue 42)
+        recorder = self._recorder = None if capturing() else run.timings.recorder
         if recorder is not None:
             recorder.comm_begin()
 

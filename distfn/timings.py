@@ -282,17 +282,31 @@ class _ModelHooks:
         # torch.compile of the wrapped model would trace into the hooks and warn about time.perf_counter; run them
         # eagerly instead (a clean graph break at the model's edges; ~2 us per call in eager mode, measured)
         model.register_forward_pre_hook(torch.compiler.disable(self._pre_forward))
-        if bracket:
-            # prepend: our output hook is registered before the hooks FSDP2's own post-forward puts on the output,
-            # so our first callback is queued before its end-of-backward one (DDP queues its own later anyway)
-            model.register_forward_hook(torch.compiler.disable(self._post_forward), prepend=True)
+        if not bracket:
+            return
+        from .fsdp_hooks import bracket_final_callback  # free: it imports nothing
+
+        # FSDP2 queues its end-of-backward callback from a tensor hook, which the engine runs before our node
+        # pre-hook, so a callback of ours would come after its wait: bracket FSDP's own callback instead (issue 42)
+        if bracket_final_callback(model, self._comm_begin, self._comm_end):
+            return
+        # DDP queues its end-of-backward callback when its last bucket is ready, after ours
+        model.register_forward_hook(torch.compiler.disable(self._post_forward), prepend=True)
+
+    def _comm_begin(self) -> None:
+        if not capturing():
+            self.recorder.comm_begin()
+
+    def _comm_end(self) -> None:
+        if not capturing():
+            self.recorder.comm_end()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled():  # an evaluation forward is no step
+        if module.training and torch.is_grad_enabled() and not capturing():  # an evaluation forward is no step
             self.recorder.boundary()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if module.training and torch.is_grad_enabled():
+        if module.training and torch.is_grad_enabled() and not capturing():
             tensor = _first_grad_tensor(output)
             if tensor is None:
                 return
@@ -309,8 +323,15 @@ class _ModelHooks:
         self._engine.queue_callback(self._compute_done)
 
     def _compute_done(self) -> None:
-        self.recorder.comm_begin()
-        self._engine.queue_callback(self.recorder.comm_end)
+        self._comm_begin()
+        self._engine.queue_callback(self._comm_end)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (a user's ``torch.cuda.graph`` around a
+    step): no timing event is recorded then (CUDA may refuse an event record during capture, and the ``query()`` of
+    one captured never becomes true); the replayed step runs no hooks anyway. Cheap when CUDA is not initialised."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 # -- getting the rows to rank 0 -------------------------------------------------------------------------------------

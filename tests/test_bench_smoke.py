@@ -211,17 +211,26 @@ def test_import_and_decoration_stay_light() -> None:
 
 
 def test_gpu_check_script_fits_in_eight_minutes() -> None:
-    """bench/gpu_check.sh, the prepared command for the first GPU machine: valid bash, every step's time limit
-    (plus the 10 s grace of `timeout --kill-after`) adding up to less than 8 minutes."""
+    """bench/gpu_check.sh, the prepared command for the first GPU machine: valid bash; on one GPU every step's time
+    limit (plus the 10 s grace of `timeout --kill-after`) and the guards around them add up to less than 8 minutes
+    (the world-1 benchmarks run only with 2 or more GPUs)."""
+    import re
+
     script = BENCH / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    limits = [int(line.split()[2]) for line in script.read_text().splitlines() if line.startswith("step ")]
-    assert len(limits) == 5 and sum(limits) + 10 * len(limits) < 8 * 60
+    lines = [line.strip() for line in script.read_text().splitlines() if not line.lstrip().startswith("#")]
+    steps = {line.split()[1]: int(line.split()[2]) for line in lines if line.startswith("step ")}
+    one_gpu = {name: limit for name, limit in steps.items() if name not in ("bench-step", "gpu-launch")}
+    guards = [int(n) for line in lines if not line.startswith("step ") for n in re.findall(r"timeout (\d+)", line)]
+    assert set(one_gpu) == {"gpu-tests", "distfn-test-gpu", "gpu-hang", "gpu-save"}
+    assert sum(one_gpu.values()) + 10 * len(one_gpu) + sum(guards) < 8 * 60
     text = script.read_text()
     assert "tests/test_gpu.py" in text and "distfn test --gpu" in text and "bench_step.py --gpu" in text
-    # issue 32: launch on GPUs, the save from GPU memory and the async blocked time, and summary.json last
+    # issue 32: launch on GPUs, the save from GPU memory and the async blocked time; issue 42: the NCCL hang on one
+    # GPU; summary.json last
     assert "bench_gpu.py --gpu --only launch" in text and "bench_gpu.py --gpu --only save" in text
-    assert text.rstrip().splitlines()[-3].startswith('python bench/bench_gpu.py --summary "$out"')
+    assert "bench_gpu.py --gpu --only hang" in text and 'if [ "$gpus" -ge 2 ]' in text
+    assert "python bench/bench_gpu.py --summary \"$out\"" in text.rstrip().splitlines()[-3]
 
 
 @pytest.mark.slow

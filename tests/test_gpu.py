@@ -1,9 +1,11 @@
 """CUDA and NCCL paths on real GPUs (skipped without them): device pinning with NCCL, checkpoints of GPU
-tensors through the pinned staging buffer, the fork probe after a CUDA driver call, and the issue-20 cases.
+tensors through the pinned staging buffer, the fork probe after a CUDA driver call, the issue-20 cases, and the
+single-GPU variants of issue 42 (two gloo ranks sharing one GPU; no timing event under CUDA graph capture).
 
-Run them, `distfn test --gpu` and the step benchmark on NCCL with one command on the first machine that has
-GPUs: `bash bench/gpu_check.sh` (under 8 minutes; results under $OUT). Each test states the GPUs it needs and
-skips with a reason on fewer. Append new GPU tests below."""
+Run them, `distfn test --gpu` and the NCCL hang measurement with one command on the first machine that has
+GPUs: `bash bench/gpu_check.sh` (under 8 minutes on one GPU; results under $OUT). Each test states the GPUs it
+needs and skips with a reason on fewer. The fake-CUDA counterparts that run everywhere are in
+tests/test_cuda_fakes.py. Append new GPU tests below."""
 
 from __future__ import annotations
 
@@ -281,3 +283,150 @@ def test_nccl_hang_is_reported_before_the_watchdog_aborts() -> None:
     assert "did not finish within the timeout of 10 s (distfn's deadline" in done.stderr, done.stderr[-3000:]
     assert "Rank 1 had not reached a collective: rank 1 was in sleepy" in done.stderr
     assert "SIGABRT" not in done.stderr.split("other rank(s) failed after it")[0]
+
+
+# -- single-GPU variants (issue 42): two ranks sharing one GPU over gloo, CUDA graphs -----------------------------
+# Two NCCL ranks cannot share a GPU ("Duplicate GPU detected"); gloo takes CUDA tensors, so two gloo ranks on cuda:0
+# check the multi-rank paths that do not need NCCL. The NCCL hang itself is measured on one GPU by
+# `bench/bench_gpu.py --gpu --only hang` (a world-1 NCCL job held up with torch.cuda._sleep).
+_SHARED_GPU = """
+import json, sys, threading, traceback
+import torch
+from torch import nn
+from distfn import distributed
+
+@distributed(mode="ddp", nprocs=2, backend="gloo", seed=0)
+def f(cfg, ctx):
+    out = {"device": str(ctx.device)}
+
+    def part(name, fn):
+        try:
+            out[name] = fn()
+        except Exception:
+            out[name] = "ERROR " + traceback.format_exc()[-1500:]
+
+    def meta_offload():
+        # finding 1: the rank's device is a GPU, the shards live on the CPU (cpu_offload)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from distfn import fsdp
+        with torch.device("meta"):
+            lin = nn.Linear(64, 256, bias=False)
+        fully_shard(lin, mesh=init_device_mesh("cuda", (2,)), offload_policy=CPUOffloadPolicy(pin_memory=False))
+        state = torch.random.get_rng_state()
+        fsdp.materialize(lin, ctx.device, offload=True)
+        local = lin.weight.to_local()
+        rows = ctx.gather_object(local.detach().cpu())
+        torch.random.set_rng_state(state)
+        single = nn.Linear(64, 256, bias=False).weight.detach()
+        whole = torch.cat(rows)
+        return {"local_device": str(local.device), "rows_differ": not torch.equal(rows[0], rows[1]),
+                "single_process": torch.equal(whole, single)}
+
+    def saves():
+        # finding 4's control on one GPU: copies from GPU memory the GPU is still writing, from the main thread
+        # (ctx.save) and from another thread (the host buffers), come out whole
+        from distfn.checkpoint.background import HostBuffers
+        x = torch.empty(2**24, device=ctx.device)
+        torch.cuda._sleep(2 * 10**9)  # ~1 s of GPU work before the fill
+        x.fill_(7.0)
+        got = []
+        def copy():
+            buffers = HostBuffers()
+            buffers.begin()
+            y = torch.empty(2**24, device=ctx.device)
+            torch.cuda._sleep(2 * 10**9)
+            y.fill_(5.0)
+            got.append(buffers.copy(y))
+            buffers.end()
+        worker = threading.Thread(target=copy)
+        worker.start()
+        worker.join()
+        ctx.save({"x": x}, cfg + "/async.safetensors", blocking=False)
+        ctx.saves.wait()
+        ctx.barrier()  # rank 0 wrote it
+        from safetensors.torch import load_file
+        saved = load_file(cfg + "/async.safetensors")["x"]
+        return {"async_save_whole": bool((saved == 7).all()), "thread_copy_whole": bool((got[0] == 5).all()),
+                "pinned": got[0].is_pinned()}
+
+    def timed():
+        # CUDA-event timings over gloo: rank 1 computes 50 ms more per step; rank 0's wait is comm
+        class Slow(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(32, 32)
+            def forward(self, x):
+                if ctx.rank == 1:
+                    torch.cuda._sleep(10**8)  # ~50 ms of GPU time
+                return self.lin(x)
+        model = ctx.wrap(Slow())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(12):
+            model(torch.randn(8, 32, device=ctx.device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        table = ctx.timings(whole_run=True)
+        return None if table is None else {r.rank: [r.steps, r.comm.mean, r.step.mean] for r in table.ranks}
+
+    part("meta_offload", meta_offload)
+    part("saves", saves)
+    part("timings", timed)
+    return out
+
+if __name__ == "__main__":
+    print("RESULT", json.dumps(f(sys.argv[1])))
+"""
+
+
+def test_two_gloo_ranks_sharing_one_gpu(tmp_path: Path) -> None:
+    script = tmp_path / "shared_gpu.py"
+    script.write_text(_SHARED_GPU)
+    done = run_python([str(script), str(tmp_path)], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.split("RESULT", 1)[1].strip())
+    assert out["device"] == "cuda:0", out
+    # finding 1: distinct rows on the two ranks, together a single process's init
+    assert out["meta_offload"] == {"local_device": "cpu", "rows_differ": True, "single_process": True}, out
+    # finding 4 (control): asynchronous copies of GPU memory still being written come out whole
+    assert out["saves"] == {"async_save_whole": True, "thread_copy_whole": True, "pinned": True}, out
+    timings = out["timings"]
+    assert isinstance(timings, dict), timings
+    (steps0, comm0, step0), (steps1, comm1, _) = timings["0"], timings["1"]
+    assert steps0 >= 10 and steps1 >= 10 and step0 > 0.03, timings
+    assert comm0 > 0.02 and comm0 > comm1, timings  # rank 0 waits for rank 1's 50 ms
+
+
+def test_no_timing_event_is_recorded_while_a_cuda_graph_is_captured() -> None:
+    # issue 42 (minor): a training forward captured into a CUDA graph records no timing event
+    from distfn import timings
+
+    class Counting(timings.CudaClock):
+        marks = 0
+
+        def mark(self):  # type: ignore[no-untyped-def]
+            Counting.marks += 1
+            return super().mark()
+
+    run = timings.Timings(enabled=True, window=100)
+    recorder = run.start(0, 1, None, Counting())
+    model = nn.Linear(8, 8).cuda()
+    timings._ModelHooks(recorder).install(model, bracket=True)
+    x = torch.randn(4, 8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    before = Counting.marks
+    assert before >= 3  # the warm-up forwards were timed
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = model(x)
+    assert Counting.marks == before
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all()
+    model(x)  # outside the capture again: timed
+    assert Counting.marks > before

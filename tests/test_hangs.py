@@ -103,7 +103,14 @@ def test_the_deadline_watch_reports_a_collective_open_past_distfns_timeout(monke
     assert reported, "the deadline watch did not report"
     exc = reported[0]
     assert isinstance(exc, TimeoutError) and "all_reduce #1 (test_hangs.py:" in str(exc)
-    assert "NCCL's watchdog aborts this rank 15 s later" in str(exc)
+    # torch's watchdog: the group's timeout (distfn's + 15 s), then 4 x the 15 s dump wait before it aborts
+    assert "NCCL's watchdog aborts this rank about 75 s later" in str(exc)
+    assert hangs.nccl_abort_after({}) == 75.0
+    assert hangs.nccl_abort_after({"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000"}) == 19.0
+    assert hangs.nccl_abort_after({"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "x"}) == 75.0
+    for no_teardown in ("0", "2"):
+        assert hangs.nccl_abort_after({"TORCH_NCCL_ASYNC_ERROR_HANDLING": no_teardown}) is None
+    assert hangs.nccl_abort_after({"NCCL_ASYNC_ERROR_HANDLING": "1"}) == 75.0
 
 
 # -- end to end -------------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ class HostBuffers:
     def __init__(self) -> None:
         self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self._used: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        self._cuda = False
+        self._devices: set[torch.device] = set()  # the GPUs this save's copies were enqueued on
         self.allocated = 0  # bytes allocated (not reused) by the current or last save, for tests and benchmarks
 
     def begin(self) -> None:
@@ -71,7 +71,7 @@ class HostBuffers:
         for key, bufs in self._used.items():
             self._free.setdefault(key, []).extend(bufs)
         self._used = {}
-        self._cuda = False
+        self._devices = set()
         self.allocated = 0
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -82,22 +82,30 @@ class HostBuffers:
         if free:
             buf = free.pop()
         else:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            with torch.cuda.device(t.device) if pinned else contextlib.nullcontext():  # not cuda:0's context
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
             self.allocated += buf.numel() * buf.element_size()
         self._used.setdefault(key, []).append(buf)
         if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             # memmove is ~1.7x faster than a one-thread copy_ here (measured: 600 MiB in 60 ms vs 100 ms), and
             # this copy is all the time an asynchronous save blocks training
             ctypes.memmove(buf.data_ptr(), t.data_ptr(), buf.numel() * buf.element_size())
-        else:  # from a GPU into pinned memory, non_blocking: copies overlap; `end` synchronises once
+        else:  # from a GPU into pinned memory, non_blocking: copies overlap; `end` synchronises each GPU once
             buf.copy_(t.detach(), non_blocking=pinned)
-        self._cuda = self._cuda or pinned
+        if pinned:
+            self._devices.add(t.device)
         return buf
 
     def end(self) -> None:
-        """Finish staging: wait for the device copies, free the buffers this save did not reuse."""
-        if self._cuda:
-            torch.cuda.synchronize()
+        """Finish staging: wait for the device copies, free the buffers this save did not reuse.
+
+        Every GPU a copy came from is synchronised, not only the current one: a ``non_blocking`` copy of a tensor on
+        ``cuda:k`` is enqueued on *k*'s stream, and ``torch.cuda.synchronize()`` waits for the current device only
+        (torch/cuda/__init__.py:1209-1219), which in a thread other than the main one is cuda:0 (issue 42, finding
+        4: state on another GPU of the rank, an EMA copy, a save from a user's thread)."""
+        for device in self._devices:
+            torch.cuda.synchronize(device)
+        self._devices = set()
         self._free = {}
 
 
