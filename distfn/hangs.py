@@ -105,7 +105,7 @@ def nccl_abort_after(environ: Any = None) -> float | None:
     return NCCL_MARGIN_S + 4 * dump_ms / 1000
 
 
-def _watch_gpu() -> None:
+def _watch_gpu(ledger: Ledger) -> None:
     """Under NCCL with CUDA in use, let the ledger note a CUDA event after each collective (`Ledger.gpu_event`)."""
     import torch
 
@@ -117,7 +117,7 @@ def _watch_gpu() -> None:
             event.record()  # the current stream: the collective's result is ready for it once this is passed
             return event
 
-        LEDGER.gpu_event = recorded
+        ledger.gpu_event = recorded
 
 
 def _passed(event: Any) -> bool:
@@ -217,7 +217,7 @@ class Responder:
         self._thread = threading.Thread(target=self._serve, args=(own,), daemon=True,
                                         name=f"distfn-hang-responder-{channel.rank}")
         if deadline:
-            _watch_gpu()
+            _watch_gpu(ledger)
         self._thread.start()
         return self
 
@@ -229,7 +229,7 @@ class Responder:
     def stop(self) -> None:
         """End the thread (the run is over); it is a daemon, so a thread stuck on a dead store never blocks exit."""
         self._stop.set()
-        LEDGER.gpu_event = None
+        self.ledger.gpu_event = None
 
     # -- the thread -------------------------------------------------------------------------------------------
     def _serve(self, ch: Channel) -> None:

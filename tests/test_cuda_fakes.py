@@ -184,8 +184,8 @@ def test_a_queued_collective_the_gpu_has_not_finished_is_reported_at_the_deadlin
     import time
 
     from distfn import hangs
-    from distfn.checkin import CheckIn
     from distfn.ledger import Ledger
+    from distfn.rankstore import Channel
 
     book = Ledger()
     events: list[_Event] = []
@@ -194,12 +194,11 @@ def test_a_queued_collective_the_gpu_has_not_finished_is_reported_at_the_deadlin
         events.append(_Event())
         return events[-1]
 
-    monkeypatch.setattr(hangs, "LEDGER", book)
     monkeypatch.setattr(hangs, "POLL_S", 0.05)
-    monkeypatch.setattr(hangs, "_watch_gpu", lambda: setattr(book, "gpu_event", make))
-    checkin = CheckIn.start(0, 1, 5.0, dist.HashStore())
+    monkeypatch.setattr(hangs, "_watch_gpu", lambda ledger: setattr(ledger, "gpu_event", make))
     reported: list[BaseException] = []
-    responder = hangs.Responder.start(checkin, timeout_s=10.0, report=reported.append, deadline=True)
+    responder = hangs.Responder.start(Channel.open(dist.HashStore(), 0, 1).child("hang"), timeout_s=10.0,
+                                      ledger=book, report=reported.append, deadline=True)
     try:
         with book.entered("all_reduce"):
             pass  # the host call returns at once
