@@ -180,9 +180,11 @@ class Saves:
             self.wait()
         except CheckpointError as exc:
             # stderr itself: outside a job distfn's logger is disabled (a library is quiet), but this must show
-            sys.stdout.flush()
-            sys.stderr.write(f"distfn: {exc}\n")
-            sys.stderr.flush()
+            if sys.stdout is not None:  # None: started with stdout / stderr closed (``>&- 2>&-``)
+                sys.stdout.flush()
+            if sys.stderr is not None:
+                sys.stderr.write(f"distfn: {exc}\n")
+                sys.stderr.flush()
             os._exit(1)  # atexit cannot change the exit status otherwise; the failed save is the news
 
     @contextlib.contextmanager
