@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from distfn import CheckpointError, checkpoint
 from distfn import data as ddata
 from distfn import loader_state as ls
+from distfn.checkpoint import sharded
 from distfn.fingerprint import Unfingerprintable, _digest, canonical, cfg_items
 
 from conftest import clean_env
@@ -247,6 +248,9 @@ def test_a_plain_dataloader_where_a_ctx_dataloader_was_saved_is_an_error(tmp_pat
             checkpoint.load_into(path, target)
         assert target == into  # nothing replaced
     assert "loader" not in checkpoint.load_into(path, {"loader": _loader(20, 4)})
+    directory = sharded.save({"model": nn.Linear(2, 1), "loader": loader}, tmp_path / "ckpt-2")  # the same there
+    with pytest.raises(CheckpointError, match=r"torch DataLoader at 'loader'.*holds a ctx.dataloader's position"):
+        sharded.load_into(directory, {"loader": plain})
 
 
 _FIELDS = (*ls._INT_FIELDS, *ls._BOOL_FIELDS, "format")

@@ -49,24 +49,6 @@ def _plain(value: Any) -> bool:
     return not any(_restorable(leaf) for leaf in tree.tree_leaves(value, is_leaf=_restorable))
 
 
-def _refuse_plain_loader(target: Any, node: Any, where: str) -> None:
-    """Raise when ``target`` holds a torch ``DataLoader`` (not a ``ctx.dataloader``): it has no position to
-    continue from, so replacing it by the saved value (what a plain value gets) would silently restart the data at
-    batch 0 while the model resumes."""
-    loaders = [leaf for leaf in tree.tree_leaves(target, is_leaf=lambda v: isinstance(v, DataLoader))
-               if isinstance(leaf, DataLoader) and not fmt.is_stateful(leaf)]
-    if not loaders:
-        return
-    saved = fmt.as_plain_dict(node)
-    held = (" The checkpoint holds a ctx.dataloader's position there (epoch and batch)."
-            if saved is not None and {"epoch", "position", "global_batch"} <= set(saved) else "")
-    raise CheckpointError(
-        f"cannot restore into the torch {type(loaders[0]).__qualname__} at '{where}': a plain DataLoader has no "
-        f"position to continue from, so the data would silently start again at batch 0.{held} Build the loader "
-        "with ctx.dataloader(dataset, batch_size, ...) (same dataset, shuffle and drop_last as the saved one): "
-        "it continues at the saved batch. Or leave it out of what you restore. Nothing was restored.")
-
-
 def _strip_wrappers(key: str) -> str:
     parts = key.split(".")
     while len(parts) > 1 and parts[0] in _WRAPPER_SEGMENTS:
@@ -114,7 +96,7 @@ class _Restorer:
         elif fmt.is_stateful(target):
             self.steps.append(_Step(where, lambda: target.load_state_dict(fmt.decode(node, self.reader, self.device))))
         elif isinstance(target, DataLoader):
-            _refuse_plain_loader(target, node, where)
+            fmt.refuse_plain_loader(target, node, where)
         else:
             raise CheckpointError(
                 f"cannot restore into {type(target).__qualname__} at '{where}': into= takes modules, optimizers, "
@@ -139,7 +121,7 @@ class _Restorer:
                 missing.append(key)
                 continue
             if _plain(target):  # e.g. "step": 0 -> the saved step (returned, and set in `into` when it can be)
-                _refuse_plain_loader(target, child, fmt.path_str((*path, key)))
+                fmt.refuse_plain_loader(target, child, fmt.path_str((*path, key)))
                 self._replace(into, key, child, (*path, key))
                 continue
             used.add(key)
