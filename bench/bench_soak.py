@@ -5,8 +5,9 @@ jobs of one all_reduce, and jobs whose rank 1 SIGKILLs itself in attempt 0 (``ma
 each job the launching process samples its open descriptors, threads (Python's and the OS's), listening TCP
 sockets, new ``/dev/shm`` entries no live process uses, ``TMPDIR`` entries (its own), live children, and RSS.
 
-Tables: (1) each resource's growth from the warm-up (the first restart: every module imported, Python's
-multiprocessing helpers started) to its largest value after it, target 0 (RSS: at most 25 MiB, the allocator's
+Tables: (1) each resource's lasting growth from the warm-up (the first restart: every module imported, Python's
+multiprocessing helpers started) to the end (the least of the last 5 samples: a leak shows in all of them, a
+passing blip in one), target 0 (RSS: at most 25 MiB, the allocator's
 slack); (2) the seconds of a launch and of a restart (medians); (3) across ``--processes`` fresh processes of a
 few launches each: the first sample of each process beside the first process's (growth across processes, target 0),
 and what the session left after each exited (processes, ``TMPDIR`` entries; target 0).
@@ -59,10 +60,13 @@ def run_soak(launches: int, restarts: int, tmp: Path) -> tuple[list[dict[str, An
 
 
 def growth(samples: list[dict[str, Any]]) -> dict[str, float]:
-    """Each resource's growth from the warm-up (the first restart) to its largest value after it."""
+    """Each resource's lasting growth from the warm-up (the first restart: every module imported, Python's
+    multiprocessing helpers started): the least of the last 5 samples minus the warm-up's. A leak shows in every
+    later sample; a passing blip (a thread still ending at the OS level after Python let it go, another program's
+    fresh /dev/shm file on a shared machine) in one only."""
     first = next(i for i, s in enumerate(samples) if s["kind"] == "restart")
-    base, rest = samples[first], samples[first + 1:]
-    return {k: max([s[k] for s in rest] or [base[k]]) - base[k] for k in (*EXACT, "rss_mib")}
+    base, rest = samples[first], samples[first + 1:][-5:]
+    return {k: min([s[k] for s in rest] or [base[k]]) - base[k] for k in (*EXACT, "rss_mib")}
 
 
 def _targets(values: dict[str, float]) -> list[dict[str, Any]]:
