@@ -35,6 +35,23 @@ GLOBAL_BATCH_CHANGES: Final = ("refuse", "continue")
 _FORMAT: Final = 1
 _INT_FIELDS: Final = ("epoch", "position", "batches", "seed", "global_batch", "world_size", "epoch_world_size",
                       "dataset_len")
+_BOOL_FIELDS: Final = ("shuffle", "drop_last")
+#: The bounds a state is checked against at the load (a saved state is untrusted input: a value past them would
+#: pass the load and fail at the first batch, `OverflowError` or `MemoryError`). ``DistributedSampler`` seeds its
+#: generator with ``seed + epoch``, which must stay below 2**64 (2**63 + 2**62 leaves every later epoch room).
+MAX_SEED: Final = 2**63 - 1
+MAX_EPOCH: Final = 2**62
+#: Ranks of the job that saved: over 1,000 times the largest jobs run; an epoch's order has ``len + ranks``
+#: positions at most, allocated at the first batch.
+MAX_WORLD_SIZE: Final = 2**20
+#: Samples per step over all ranks (torch's ``BatchSampler`` allocates a list of a batch's size).
+MAX_GLOBAL_BATCH: Final = 2**24
+#: ``len(dataset)`` (sampler positions are int64 tensors).
+MAX_DATASET_LEN: Final = 2**63 - 1
+_LIMITS: Final = {"epoch": MAX_EPOCH, "position": MAX_DATASET_LEN + MAX_WORLD_SIZE, "batches": MAX_DATASET_LEN,
+                  "seed": MAX_SEED, "global_batch": MAX_GLOBAL_BATCH, "world_size": MAX_WORLD_SIZE,
+                  "epoch_world_size": MAX_WORLD_SIZE, "dataset_len": MAX_DATASET_LEN}
+_AT_LEAST_ONE: Final = ("global_batch", "world_size", "epoch_world_size")
 
 
 def _tail_size(n: int, world: int, drop_last: bool) -> int:
@@ -104,26 +121,62 @@ class LoaderState:
 
     @classmethod
     def from_dict(cls, saved: Mapping[str, Any]) -> LoaderState:
-        """The state ``to_dict`` wrote, checked field by field.
+        """The state ``to_dict`` wrote, checked field by field and against the bounds (`MAX_EPOCH`, ...) and
+        itself: every value a dataset can mean, so that nothing fails later at the first batch.
 
         Raises:
-            CheckpointError: a field missing or of the wrong type, or a newer format.
+            CheckpointError: not a mapping, a field missing, of the wrong type or out of its bounds, an unknown
+                field, a position past its epoch's end, or a newer format.
         """
         if not isinstance(saved, Mapping):
             raise CheckpointError(f"a data loader's state is a mapping, got {type(saved).__name__}")
-        if saved.get("format", _FORMAT) != _FORMAT:
-            raise CheckpointError(f"this data loader state has format {saved.get('format')!r}; this distfn reads "
-                                  f"format {_FORMAT} (upgrade distfn to resume from it)")
-        missing = [k for k in (*_INT_FIELDS, "shuffle", "drop_last") if k not in saved]
+        keys = list(saved)
+        if not all(isinstance(k, str) for k in keys):
+            raise CheckpointError("malformed data loader state: its keys are not all strings")
+        version = saved.get("format", _FORMAT)
+        if type(version) is not int or version != _FORMAT:  # 1.0 or True is not format 1 either
+            shown = repr(version) if isinstance(version, (int, float, str)) else type(version).__name__
+            raise CheckpointError(f"this data loader state has format {_short(shown)}; this distfn reads format "
+                                  f"{_FORMAT} (upgrade distfn to resume from it)")
+        missing = [k for k in (*_INT_FIELDS, *_BOOL_FIELDS) if k not in saved]
         if missing:
             raise CheckpointError(f"not a data loader state: {', '.join(missing)} missing (keys: "
-                                  f"{', '.join(map(str, saved))})")
-        bad = [k for k in _INT_FIELDS if isinstance(saved[k], bool) or not isinstance(saved[k], int) or saved[k] < 0]
-        bad += [k for k in ("shuffle", "drop_last") if not isinstance(saved[k], bool)]
-        if bad or saved["global_batch"] < 1 or saved["world_size"] < 1 or saved["epoch_world_size"] < 1:
-            raise CheckpointError(f"malformed data loader state: {', '.join(bad) or 'sizes'} "
-                                  f"({ {k: saved[k] for k in bad} or dict(saved)})")
-        return cls(**{k: saved[k] for k in (*_INT_FIELDS, "shuffle", "drop_last")})
+                                  f"{_short(', '.join(keys[:20]))})")
+        unknown = [k for k in keys if k not in (*_INT_FIELDS, *_BOOL_FIELDS, "format")]
+        if unknown:
+            raise CheckpointError(f"malformed data loader state: unknown field(s) {_short(', '.join(unknown[:5]))}")
+        bad = [f"{k}={_shown(saved[k])} (a bool)" for k in _BOOL_FIELDS if type(saved[k]) is not bool]
+        for k in _INT_FIELDS:
+            value, low = saved[k], 1 if k in _AT_LEAST_ONE else 0
+            if type(value) is not int:
+                bad.append(f"{k}={_shown(value)} (an int)")
+            elif not low <= value <= _LIMITS[k]:
+                bad.append(f"{k}={_shown(value)} (from {low} to {_LIMITS[k]})")
+        if bad:
+            raise CheckpointError(f"malformed data loader state: {'; '.join(bad)}")
+        state = cls(**{k: saved[k] for k in (*_INT_FIELDS, *_BOOL_FIELDS)})
+        end = _tail_size(state.dataset_len, state.epoch_world_size, state.drop_last)
+        if state.position and state.position >= end:
+            raise CheckpointError(f"malformed data loader state: position {state.position} is past the end of epoch "
+                                  f"{state.epoch} ({end} positions of {state.dataset_len} samples on "
+                                  f"{state.epoch_world_size} ranks)")
+        if state.batches != state.position // state.global_batch:
+            raise CheckpointError(f"malformed data loader state: batches={state.batches} is not position "
+                                  f"{state.position} // global batch {state.global_batch}")
+        return state
+
+
+def _shown(value: Any) -> str:
+    """A field's value for an error message: an int (however large) by its size, anything else by type."""
+    if type(value) is int:
+        return str(value) if abs(value) < 10**30 else f"an int of {value.bit_length()} bits"
+    if isinstance(value, (bool, float)) or value is None:
+        return repr(value)
+    return type(value).__name__
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def per_rank_batch(saved: LoaderState, world_size: int, batch_size: int, on_change: GlobalBatchChange) -> int:

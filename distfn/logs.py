@@ -43,6 +43,31 @@ _DEFAULT_FORMAT: Final = _defaults.LOGURU_FORMAT + "\n{exception}"
 logger.disable("distfn")  # a library is quiet unless asked (loguru's convention); setup() enables it for a job
 
 
+def _reopen_closed_std_fds() -> None:
+    """Point a closed descriptor 0, 1 or 2 at ``/dev/null`` (a script started as ``python s.py >&- 2>&-``).
+
+    Left closed, the next file, pipe or socket opened takes its number: a worker's pipe or a checkpoint file would
+    then receive whatever C code (gloo, NCCL, torch's warnings) or a child process writes to "stderr". Python keeps
+    ``sys.stdout`` / ``sys.stderr`` ``None`` there; distfn's sink then discards its lines (`_sink_target`).
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                null = os.open(os.devnull, os.O_RDWR)
+            except OSError:
+                return  # no /dev/null (a stripped chroot): nothing better to do
+            if null != fd:  # a lower descriptor was closed too, and got this one: it is handled in its turn
+                os.dup2(null, fd)
+                os.close(null)
+            else:
+                os.set_inheritable(fd, True)  # os.open's descriptors are not; a child must inherit this one
+
+
+_reopen_closed_std_fds()
+
+
 @attrs.frozen
 class _View:
     """What distfn's sink shows while a job runs: the line's ORIGIN, the lowest level, and whether INFO and below
@@ -59,7 +84,7 @@ class _State:
     stack: list[tuple[int | None, int | None]] = attrs.field(factory=list)  # (rank, world_size); rank None: launcher
     view: _View | None = None  # None: no job runs in this process
     handler: int | None = None  # distfn's sink, added once per process (see `_ensure_sink`)
-    stream: Any = None  # the sys.stderr it writes to
+    stream: Any = None  # the sys.stderr it writes to (None: there is none, the sink discards)
     as_default: bool = False  # it stands in for loguru's stock stderr handler, which distfn removed
     default_no: int = 0  # that handler's level (LOGURU_LEVEL), which the sink keeps outside a job
     probes: int = 0  # probe records sent (`_probe`), and the last one the sink saw
@@ -148,8 +173,18 @@ def _add_sink_unless_there() -> None:
         _remove(_state.handler)
         if _state.stream is sys.stderr:  # gone: the user removed it (logger.remove()), and the default with it
             _state.as_default = False
-    _state.handler = logger.add(sys.stderr, level=0, filter=_filter, format=_format)
+    _state.handler = logger.add(_sink_target(), level=0, filter=_filter, format=_format)
     _state.stream = sys.stderr
+
+
+def _discard(message: Any) -> None:
+    """The sink's target when there is no stderr: the lines go nowhere, the job runs."""
+
+
+def _sink_target() -> Any:
+    """``sys.stderr``, or `_discard` where Python has none (``None``: the process was started with descriptor 2
+    closed, ``2>&-``, or by ``pythonw``), which loguru refuses as a sink."""
+    return sys.stderr if sys.stderr is not None else _discard
 
 
 def install_sink() -> None:

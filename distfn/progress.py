@@ -42,6 +42,8 @@ def _make_bar(iterable: Any, **kwargs: Any) -> Any:
     from tqdm.auto import tqdm  # a declared dependency; deferred: 0.1-0.2 s (tqdm.auto probes for a notebook)
 
     kwargs.setdefault("file", sys.stderr)
+    if kwargs["file"] is None:  # started with stderr closed (``2>&-``): no bar to draw
+        kwargs["disable"] = True
     kwargs.setdefault("dynamic_ncols", True)
     kwargs.setdefault("disable", None)  # tqdm's "off when the file is not a terminal"
     return tqdm(iterable, **kwargs)

@@ -180,6 +180,7 @@ class Recorder:
     _fold_at: int = FOLD_AT
     _comm_start: Any = None
     _data: float = 0.0
+    _loop_end: Any = None  # when the open step's batch loop ran out of batches (its end, if it is the last)
     _closed: deque[_Closed] = attrs.field(factory=deque)
     _samples: list[Sample] = attrs.field(factory=list)
 
@@ -190,8 +191,30 @@ class Recorder:
             self._closed.append((self._start, now, self._comms, self._data))
         # a wait before the first step is no step's; one left open (an exception inside it) ends here
         self._start, self._data, self._comms, self._comm_start = now, 0.0, _NO_COMMS, None
+        self._loop_end = None
         self._fold_at = FOLD_AT
         self.drain()
+
+    def loop_ended(self) -> None:
+        """The batch loop of the open step has no batch left (``ctx.dataloader``'s iterator ran out): should no
+        forward follow, this is where the run's last step ended (not at the end of the function, which may go on
+        to evaluate or save)."""
+        if self._start is not None:
+            self._loop_end = self.clock.mark()
+
+    def close(self) -> None:
+        """The run's steps are over (the whole-run totals are taken): close the open step, which no next forward
+        will, at its loop's end (`loop_ended`) or now; a forward after this opens a new step."""
+        if self._start is None:
+            return
+        end = self._loop_end if self._loop_end is not None else self.clock.mark()
+        self._closed.append((self._start, end, self._comms, self._data))
+        self._start, self._data, self._comms, self._comm_start, self._loop_end = None, 0.0, _NO_COMMS, None, None
+
+    @property
+    def unread(self) -> int:
+        """Steps not read yet: closed ones whose marks are pending, and the open one."""
+        return len(self._closed) + (self._start is not None)
 
     def add_data(self, seconds: float) -> None:
         """The loop waited ``seconds`` for a batch (before the first step: start-up, not counted)."""
@@ -448,6 +471,8 @@ class Timings:
             try:
                 batch = next(iterator)
             except StopIteration:
+                if self._recorder is not None:
+                    self._recorder.loop_ended()
                 return
             if self._recorder is not None:
                 self._recorder.add_data(clock() - started)
@@ -508,6 +533,7 @@ class Timings:
         recorder, exchange = self._recorder, self._exchange
         if recorder is None or exchange is None:
             return None
+        recorder.close()  # the last step: no forward follows to close it
         recorder.drain(block=True)
         number, self._totals, self._summarised = self._totals, self._totals + 1, recorder.steps
         mine = {"steps": recorder.steps, "sums": recorder.sums, "host": self._host, "rank": exchange.rank}
@@ -538,7 +564,7 @@ class Timings:
                 with contextlib.suppress(Exception):  # the store may be gone with the failure
                     exchange.publish(f"total{self._totals}", {"steps": 0})
             return
-        if recorder is None or recorder.steps + len(recorder._closed) in (0, self._summarised):
+        if recorder is None or recorder.steps + recorder.unread in (0, self._summarised):
             return
         try:
             table = self.whole_run()

@@ -318,3 +318,15 @@ def test_gpu_bench_skips_without_cuda_and_its_rehearsal_runs_every_part(tmp_path
     rows = [f for f in summary["figures"] if "variant" in f]
     assert len(rows) == 8 and {f["variant"] for f in rows if f["target"]} == {
         "distfn", "distfn.checkpoint.save", "ctx.save(blocking=False), blocked"}
+
+
+@pytest.mark.slow
+def test_soak_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_soak.py --tiny: a few launches and a restart in one process and across two more; every growth
+    and leftover figure taken (and zero)."""
+    result = _run_module_tiny(tmp_path, "soak")
+    growth, times, across = result["tables"]
+    assert {r["variant"] for r in growth["rows"]} >= {"open descriptors", "Python threads", "listening TCP sockets",
+                                                      "/dev/shm entries (unused, new)", "TMPDIR entries", "RSS (MiB)"}
+    assert all(t["met"] for t in growth["targets"] + across["targets"]), growth["targets"] + across["targets"]
+    assert [len(r["samples"]) for r in times["rows"]] == [3, 1]

@@ -405,3 +405,15 @@ def test_the_background_writer_yields_the_cpu_to_training() -> None:
     main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen == [min(main + 10, 19)]  # the writer only: the training thread keeps its priority
     assert os.getpriority(os.PRIO_PROCESS, 0) == main
+
+    def niced_training() -> None:  # a training thread under `nice -n 5` (nice() is per thread on Linux)
+        os.nice(5)
+        background.DEFAULT.submit("probe", lambda: seen.append(os.getpriority(os.PRIO_PROCESS,
+                                                                               threading.get_native_id())))
+        background.DEFAULT.wait()
+
+    trainer = threading.Thread(target=niced_training)
+    trainer.start()
+    trainer.join()
+    assert seen[1] == min(main + 15, 19)  # relative to the niced trainer: an absolute 10 would outrank it
+    assert os.getpriority(os.PRIO_PROCESS, 0) == main

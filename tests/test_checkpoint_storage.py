@@ -19,7 +19,7 @@ from ckpt_helpers import Net, equal_state, repo_env
 from safetensors.torch import load_file
 
 from distfn import checkpoint
-from distfn.checkpoint import fs, storage
+from distfn.checkpoint import fs, sharded, storage
 from distfn.checkpoint.layout import resolve
 from distfn.errors import CheckpointError
 
@@ -305,3 +305,70 @@ def test_saving_to_a_symlink_replaces_the_link_not_its_target(tmp_path: pathlib.
     (tmp_path / "runs").symlink_to(real_dir)  # a linked directory on the way is simply followed
     checkpoint.save({"w": torch.ones(1)}, tmp_path / "runs" / "ckpt-2.safetensors")
     assert (real_dir / "ckpt-2.safetensors").is_file()
+
+
+_KILLED_MID_WRITE = """
+import os, signal, sys
+import torch
+from distfn import checkpoint
+from distfn.checkpoint import sharded, storage
+
+def die(*args, **kwargs):  # the temporary file exists and part of the model is in it: SIGKILL, no clean-up
+    stream = args[0]
+    stream.write(memoryview(b"x" * (1 << 20)))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+storage._write_plan = die
+kind = sys.argv[2]
+if kind == "sharded":
+    sharded.save({"w": torch.ones(1000)}, os.path.join(sys.argv[1], "a"))
+else:
+    checkpoint.save({"w": torch.ones(1000)}, os.path.join(sys.argv[1], "a.safetensors"))
+"""
+
+
+def _leftover_named(directory: pathlib.Path, pid: int, mark: str = storage.TMP_MARK, age_s: float = 0.0,
+                    kind: str = "file") -> pathlib.Path:
+    """A leftover of the name a writer with pid ``pid`` on this host would use, last changed ``age_s`` ago."""
+    name = storage.tmp_name(resolve(directory / "x.safetensors"), mark).name.split(".")
+    path = directory / ".".join([*name[:-3], str(pid), *name[-2:]])
+    if kind == "file":
+        path.write_bytes(b"partial")
+    else:
+        path.mkdir()
+    when = time.time() - age_s
+    os.utime(path, (when, when))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["file", "sharded"])
+def test_a_writer_sigkilled_mid_save_leaves_nothing_after_the_next_save_of_another_name(
+        tmp_path: pathlib.Path, kind: str) -> None:
+    """A model-sized temporary file (a sharded save's directory) of a writer SIGKILLed mid-save was left beside
+    the checkpoint; the next save of another name, of either kind, removes it. A live writer's is never touched,
+    whatever its age; a pid now run by a process started after the leftover last changed (reused: a container's
+    pids start again at 1) or a leftover unchanged for storage.STALE_AFTER_S is no live writer's."""
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_WRITE, str(tmp_path), kind], env=repo_env(),
+                            timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    [left] = [p for p in tmp_path.iterdir() if p.name.startswith(".a")]
+    assert (storage.TMP_MARK if kind == "file" else ".distfn-partial") in left.name
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        writing = _leftover_named(tmp_path, live.pid)  # a live writer's, started before its file changed
+        reused = _leftover_named(tmp_path, live.pid, mark=".distfn-partial", age_s=600, kind="dir")
+        old = _leftover_named(tmp_path, os.getppid(), age_s=storage.STALE_AFTER_S + 60)
+        mine = _leftover_named(tmp_path, os.getpid(), age_s=storage.STALE_AFTER_S + 60)  # this process's: kept
+        other = kind == "file"  # a save of the other kind than the killed one
+        if other:
+            sharded.save({"w": torch.zeros(10)}, tmp_path / "b")
+        else:
+            checkpoint.save({"w": torch.zeros(10)}, tmp_path / "b.safetensors")
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == sorted(["b" if other else "b.safetensors", writing.name, mine.name]), names
+        assert not left.exists() and not reused.exists() and not old.exists()
+    finally:
+        live.kill()
+        live.wait()
+    assert storage._PARTIAL_MARK == sharded.spec.PARTIAL

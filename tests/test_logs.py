@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import SCRIPTS, clean_env, run_python
@@ -194,3 +196,49 @@ def test_an_interactive_definition_adds_the_sink_before_the_call_and_only_once()
     err = done.stderr
     assert err.count("user line") == 1 and err.count("job line") == 1
     assert err.count("launcher: spawn") == 1  # rank 0's start-up line
+
+
+_CLOSED_STREAMS = """
+import json, os, sys
+from loguru import logger
+import distfn
+
+out = sys.argv[1]
+probe = open(os.devnull)  # the first file opened after the import: never descriptor 1 or 2
+
+
+@distfn.distributed(nprocs=2, backend="gloo")
+def job(cfg, ctx):
+    ctx.log.info("rank line")
+    logger.warning("user warning")
+    for _ in ctx.progress(range(3)):
+        pass
+    fds = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)}
+    with open(f"{out}.{ctx.rank}", "w") as f:
+        json.dump({"rank": ctx.rank, "stderr_none": sys.stderr is None, "fds": fds}, f)
+    return ctx.rank
+
+
+if __name__ == "__main__":
+    result = job(None)
+    with open(out, "w") as f:
+        json.dump({"result": result, "probe_fd": probe.fileno(),
+                   "fds": {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)}}, f)
+"""
+
+
+def test_a_script_started_with_stdout_and_stderr_closed_runs(tmp_path: Path) -> None:
+    """``python s.py >&- 2>&-``: the job runs and its lines go nowhere (loguru refuses ``sys.stderr is None`` as a
+    sink; distfn's sink discards instead). Descriptors 1 and 2 become /dev/null at ``import distfn``, so no pipe,
+    socket or checkpoint file takes their number and receives what C code or a child writes to "stderr"."""
+    script, out = tmp_path / "closed.py", tmp_path / "out.json"
+    script.write_text(_CLOSED_STREAMS)
+    done = subprocess.run(["sh", "-c", f'exec "{sys.executable}" "{script}" "{out}" >&- 2>&-'], env=clean_env(),
+                          timeout=180)
+    assert done.returncode == 0
+    launcher = json.loads(out.read_text())
+    assert launcher["result"] == 0 and launcher["probe_fd"] > 2
+    assert launcher["fds"] == {"1": os.devnull, "2": os.devnull}
+    for rank in (0, 1):
+        worker = json.loads(Path(f"{out}.{rank}").read_text())
+        assert worker["rank"] == rank and worker["fds"] == {"1": os.devnull, "2": os.devnull}

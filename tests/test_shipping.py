@@ -329,3 +329,69 @@ def test_forkserver_by_name_with_a_tmpdir_too_long_is_a_config_error_at_the_call
     assert done.returncode != 0
     assert "IMPORTED" in done.stdout  # the import went through; the call failed
     assert "ConfigError" in done.stderr and "TMPDIR=" in done.stderr and "too long" in done.stderr
+
+
+LISTENERS = """
+import multiprocessing, os, sys, time
+import torch
+from multiprocessing.connection import Listener
+from distfn import distributed
+
+
+def linger(out):  # a DataLoader worker's way: it sees its parent die, ends within seconds, unlinks its socket
+    listener = Listener()
+    parent = os.getppid()
+    with open(os.path.join(out, "helper"), "w") as f:
+        f.write(listener.address)
+    while os.getppid() == parent:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    listener.close()
+
+
+@distributed(mode="ddp", nprocs=2)
+def job(cfg, ctx):
+    if ctx.rank == 0:
+        multiprocessing.get_context("fork").Process(target=linger, args=(cfg,)).start()
+    else:
+        kept = Listener()  # never closed: this rank dies by SIGKILL with the launcher
+        with open(os.path.join(cfg, "rank1"), "w") as f:
+            f.write(kept.address)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    torch.randn(600, 600) @ torch.randn(600, 600)  # fork is unsafe from here: the fork server forks the ranks
+    job(sys.argv[1])
+"""
+
+
+@pytest.mark.slow  # a launch, then the server's wait for the sockets' owners (forkserver.LINGER_S)
+def test_a_killed_launchers_multiprocessing_directory_goes_with_what_its_ranks_left_in_it(tmp_path: Path) -> None:
+    """``pymp-*`` directories were left when the launcher was SIGKILLed: its ranks inherit its multiprocessing
+    directory, and a socket a rank or its helper (a DataLoader worker) had in it kept the server from removing
+    it. The server, which outlives the launcher, removes it whole once they had time to end."""
+    script = tmp_path / "listeners.py"
+    script.write_text(LISTENERS)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)],
+                            env=clean_env(OMP_NUM_THREADS="2", TMPDIR=str(tmp)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "helper").exists() and (tmp_path / "rank1").exists()) \
+                and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        sockets = [Path((tmp_path / name).read_text()) for name in ("helper", "rank1")]
+        pymp = [p for p in tmp.iterdir() if p.name.startswith("pymp-")]
+        assert len(pymp) == 1 and all(s.parent == pymp[0] for s in sockets)  # one directory: the launcher's
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + forkserver.LINGER_S + 10
+        while pymp[0].exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(tmp.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()

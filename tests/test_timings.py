@@ -395,7 +395,7 @@ def test_rank_0_reads_a_window_once_every_rank_wrote_it_and_the_store_stays_smal
     totals = ranks[1].whole_run()
     assert totals is None  # off rank 0: it sent its totals
     table = ranks[0].whole_run(wait=1.0)
-    assert table is not None and table.window is None and [r.steps for r in table.ranks] == [105, 104]
+    assert table is not None and table.window is None and [r.steps for r in table.ranks] == [106, 105]
 
 
 @pytest.mark.slow  # imports torch._dynamo (seconds)
@@ -447,3 +447,36 @@ def test_a_failed_rank_does_not_keep_rank_0_waiting_for_its_totals() -> None:
     table = ranks[0].whole_run(wait=30.0)
     assert time.monotonic() - started < 5.0
     assert table is not None and [r.rank for r in table.ranks] == [0]
+
+
+def test_the_whole_run_counts_the_last_step_which_ends_with_its_loop(caplog: Any) -> None:
+    """1,200 steps were counted 1,199: a step is closed by the next forward, and the last has none. It now ends
+    where its loop ran out of batches (not at the function's end: the time after the loop is no step's), or,
+    without a ctx.dataloader loop, when the whole-run totals are taken."""
+    run = Timings(enabled=True, window=50)
+    model = nn.Linear(4, 1)
+    run.watch(model, torch.device("cpu"))
+    for x in run.timed_batches(torch.ones(1200, 1, 4)):
+        model(x).sum().backward()
+    time.sleep(0.3)  # an evaluation or a save after the loop
+    table = run.whole_run()
+    assert table is not None and table.steps == 1200 and table.ranks[0].steps == 1200
+    assert table.ranks[0].step.mean * 1200 < 0.25  # the 0.3 s after the loop is in no step
+    plain = Timings(enabled=True, window=50)
+    recorder = plain.start(0, 1, None, HostClock())
+    for _ in range(3):
+        recorder.boundary()
+    one = plain.whole_run()
+    assert one is not None and one.steps == 3
+    single = Timings(enabled=True, window=50)
+    single.start(0, 1, None, HostClock()).boundary()  # a run of one step still gets its end-of-run table
+    logs: list[str] = []
+    from loguru import logger
+    sink = logger.add(logs.append, format="{message}", filter="distfn")
+    logger.enable("distfn")
+    try:
+        single.finish()
+    finally:
+        logger.remove(sink)
+        logger.disable("distfn")
+    assert any("rank" in line and "step ms" in line for line in logs), logs

@@ -45,10 +45,12 @@ def _lower_priority() -> None:
 
     On a machine whose cores the training processes keep busy, every CPU cycle of the write (the copy into the
     page cache, the file system's work) is taken from training; at a lower priority the writer takes the idle
-    moments first. On Linux ``setpriority`` with a thread id changes that thread only.
+    moments first. An increment of the nice value the thread inherited from the one that started it (the
+    training thread's), not an absolute value: under ``nice -n 15`` an absolute 10 would *raise* the writer above
+    training. On Linux ``nice()`` changes the calling thread only; the kernel caps the value at 19.
     """
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+        os.nice(_NICE)
 
 
 class HostBuffers:
@@ -188,9 +190,11 @@ class Saves:
             self.wait()
         except CheckpointError as exc:
             # stderr itself: outside a job distfn's logger is disabled (a library is quiet), but this must show
-            sys.stdout.flush()
-            sys.stderr.write(f"distfn: {exc}\n")
-            sys.stderr.flush()
+            if sys.stdout is not None:  # None: started with stdout / stderr closed (``>&- 2>&-``)
+                sys.stdout.flush()
+            if sys.stderr is not None:
+                sys.stderr.write(f"distfn: {exc}\n")
+                sys.stderr.flush()
             os._exit(1)  # atexit cannot change the exit status otherwise; the failed save is the news
 
     @contextlib.contextmanager

@@ -57,6 +57,7 @@ __all__ = [
     "path_str",
     "plan",
     "ref",
+    "refuse_plain_loader",
     "saved_aliases",
     "saved_metadata",
     "saved_tree",
@@ -645,3 +646,21 @@ def kind(node: Any) -> str:
     if isinstance(node, list):
         return "a list"
     return f"the value {node!r}"
+
+
+def refuse_plain_loader(target: Any, node: Any, where: str) -> None:
+    """Raise when ``target`` holds a torch ``DataLoader`` (not a ``ctx.dataloader``): it has no position to
+    continue from, so replacing it by the saved value (what a plain value gets) would silently restart the data at
+    batch 0 while the model resumes."""
+    loaders = [leaf for leaf in tree.tree_leaves(target, is_leaf=lambda v: isinstance(v, DataLoader))
+               if isinstance(leaf, DataLoader) and not is_stateful(leaf)]
+    if not loaders:
+        return
+    saved = as_plain_dict(node)
+    held = (" The checkpoint holds a ctx.dataloader's position there (epoch and batch)."
+            if saved is not None and {"epoch", "position", "global_batch"} <= set(saved) else "")
+    raise CheckpointError(
+        f"cannot restore into the torch {type(loaders[0]).__qualname__} at '{where}': a plain DataLoader has no "
+        f"position to continue from, so the data would silently start again at batch 0.{held} Build the loader "
+        "with ctx.dataloader(dataset, batch_size, ...) (same dataset, shuffle and drop_last as the saved one): "
+        "it continues at the saved batch. Or leave it out of what you restore. Nothing was restored.")

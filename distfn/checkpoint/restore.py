@@ -13,6 +13,7 @@ import attrs
 import torch
 from loguru import logger
 from torch import nn
+from torch.utils.data import DataLoader
 
 from .. import tree
 from ..errors import CheckpointError
@@ -94,6 +95,8 @@ class _Restorer:
             return self.mapping(target, node, path)
         elif fmt.is_stateful(target):
             self.steps.append(_Step(where, lambda: target.load_state_dict(fmt.decode(node, self.reader, self.device))))
+        elif isinstance(target, DataLoader):
+            fmt.refuse_plain_loader(target, node, where)
         else:
             raise CheckpointError(
                 f"cannot restore into {type(target).__qualname__} at '{where}': into= takes modules, optimizers, "
@@ -118,6 +121,7 @@ class _Restorer:
                 missing.append(key)
                 continue
             if _plain(target):  # e.g. "step": 0 -> the saved step (returned, and set in `into` when it can be)
+                fmt.refuse_plain_loader(target, child, fmt.path_str((*path, key)))
                 self._replace(into, key, child, (*path, key))
                 continue
             used.add(key)

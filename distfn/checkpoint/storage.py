@@ -19,6 +19,7 @@ import pathlib
 import re
 import secrets
 import socket
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Final
@@ -140,24 +141,38 @@ def tmp_name(target: Location, mark: str = TMP_MARK) -> Location:
     return target.sibling(f".{target.name[:120]}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}{mark}")
 
 
+#: A leftover whose pid runs is removed all the same once nothing in it changed for this long (a writer writes
+#: without pause, so its file's time moves): that pid is no longer its writer's.
+STALE_AFTER_S: Final = 3600.0
+#: The mark of a sharded save's hidden directory (`distfn.checkpoint.sharded.spec.PARTIAL`, which imports this
+#: module's package): a file save removes those a killed sharded save left too, and the reverse.
+_PARTIAL_MARK: Final = ".distfn-partial"
+
+
 def dead_leftovers(directory: Location, mark: str = TMP_MARK) -> list[tuple[str, int]]:
     """``(name, pid)`` of the `tmp_name` s with ``mark`` in ``directory`` whose writer on this host no longer runs.
 
     Every target name counts (``ckpt-7.safetensors``'s leftovers are found by the save of ``ckpt-8``); never a live
-    writer's, never another host's (its pid means nothing here).
+    writer's, never another host's (its pid means nothing here). The writer no longer runs when its pid does not,
+    is a zombie, or (a local file system, where a leftover's modification time is known) belongs to a process
+    started after the leftover last changed (the pid was reused: a container's pids start again at 1), or when
+    the leftover has not changed for `STALE_AFTER_S`.
     """
     pattern = re.compile(r"^\..+\." + re.escape(_host()) + r"\.(\d+)\.[0-9a-f]{8}" + re.escape(mark) + "$")
     names = directory.fs.listdir(directory.path)
     found = [(name, int(m.group(1))) for name in names if (m := pattern.match(name)) is not None]
-    return [(name, pid) for name, pid in found if pid != os.getpid() and not _alive(pid)]
+    return [(name, pid) for name, pid in found if pid != os.getpid() and _writer_gone(directory, name, pid)]
 
 
 def remove_stale_tmps(directory: Location) -> None:
-    """Remove the temporary files that writers on this host which no longer run left in ``directory``
-    (`dead_leftovers`)."""
+    """Remove what writers on this host which no longer run left in ``directory`` (`dead_leftovers`): the
+    temporary files of file saves and the hidden directories of sharded saves."""
     for name, pid in dead_leftovers(directory):
         directory.fs.remove(directory.path / name)
         logger.debug("removed {} left by a killed writer (pid {})", name, pid)
+    for name, pid in dead_leftovers(directory, _PARTIAL_MARK):
+        directory.fs.remove_tree(directory.path / name)
+        logger.debug("removed {} left by a killed sharded save (pid {})", name, pid)
 
 
 def _alive(pid: int) -> bool:
@@ -167,7 +182,39 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:  # alive but not ours (EPERM)
         return True
-    return True
+    return _proc_stat(pid)[0] not in ("Z", "X")  # a zombie writes nothing: killed, not reaped yet
+
+
+def _proc_stat(pid: int) -> tuple[str, float | None]:
+    """``(state, start time as a Unix time)`` of ``pid`` from ``/proc`` (Linux); ``("?", None)`` elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": comm may hold spaces and ")"
+        with open("/proc/stat", "rb") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return fields[0].decode(), boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return "?", None
+
+
+def _writer_gone(directory: Location, name: str, pid: int) -> bool:
+    """Whether the leftover ``name`` (its pid ``pid``) has no live writer (see `dead_leftovers`)."""
+    if not _alive(pid):
+        return True
+    if not isinstance(directory.fs, fs.LocalFileSystem):
+        return False  # no modification time to compare: only a pid that does not run tells
+    path = os.path.join(directory.path, name)
+    try:
+        changed = os.stat(path).st_mtime
+        if os.path.isdir(path):  # a sharded save's directory: its files change, not the directory itself
+            with os.scandir(path) as entries:
+                changed = max([changed, *(e.stat(follow_symlinks=False).st_mtime for e in entries)])
+    except OSError:
+        return False  # gone already, or unreadable: leave it
+    if time.time() - changed > STALE_AFTER_S:
+        return True
+    started = _proc_stat(pid)[1]
+    return started is not None and started > changed + 2.0  # 2 s: /proc's boot time is whole seconds
 
 
 def make_parents(target: Location) -> list[pathlib.PurePath]:

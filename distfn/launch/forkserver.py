@@ -18,14 +18,17 @@ is logged and tried again at the call, where it is a `ConfigError` naming the ca
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib
 import os
+import shutil
 import signal
 import socket
 import sys
 import sysconfig
 import threading
+import time
 import types
 from multiprocessing import connection as mp_connection
 from multiprocessing import forkserver
@@ -100,7 +103,8 @@ def server_description() -> str:
 
 def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: bool = False) -> None:
     """The fork server's life: the standard library's loop, until the launching process is gone; then its socket
-    (``TMPDIR/pymp-*/listener-*``) is removed, and the directory with it when nothing else is in it.
+    (``TMPDIR/pymp-*/listener-*``) is removed, and the directory with it when nothing else is in it, or, when
+    the launching process died, whole once its other users had time to end (`_remove_socket`).
 
     The launching process may die by SIGKILL, when none of its own clean-up runs: the server then gets SIGTERM
     from the kernel (``PR_SET_PDEATHSIG``), and the standard library's loop ends anyway when the "alive" pipe
@@ -117,35 +121,58 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: 
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, parent_died)
-    die_with_parent(parent_pid, SERVER_NAME, sig=signal.SIGTERM)
+    die_with_parent(0, SERVER_NAME, sig=signal.SIGTERM)  # a parent gone already: seen below, inside the try
     # This process only forks ranks: its objects stay out of the cyclic collector for good, in it and in the ranks
     # it forks (see `process.frozen_heap`: in a copy of a process that imported torch, the preload below would
     # otherwise trigger a full pass over torch's objects, 100-300 ms of CPU taken from the launching process).
     gc.freeze()
     try:
+        if os.getppid() != parent_pid:  # it died before prctl took effect: clean up as for its SIGTERM
+            raise SystemExit(0)
         _prepare(copy)  # before the loop: a launch that comes sooner waits in the listener's queue
         gc.freeze()  # and what the preparation made
         forkserver.main(listener_fd, alive_r, [])  # preload nothing more: done above
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _remove_socket(address)
+        _remove_socket(address, orphaned=os.getppid() != parent_pid)
 
 
-def _remove_socket(address: str) -> None:
+#: How long a server whose launching process died waits for the rest of that process's multiprocessing
+#: directory to go (sockets of processes still ending: a DataLoader worker notices a dead parent within 5 s and
+#: unlinks its own) before it removes the directory whole.
+LINGER_S: Final = 6.0
+
+
+def _remove_socket(address: str, orphaned: bool = False) -> None:
+    """Remove the server's socket, and its directory (multiprocessing's ``pymp-*`` of the launching process)
+    when nothing else is in it. ``orphaned``: the launching process is dead (SIGKILL: its own clean-up, which
+    removes that directory, never ran), so the directory goes whole once its other users had `LINGER_S` to end:
+    the ranks forked from this server or from the launcher inherit it as *their* multiprocessing directory, and
+    what they left in it (a rank's listener socket, killed with the launcher) would keep it for good."""
     if mp_util.is_abstract_socket_namespace(address):
         return
-    for remove in (os.unlink, os.rmdir):  # rmdir: only an empty directory (multiprocessing's pymp-*)
+    with contextlib.suppress(OSError):
+        os.unlink(address)
+    directory = os.path.dirname(address)
+    if not orphaned or not os.path.basename(directory).startswith("pymp-"):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)  # only an empty directory: the launching process removes its own at exit
+        return
+    deadline = time.monotonic() + LINGER_S
+    while time.monotonic() < deadline:
         try:
-            remove(address)
+            if not os.listdir(directory):
+                break
         except OSError:
-            return
-        address = os.path.dirname(address)
+            return  # gone already
+        time.sleep(0.1)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def serve(listener_fd: int, alive_r: int, parent_pid: int, address: str) -> None:
-    """Entry point of a fork server started as a fresh interpreter (see `start_server`)."""
-    die_with_parent(parent_pid, SERVER_NAME)  # SIGKILL while it imports torch: nothing to remove yet
-    _preload()
+    """Entry point of a fork server started as a fresh interpreter (see `start_server`). The launching process
+    may die while this one still imports torch (seconds): `_serve` is ready for that (its SIGTERM and the
+    socket's removal) before the import, which `_prepare` does."""
     _serve(listener_fd, alive_r, address, parent_pid)
 
 

@@ -184,8 +184,13 @@ def _entry(
         message = protocol.run_rank(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store,
                                     deliver=deliver, pack=_pickle_result)
     if message[0] == "error":
-        sys.stderr.flush()
+        _flush_stderr()
         os._exit(1)
+
+
+def _flush_stderr() -> None:
+    if sys.stderr is not None:  # None: started with stderr closed (``2>&-``)
+        sys.stderr.flush()
 
 
 def _pickle_result(result: Any) -> bytes:

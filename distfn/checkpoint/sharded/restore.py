@@ -199,5 +199,6 @@ def _plan_mapping(job: _Restore, into: Mapping[str, Any], nodes: Mapping[Any, An
             obj, node = value, nodes[key]
             job.after.append(lambda obj=obj, node=node: obj.load_state_dict(fmt.decode(node, job.chunks, dev)))
         elif value is not None:
+            fmt.refuse_plain_loader(value, nodes[key], str(key))  # a torch DataLoader: no position to take
             plain.add(key)
     return plain

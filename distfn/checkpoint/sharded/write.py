@@ -42,12 +42,10 @@ def remove_partials(directory: Location) -> None:
     """Remove the hidden directories of sharded saves whose rank 0 (on this host) no longer runs.
 
     A killed save leaves ``.<name>.<host>.<pid>.<random>.distfn-partial``; it is never a checkpoint (`latest`
-    skips hidden names) and the next sharded save into the same parent removes it. Another host's or a live
-    writer's directory is left alone.
+    skips hidden names) and the next save into the same parent removes it (a file save's too). Another host's or
+    a live writer's directory is left alone (`distfn.checkpoint.storage.dead_leftovers`).
     """
-    for name, pid in storage.dead_leftovers(directory, PARTIAL):
-        directory.fs.remove_tree(directory.path / name)
-        logger.debug("removed {} left by a killed sharded save (pid {})", name, pid)
+    storage.remove_stale_tmps(directory)  # and the temporary files of killed file saves
 
 
 def _encode(obj: Any, metadata: Mapping[str, Any] | None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
