@@ -111,6 +111,8 @@ def strict_json(raw: bytes | str) -> Any:
     Raises:
         ValueError: naming what is wrong (``UnicodeDecodeError`` for bytes that are not UTF-8).
     """
+    if not isinstance(raw, (bytes, str)):
+        raise ValueError(f"expected JSON text, found {brief(raw)}")
     text = raw.decode("utf-8") if isinstance(raw, bytes) else raw  # strict: invalid bytes raise
     depth = nesting(raw)
     if depth > MAX_DEPTH:

@@ -109,8 +109,8 @@ def _index_shapes(d: Location, meta: Mapping[str, Any]) -> dict[str, tuple[str, 
         ok = isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and spec["dtype"] in fmt.FROM_CODE
         shape = spec.get("shape") if isinstance(spec, dict) else None
         # the same bound as a shard's own shapes: a zero-element [0, 10**30] would otherwise reach torch.empty
-        problem = fmt.shape_problem(shape, fmt.FROM_CODE[spec["dtype"]].itemsize) if ok else None
-        if not ok or problem is not None:
+        problem = fmt.shape_problem(shape, fmt.FROM_CODE[spec["dtype"]].itemsize) if ok else "no dtype"
+        if problem is not None or not isinstance(shape, list):
             raise _bad(d, f"the index's entry for tensor '{name}' is {fmt.brief(spec)}: it needs a known dtype and "
                           f"a shape of at most {fmt.MAX_NDIM} non-negative ints that fits a tensor")
         out[name] = (spec["dtype"], tuple(shape))
