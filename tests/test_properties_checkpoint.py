@@ -26,19 +26,19 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra: pip install 'distfn[test]')")
 
-import torch  # noqa: E402
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from test_checkpoint_damaged import B, W, _two_shards
+from torch import nn
 
-import distfn  # noqa: E402
-from distfn import CheckpointError  # noqa: E402
-from distfn import tree as walker  # noqa: E402
-from distfn.checkpoint import consolidate, sharded  # noqa: E402
-from distfn.checkpoint import format as fmt  # noqa: E402
-from distfn.checkpoint.layout import INDEX, resolve  # noqa: E402
-from test_checkpoint_damaged import B, W, _two_shards  # noqa: E402
+import distfn
+from distfn import CheckpointError
+from distfn import tree as walker
+from distfn.checkpoint import consolidate, sharded
+from distfn.checkpoint import format as fmt
+from distfn.checkpoint.layout import INDEX, resolve
 
 #: The most one hostile input may take (a loaded 2-core CI machine; an honest parse takes milliseconds).
 QUICK_S = 5.0
@@ -220,7 +220,7 @@ def test_nesting_over_the_limit_is_refused_before_parsing_at_any_depth(depth: in
         assert f"over the limit of {fmt.MAX_DEPTH}" in str(results[0])
 
 
-@FEW
+@settings(FEW, max_examples=60)
 @given(tagged, st.sampled_from(["tree", "metadata", "aliases"]))
 def test_any_saved_tree_restores_or_is_a_checkpoint_error_and_changes_nothing(node: Any, where: str) -> None:
     """A hostile tree over real tensors: restoring a model, an optimizer and a step from it either works or changes

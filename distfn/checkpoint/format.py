@@ -162,24 +162,23 @@ class _Encoder:
         """The JSON node of ``obj``; ``depth`` is the JSON nesting of the node being built (bounded by `MAX_DEPTH`,
         so that every file written can be read back, and a value containing itself is an error, not a
         ``RecursionError``)."""
-        if depth >= MAX_DEPTH:  # already inside MAX_DEPTH containers: one more would be too deep to read
-            raise CheckpointError(
-                f"cannot save the value at '{_short_path(path)}': it is nested deeper than {MAX_DEPTH} levels (the "
-                "most a checkpoint's JSON may hold; does a container or state_dict() contain itself?). Nothing was "
-                "written."
-            )
+        if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)) or (
+                isinstance(obj, float) and math.isfinite(obj)):
+            return obj
+        if depth >= MAX_DEPTH:  # inside MAX_DEPTH containers already: no room for one more (every node below is)
+            raise _too_deep(path)
+        if isinstance(obj, float):
+            return {"__float__": repr(obj)}
         if isinstance(obj, torch.Tensor):
             return {"__tensor__": self._tensor(obj, path)}
         if isinstance(obj, nn.Module):
             return self.encode(unwrap_module(obj).state_dict(), path, depth + 1)
-        if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
-            return obj
-        if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {"__float__": repr(obj)}
         if isinstance(obj, Mapping):
             return self._mapping(obj, path, depth)
         if isinstance(obj, (tuple, list)):
-            inner = depth + (2 if isinstance(obj, tuple) else 1)  # a tuple is {"__tuple__": [...]}
+            inner = depth + (2 if isinstance(obj, tuple) else 1)  # a tuple is {"__tuple__": [...]}: two levels
+            if inner > MAX_DEPTH:
+                raise _too_deep(path)
             items = [self.encode(v, (*path, i), inner) for i, v in tree.children(obj)]
             return {"__tuple__": items} if isinstance(obj, tuple) else items
         if isinstance(obj, torch.dtype):
@@ -219,6 +218,8 @@ class _Encoder:
         pairs = tree.children(obj)
         if all(isinstance(k, str) and not k.startswith("__") for k, _ in pairs):
             return {k: self.encode(v, (*path, k), depth + 1) for k, v in pairs}
+        if depth + 3 > MAX_DEPTH:  # {"__dict__": [[key, value], ...]}: three levels
+            raise _too_deep(path)
         items = []
         for k, v in pairs:
             if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
@@ -252,6 +253,12 @@ class _Encoder:
         shape = tuple(int(s) for s in tensor.shape)
         self.entries.append(Entry(name, tensor, code, shape, tensor.numel() * tensor.element_size()))
         return name
+
+
+def _too_deep(path: Sequence[Any]) -> CheckpointError:
+    return CheckpointError(f"cannot save the value at '{_short_path(path)}': it is nested deeper than {MAX_DEPTH} "
+                           "levels (the most a checkpoint's JSON may hold; does a container or state_dict() contain "
+                           "itself?). Nothing was written.")
 
 
 def _short_path(path: Sequence[Any]) -> str:
