@@ -224,3 +224,35 @@ def test_consolidate_into_the_checkpoints_own_directory_is_refused_and_changes_n
     assert torch.equal(load_file(out)["model.w"], W)
     with pytest.raises(CheckpointError, match="inside the checkpoint directory"):
         consolidate(d, f"file://{d}/z.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["groups not a list", "a group without params", "params out of range",
+                                    "state for no parameter", "state keyed by a word"])
+def test_a_hostile_optimizer_state_in_the_tree_changes_nothing(tmp_path: Path, damage: str) -> None:
+    """Issue 41: each was a bare TypeError / ValueError / IndexError from sharded.load_into, the IndexError after
+    the model had already been restored."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    d = sharded.save({"model": model, "opt": opt, "step": 3}, tmp_path / "ckpt-3")
+    index = json.loads((d / INDEX).read_text())
+    tree = json.loads(index["metadata"]["distfn.tree"])
+    groups, state = tree["opt"]["param_groups"], tree["opt"]["state"]["__dict__"]
+    if damage == "groups not a list":
+        tree["opt"]["param_groups"] = 5
+    elif damage == "a group without params":
+        groups[0].pop("params")
+    elif damage == "params out of range":
+        groups[0]["params"] = [0, 7]
+    elif damage == "state for no parameter":
+        state.append([9, state[0][1]])
+    else:
+        state[0][0] = "x"
+    index["metadata"]["distfn.tree"] = json.dumps(tree)
+    (d / INDEX).write_text(json.dumps(index))
+    fresh = torch.nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"'opt'"):
+        sharded.load_into(d, {"model": fresh, "opt": torch.optim.Adam(fresh.parameters()), "step": 0})
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
