@@ -36,7 +36,7 @@ from torch import nn
 import distfn
 from distfn import CheckpointError
 from distfn import tree as walker
-from distfn.checkpoint import consolidate, sharded
+from distfn.checkpoint import consolidate, sharded, untrusted
 from distfn.checkpoint import format as fmt
 from distfn.checkpoint.layout import INDEX, resolve
 
@@ -218,6 +218,46 @@ def test_nesting_over_the_limit_is_refused_before_parsing_at_any_depth(depth: in
     if depth > fmt.MAX_DEPTH:
         assert isinstance(results[0], CheckpointError) and results[2] is None
         assert f"over the limit of {fmt.MAX_DEPTH}" in str(results[0])
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+tricky_text = st.text(alphabet='[]{}"\\ab,:', max_size=12)
+tricky_json = st.recursive(st.none() | st.integers() | tricky_text,
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(tricky_text, inner, max_size=3),
+                           max_leaves=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tricky_json, st.integers(0, 200))
+def test_the_depth_scan_measures_exactly_the_nesting_json_parses(value: Any, wrap: int) -> None:
+    """Strings full of brackets, quotes and backslashes never count; every real level does."""
+    value = [value] if wrap == 0 else value
+    for _ in range(wrap):
+        value = {"k": value}
+    text = json.dumps(value)
+    assert untrusted.nesting(text) == _depth(value) or untrusted.nesting(text) == text.count("[") + text.count("{")
+    assert untrusted.nesting(text.encode()) == untrusted.nesting(text)
+    parsed = _settled(lambda: untrusted.strict_json(text)) if _depth(value) <= fmt.MAX_DEPTH else None
+    assert parsed is None or parsed == value
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet='[]{}"\\a,:0 ', max_size=300), st.integers(0, 2000))
+def test_no_text_makes_the_parser_recurse_past_the_limit(text: str, depth: int) -> None:
+    """Whatever the text (not JSON included), strict_json either parses it within the limit or raises ValueError
+    before json.loads recurses: never a RecursionError."""
+    for candidate in (text, "[" * depth + text, text + "[" * depth + '"' + text):
+        try:
+            untrusted.strict_json(candidate)
+        except ValueError:
+            pass
 
 
 @settings(FEW, max_examples=60)

