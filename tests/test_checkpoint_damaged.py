@@ -174,3 +174,85 @@ def test_consolidate_on_hostile_input_prints_one_line_and_writes_nothing(tmp_pat
     assert len(lines) == 1 and lines[0].startswith("distfn consolidate: "), done.stderr
     assert "Traceback" not in done.stderr and not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-3"]
+
+
+_DEEP = "[" * 100_000 + "]" * 100_000  # json.loads recurses once per level: a RecursionError before issue 41
+
+
+@pytest.mark.parametrize("where", ["index", "tensors", "tree", "shard sharding info"])
+def test_metadata_nested_100000_deep_is_a_checkpoint_error_and_latest_skips_it(tmp_path: Path, where: str,
+                                                                              warnings_seen) -> None:
+    """Issue 41 item 19: a bare RecursionError from distfn.load, load_into, consolidate and latest (so one such
+    directory broke every resume from its parent)."""
+    older = _two_shards(tmp_path / "ckpt-2")
+    d = _two_shards(tmp_path / "ckpt-3")
+    if where == "index":
+        (d / INDEX).write_text('{"metadata": {}, "weight_map": {}, "x": ' + _DEEP + "}")
+    elif where == "tensors":
+        _edit_index(d, lambda i: i["metadata"].update({"distfn.tensors": _DEEP}))
+    elif where == "tree":
+        _edit_index(d, lambda i: i["metadata"].update({"distfn.tree": _DEEP}))
+    else:
+        shard = d / "shard-00002-model-00001-of-00001.safetensors"
+        meta = {"format": "pt", "DCP_SHARDING_INFO": _DEEP, "DCP_VERSION": "1.0"}
+        save_file({"model.w": W[2:].clone()}, str(shard), metadata=meta)
+    _every_reader_refuses(d, r"ckpt-3.*(nested 100000 levels deep|over the limit of 128)", tmp_path)
+    assert distfn.latest(tmp_path) == older
+    assert sum("ckpt-3" in w and "nested" in w for w in warnings_seen) == 1
+
+
+def test_consolidate_into_the_checkpoints_own_directory_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """Issue 41 item 19: ``distfn consolidate ckpt ckpt/one.safetensors`` exited 0 and left the source unloadable
+    (every .safetensors file in the directory is read as a shard). Refused, from the function and the CLI, for the
+    directory itself, a shard's name, a new name in it, and the same place spelt with '..' or through a symlink."""
+    d = _two_shards(tmp_path / "run" / "ckpt-3")
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    (tmp_path / "alias").symlink_to(d)
+    targets = [d / "one.safetensors", d, d / "shard-00002-model-00001-of-00001.safetensors",
+               tmp_path / "run" / ".." / "run" / "ckpt-3" / "x.safetensors", tmp_path / "alias" / "y.safetensors"]
+    for out in targets:
+        with pytest.raises(CheckpointError, match=r"inside the checkpoint directory.*Nothing was written"):
+            consolidate(d, out)
+    done = run_python(["-m", "distfn", "consolidate", str(d), str(d / "one.safetensors")])
+    assert done.returncode == 1 and "inside the checkpoint directory" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    got = distfn.load(d)
+    assert torch.equal(got["model.w"], W) and torch.equal(got["model.b"], B)
+    # next to it is fine, and through the same file:// store spelling too
+    out = consolidate(d, tmp_path / "run" / "ckpt-3.safetensors")
+    assert torch.equal(load_file(out)["model.w"], W)
+    with pytest.raises(CheckpointError, match="inside the checkpoint directory"):
+        consolidate(d, f"file://{d}/z.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["groups not a list", "a group without params", "params out of range",
+                                    "state for no parameter", "state keyed by a word"])
+def test_a_hostile_optimizer_state_in_the_tree_changes_nothing(tmp_path: Path, damage: str) -> None:
+    """Issue 41: each was a bare TypeError / ValueError / IndexError from sharded.load_into, the IndexError after
+    the model had already been restored."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    d = sharded.save({"model": model, "opt": opt, "step": 3}, tmp_path / "ckpt-3")
+    index = json.loads((d / INDEX).read_text())
+    tree = json.loads(index["metadata"]["distfn.tree"])
+    groups, state = tree["opt"]["param_groups"], tree["opt"]["state"]["__dict__"]
+    if damage == "groups not a list":
+        tree["opt"]["param_groups"] = 5
+    elif damage == "a group without params":
+        groups[0].pop("params")
+    elif damage == "params out of range":
+        groups[0]["params"] = [0, 7]
+    elif damage == "state for no parameter":
+        state.append([9, state[0][1]])
+    else:
+        state[0][0] = "x"
+    index["metadata"]["distfn.tree"] = json.dumps(tree)
+    (d / INDEX).write_text(json.dumps(index))
+    fresh = torch.nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"'opt'"):
+        sharded.load_into(d, {"model": fresh, "opt": torch.optim.Adam(fresh.parameters()), "step": 0})
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())

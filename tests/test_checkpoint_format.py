@@ -186,3 +186,74 @@ def test_loaded_tensors_own_exactly_their_bytes_of_the_map(tmp_path: pathlib.Pat
         t = loaded[name]
         assert t.shape == value.shape and torch.equal(t, value), name
         assert t.untyped_storage().nbytes() == value.numel() * 4, name
+
+
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(("case", "raw", "message"), [
+    ("header 100,000 deep", b'{"x": ' + _DEEP.encode() + b"}", "nested 100001 levels deep"),
+    ("tree 100,000 deep", json.dumps({"__metadata__": {"distfn.tree": _DEEP}}).encode(), "nested 100000 levels deep"),
+    ("metadata 100,000 deep", json.dumps({"__metadata__": {"distfn.tree": "{}", "distfn.metadata": _DEEP}}).encode(),
+     "nested 100000 levels deep"),
+    ("129 deep", b'{"x": ' + ("[" * 128 + "]" * 128).encode() + b"}", "over the limit of 128"),
+    ("UTF-16", '{"a": 1}'.encode("utf-16-le"), "corrupt safetensors header"),
+    ("not UTF-8", b'{"\xff": 1}', "can't decode byte 0xff"),
+    ("duplicate tensor", b'{"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "a": 1}', "appears twice"),
+    ("NaN", b'{"__metadata__": {}, "a": NaN}', "NaN is not JSON"),
+    ("lone surrogate", b'{"\\ud800": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}', "lone surrogate"),
+    ("zero elements, huge dims", b'{"a": {"dtype": "F32", "shape": [0, 1267650600228229401496703205376], '
+     b'"data_offsets": [0, 0]}}', "too large for a tensor"),
+    ("65 dimensions", json.dumps({"a": _f32([1] * 65, 0, 4)}).encode(), "over the limit of 64"),
+    ("a __dict__ key that is a list", json.dumps({"__metadata__": {"distfn.tree": '{"d": {"__dict__": [[[1], 2]]}}'}}
+                                                 ).encode(), "cannot be a mapping key"),
+])
+def test_hostile_headers_are_checkpoint_errors_and_latest_skips_them(tmp_path: pathlib.Path, case: str, raw: bytes,
+                                                                     message: str) -> None:
+    """Issue 41: each was a bare RecursionError (depth: from load, load_into and latest, so one such file broke every
+    resume from its directory), TypeError/RuntimeError at the first use, or accepted where the safetensors library
+    refuses it (UTF-16, duplicate keys: two readers seeing two files; NaN; lone surrogates)."""
+    raw += b" " * (-(8 + len(raw)) % 8)
+    data = bytes(4) if case == "65 dimensions" else b""
+    path = tmp_path / "ckpt-5.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    readers = [lambda p: checkpoint.load_into(p, {})]  # reads all of it; the others what they need
+    if "metadata" in case:
+        readers.append(checkpoint.read_metadata)
+    elif "tree" not in case and "key" not in case:
+        readers += [checkpoint.load, checkpoint.read_metadata]
+    for read in readers:
+        with pytest.raises(CheckpointError, match=r"ckpt-5\.safetensors") as info:
+            read(path)
+        assert message in str(info.value), (case, str(info.value)[:300])
+    good = checkpoint.save({"w": torch.ones(1)}, tmp_path / "ckpt-1.safetensors")
+    assert checkpoint.latest(tmp_path) == good
+
+
+def test_a_value_nested_deeper_than_a_file_may_hold_is_refused_at_the_save(tmp_path: pathlib.Path) -> None:
+    """Issue 41: the encoder recursed without bound (a RecursionError at 1,000 levels, a cycle likewise) and wrote
+    files up to that depth which no reader (distfn's now, or safetensors') could open."""
+    deep: object = 1
+    for _ in range(127):
+        deep = [deep]
+    path = checkpoint.save({"v": deep}, tmp_path / "ok.safetensors")  # 128 levels with the top-level mapping
+    assert checkpoint.load_into(path, {})["v"] == deep
+    for value in ([deep], {"k": deep}, (deep,)):
+        with pytest.raises(CheckpointError, match=r"at 'v\.0.*nested deeper than 128|at 'v.*nested deeper than 128"):
+            checkpoint.save({"v": value}, tmp_path / "x.safetensors")
+    cycle: list = []
+    cycle.append(cycle)
+    with pytest.raises(CheckpointError, match="contain itself"):
+        checkpoint.save({"v": cycle}, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.xfail(reason="storage._is_json (storage.py, another change's) parses a pickle-suffixed file's header with "
+                          "a bare json.loads: a RecursionError; reported with issue 41 (fix: fmt.strict_json)")
+def test_a_deep_header_in_a_pickle_suffixed_file_is_a_checkpoint_error(tmp_path: pathlib.Path) -> None:
+    raw = b'{"x": ' + _DEEP.encode() + b"}"
+    raw += b" " * (-(8 + len(raw)) % 8)
+    path = tmp_path / "model.pt"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    with pytest.raises(CheckpointError, match=r"model\.pt"):
+        checkpoint.load(path)

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from .. import tree
 from ..errors import CheckpointError
 from ..modules import unwrap_module
+from .untrusted import MAX_DEPTH, MAX_NDIM, brief, natural, shape_problem, strict_json
 
 __all__ = [
     "DTYPES",
@@ -34,7 +35,9 @@ __all__ = [
     "KEY_ALIASES",
     "KEY_METADATA",
     "KEY_TREE",
+    "MAX_DEPTH",
     "MAX_HEADER",
+    "MAX_NDIM",
     "TAGS",
     "Entry",
     "Header",
@@ -43,6 +46,7 @@ __all__ = [
     "Span",
     "TensorSource",
     "as_plain_dict",
+    "brief",
     "check",
     "check_tree",
     "decode",
@@ -53,6 +57,7 @@ __all__ = [
     "kind",
     "layout",
     "memory_key",
+    "natural",
     "parse_header",
     "path_str",
     "plan",
@@ -62,6 +67,8 @@ __all__ = [
     "saved_metadata",
     "saved_tree",
     "select",
+    "shape_problem",
+    "strict_json",
 ]
 
 FORMAT_VERSION: Final = "1"
@@ -152,33 +159,42 @@ class _Encoder:
         self._by_name: dict[str, str] = {}  # every tensor name (stored or alias) -> the path that produced it
         self._by_memory: dict[Hashable, str] = {}
 
-    def encode(self, obj: Any, path: tuple[Any, ...]) -> Any:
+    def encode(self, obj: Any, path: tuple[Any, ...], depth: int = 0) -> Any:
+        """The JSON node of ``obj``; ``depth`` is the JSON nesting of the node being built (bounded by `MAX_DEPTH`,
+        so that every file written can be read back, and a value containing itself is an error, not a
+        ``RecursionError``)."""
+        if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)) or (
+                isinstance(obj, float) and math.isfinite(obj)):
+            return obj
+        if depth >= MAX_DEPTH:  # inside MAX_DEPTH containers already: no room for one more (every node below is)
+            raise _too_deep(path)
+        if isinstance(obj, float):
+            return {"__float__": repr(obj)}
         if isinstance(obj, torch.Tensor):
             return {"__tensor__": self._tensor(obj, path)}
         if isinstance(obj, nn.Module):
-            return self.encode(unwrap_module(obj).state_dict(), path)
-        if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
-            return obj
-        if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+            return self.encode(unwrap_module(obj).state_dict(), path, depth + 1)
         if isinstance(obj, Mapping):
-            return self._mapping(obj, path)
+            return self._mapping(obj, path, depth)
         if isinstance(obj, (tuple, list)):
-            items = [self.encode(v, (*path, i)) for i, v in tree.children(obj)]
+            inner = depth + (2 if isinstance(obj, tuple) else 1)  # a tuple is {"__tuple__": [...]}: two levels
+            if inner > MAX_DEPTH:
+                raise _too_deep(path)
+            items = [self.encode(v, (*path, i), inner) for i, v in tree.children(obj)]
             return {"__tuple__": items} if isinstance(obj, tuple) else items
         if isinstance(obj, torch.dtype):
             return {"__dtype__": str(obj).removeprefix("torch.")}
         if isinstance(obj, torch.device):
             return {"__device__": str(obj)}
-        return self._other(obj, path)
+        return self._other(obj, path, depth)
 
-    def _other(self, obj: Any, path: tuple[Any, ...]) -> Any:
+    def _other(self, obj: Any, path: tuple[Any, ...], depth: int) -> Any:
         np = sys.modules.get("numpy")
         if np is not None:
             if isinstance(obj, np.ndarray):
                 return {"__ndarray__": self._tensor(torch.from_numpy(obj), path)}
             if isinstance(obj, np.generic):
-                return self.encode(obj.item(), path)
+                return self.encode(obj.item(), path, depth + 1)
         if is_stateful(obj):
             try:
                 state = obj.state_dict()
@@ -186,7 +202,7 @@ class _Encoder:
                 raise CheckpointError(
                     f"cannot save {type(obj).__name__} at '{path_str(path)}': its state_dict() failed: {exc}"
                 ) from exc
-            return self.encode(state, path)
+            return self.encode(state, path, depth + 1)
         if isinstance(obj, DataLoader):  # a loader made outside a job: name the one whose position is state
             raise CheckpointError(
                 f"cannot save the {type(obj).__qualname__} at '{path_str(path)}': a torch DataLoader has no position "
@@ -199,10 +215,12 @@ class _Encoder:
             "JSON-like value (None, bool, int, float, str, list, tuple, dict). Nothing was written."
         )
 
-    def _mapping(self, obj: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
+    def _mapping(self, obj: Mapping[Any, Any], path: tuple[Any, ...], depth: int) -> Any:
         pairs = tree.children(obj)
         if all(isinstance(k, str) and not k.startswith("__") for k, _ in pairs):
-            return {k: self.encode(v, (*path, k)) for k, v in pairs}
+            return {k: self.encode(v, (*path, k), depth + 1) for k, v in pairs}
+        if depth + 3 > MAX_DEPTH:  # {"__dict__": [[key, value], ...]}: three levels
+            raise _too_deep(path)
         items = []
         for k, v in pairs:
             if not isinstance(k, (str, int, float, bool, tuple)) and k is not None:
@@ -210,7 +228,8 @@ class _Encoder:
                     f"cannot save the mapping at '{path_str(path)}': key {k!r} of type {type(k).__qualname__} "
                     "is not a str, int, float, bool, None or tuple. Nothing was written."
                 )
-            items.append([self.encode(k, (*path, "<key>")), self.encode(v, (*path, k))])
+            # {"__dict__": [[key, value], ...]}: the pair list is three levels below the mapping's own
+            items.append([self.encode(k, (*path, "<key>"), depth + 3), self.encode(v, (*path, k), depth + 3)])
         return {"__dict__": items}
 
     def _tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
@@ -235,6 +254,19 @@ class _Encoder:
         shape = tuple(int(s) for s in tensor.shape)
         self.entries.append(Entry(name, tensor, code, shape, tensor.numel() * tensor.element_size()))
         return name
+
+
+def _too_deep(path: Sequence[Any]) -> CheckpointError:
+    return CheckpointError(f"cannot save the value at '{_short_path(path)}': it is nested deeper than {MAX_DEPTH} "
+                           "levels (the most a checkpoint's JSON may hold; does a container or state_dict() contain "
+                           "itself?). Nothing was written.")
+
+
+def _short_path(path: Sequence[Any]) -> str:
+    """`path_str` of a path that may be very deep: its first and last few keys."""
+    if len(path) <= 12:
+        return path_str(path)
+    return f"{path_str(path[:6])}...({len(path) - 12} more)...{path_str(path[-6:])}"
 
 
 def memory_key(t: torch.Tensor) -> Hashable:
@@ -356,16 +388,17 @@ class Header:
 def parse_header(path: pathlib.PurePath, raw: bytes, size: int) -> Header:
     """Check the JSON header ``raw`` of the ``size``-byte file ``path`` (its 8-byte length prefix excluded).
 
-    As strict as the safetensors library: every entry has a known dtype, a shape of non-negative ints and
-    ``data_offsets`` whose length matches them; sorted by offset the tensors tile the data exactly (no overlap,
+    As strict as the safetensors library (`strict_json`: UTF-8, at most `MAX_DEPTH` levels, no duplicate key):
+    every entry has a known dtype, a shape of non-negative ints (`shape_problem`) and ``data_offsets`` whose length
+    matches them; sorted by offset the tensors tile the data exactly (no overlap,
     no hole) up to the end of the file; ``__metadata__`` is a map of strings.
 
     Raises:
         CheckpointError: naming the file and what is wrong with it.
     """
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
+        header = strict_json(raw)
+    except ValueError as exc:  # UnicodeDecodeError too
         raise CheckpointError(f"'{path}' has a corrupt safetensors header: {exc}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"'{path}' has a corrupt safetensors header (not a JSON object)")
@@ -400,10 +433,12 @@ def _span(path: pathlib.PurePath, name: str, info: Any) -> Span:
         code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         dtype = FROM_CODE.get(code) if type(code) is str else None
         if (dtype is not None and type(shape) is list and type(offsets) is list and len(offsets) == 2
-                and all(type(d) is int and d >= 0 for d in shape)):
+                and len(shape) <= MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
             begin, stop = offsets
-            if (type(begin) is int and type(stop) is int and begin >= 0
-                    and stop - begin == math.prod(shape) * dtype.itemsize):
+            nbytes = math.prod(shape) * dtype.itemsize
+            # zero bytes: the dimensions are bounded by nothing else (see shape_problem); otherwise by the file size
+            if (type(begin) is int and type(stop) is int and begin >= 0 and stop - begin == nbytes
+                    and (nbytes or shape_problem(shape) is None)):
                 return dtype, tuple(shape), begin, stop
     raise _span_problem(path, name, info)
 
@@ -417,19 +452,17 @@ def _span_problem(path: pathlib.PurePath, name: str, info: Any) -> CheckpointErr
         return bad("it needs dtype, shape and data_offsets")
     dtype = FROM_CODE.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
-        return CheckpointError(f"'{path}': tensor '{name}' has dtype {info['dtype']!r}, unknown to this torch")
+        return CheckpointError(f"'{path}': tensor '{name}' has dtype {brief(info['dtype'])}, unknown to this torch")
     shape, offsets = info["shape"], info["data_offsets"]
-    if not isinstance(shape, list) or not all(_natural(d) for d in shape):
-        return bad(f"shape {shape!r} is not a list of non-negative ints")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(x) for x in offsets):
-        return bad(f"data_offsets {offsets!r} is not two non-negative ints")
+    problem = shape_problem(shape, dtype.itemsize)
+    if problem is not None:
+        return bad(problem)
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(natural(x) for x in offsets):
+        return bad(f"data_offsets {brief(offsets)} is not two non-negative ints")
     begin, stop = offsets
     nbytes = math.prod(shape) * dtype.itemsize
-    return bad(f"data_offsets {offsets} hold {stop - begin} bytes, shape {shape} of {info['dtype']} needs {nbytes}")
-
-
-def _natural(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return bad(f"data_offsets {brief(offsets)} hold {brief(stop - begin)} bytes, shape {brief(shape)} of "
+               f"{info['dtype']} needs {brief(nbytes)}")
 
 
 def json_entry(header: Header, key: str, default: Any) -> Any:
@@ -439,7 +472,7 @@ def json_entry(header: Header, key: str, default: Any) -> Any:
     if raw is None:
         return default
     try:
-        return json.loads(raw)
+        return strict_json(raw)
     except ValueError as exc:
         raise CheckpointError(f"'{header.path}' has corrupt distfn metadata: {key} is not JSON ({exc})") from None
 
@@ -545,27 +578,48 @@ def check_tree(node: Any, tensors: Mapping[str, Any] | None, path: pathlib.PureP
                 stack.extend(item.values())
 
 
+def _key_node(node: Any) -> bool:
+    """Whether ``node`` decodes to a hashable value (what the encoder writes for a mapping key: a scalar, a float
+    name, a dtype, a device, a tensor, or a tuple of those), so that decoding its mapping cannot raise TypeError."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            return False
+        if isinstance(item, dict):
+            if len(item) != 1 or next(iter(item)) not in ("__float__", "__dtype__", "__device__", "__tensor__",
+                                                          "__tuple__"):
+                return False
+            (tag, value), = item.items()
+            if tag == "__tuple__" and isinstance(value, list):
+                stack.extend(value)
+    return True
+
+
 def _tag_problem(tag: str, value: Any, tensors: Mapping[str, Any] | None) -> str | None:
     if tag in ("__tensor__", "__ndarray__"):
         if tensors is None:
-            return f"unexpected tensor reference {value!r}"
-        return None if isinstance(value, str) and value in tensors else f"{tag} names no stored tensor: {value!r}"
+            return f"unexpected tensor reference {brief(value)}"
+        return None if isinstance(value, str) and value in tensors else f"{tag} names no stored tensor: {brief(value)}"
     if tag == "__tuple__":
         return None if isinstance(value, list) else f"__tuple__ holds {type(value).__name__}, not a list"
     if tag == "__dict__":
         ok = isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)
-        return None if ok else "__dict__ must hold [key, value] pairs"
+        if not ok:
+            return "__dict__ must hold [key, value] pairs"
+        bad = next((p[0] for p in value if not _key_node(p[0])), None)
+        return None if bad is None else f"__dict__ has the key {brief(bad)}, which cannot be a mapping key"
     if tag == "__float__":
-        return None if isinstance(value, str) and value in _FLOATS else f"__float__ {value!r} is not nan/inf/-inf"
+        return None if isinstance(value, str) and value in _FLOATS else f"__float__ {brief(value)} is not nan/inf/-inf"
     if tag == "__dtype__":
-        return None if isinstance(value, str) and value in DTYPE_NAMES else f"__dtype__ {value!r} is not a dtype"
+        return None if isinstance(value, str) and value in DTYPE_NAMES else f"__dtype__ {brief(value)} is not a dtype"
     if isinstance(value, str):  # "__device__"
         try:
             torch.device(value)
         except (RuntimeError, ValueError, TypeError):
-            return f"__device__ {value!r} is not a device"
+            return f"__device__ {brief(value)} is not a device"
         return None
-    return f"__device__ {value!r} is not a device"
+    return f"__device__ {brief(value)} is not a device"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -582,7 +636,7 @@ class NoTensors:
     """A `TensorSource` for trees that must not reference tensors (metadata, mapping keys)."""
 
     def get(self, name: str, device: torch.device | None = None) -> torch.Tensor:
-        raise CheckpointError(f"unexpected tensor reference {name!r} in metadata")
+        raise CheckpointError(f"unexpected tensor reference {brief(name)} in metadata")
 
 
 def decode(node: Any, reader: TensorSource, device: torch.device | None = None) -> Any:
@@ -603,7 +657,12 @@ def _decode_tag(tag: str, value: Any, reader: TensorSource, device: torch.device
     if tag == "__tensor__":
         return reader.get(value, device)
     if tag == "__ndarray__":
-        return reader.get(value, torch.device("cpu")).numpy()
+        tensor = reader.get(value, torch.device("cpu"))
+        try:
+            return tensor.numpy()
+        except (TypeError, RuntimeError) as exc:  # a dtype NumPy lacks (bfloat16, float8), or no NumPy installed
+            raise CheckpointError(f"the saved NumPy array '{value}' ({tensor.dtype}) cannot be rebuilt: {exc}"
+                                  ) from None
     if tag == "__tuple__":
         return tuple(decode(v, reader, device) for v in value)
     if tag == "__float__":
@@ -645,7 +704,7 @@ def kind(node: Any) -> str:
         return f"a mapping with keys {describe([str(k) for k in node])}"
     if isinstance(node, list):
         return "a list"
-    return f"the value {node!r}"
+    return f"the value {brief(node)}"
 
 
 def refuse_plain_loader(target: Any, node: Any, where: str) -> None:

@@ -15,10 +15,10 @@ and `consolidate` read through it; `distfn.checkpoint.sharded.restore` restores 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import pathlib
+import posixpath
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -80,8 +80,8 @@ def _read_index(d: Location) -> dict[str, Any]:
     """The index's JSON, read with a size cap; only its outer structure is checked here."""
     index_at = _member(d, INDEX, f"'{d}' is not a complete sharded checkpoint: it has no {INDEX}", f"its {INDEX}")
     try:
-        index = json.loads(d.fs.read_capped(index_at.path, MAX_INDEX))
-    except (OSError, ValueError) as exc:  # ValueError: over the cap, not UTF-8, not JSON
+        index = fmt.strict_json(d.fs.read_capped(index_at.path, MAX_INDEX))
+    except (OSError, ValueError) as exc:  # ValueError: over the cap, not UTF-8, not JSON, nested too deep
         raise CheckpointError(f"'{index_at}': unreadable {INDEX}: {exc}") from None
     if (not isinstance(index, dict) or not isinstance(index.get("metadata"), dict)
             or not isinstance(index.get("weight_map"), dict)
@@ -97,13 +97,9 @@ def plain_file_name(name: Any) -> bool:
             and not name.startswith("."))
 
 
-def _natural(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _index_shapes(d: Location, meta: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
     try:
-        raw = json.loads(meta.get(KEY_TENSORS, "{}"))
+        raw = fmt.strict_json(meta.get(KEY_TENSORS, "{}"))
     except (TypeError, ValueError) as exc:
         raise _bad(d, f"corrupt {KEY_TENSORS} in its index: {exc}") from None
     if not isinstance(raw, dict):
@@ -112,9 +108,11 @@ def _index_shapes(d: Location, meta: Mapping[str, Any]) -> dict[str, tuple[str, 
     for name, spec in raw.items():
         ok = isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and spec["dtype"] in fmt.FROM_CODE
         shape = spec.get("shape") if isinstance(spec, dict) else None
-        if not ok or not isinstance(shape, list) or not all(_natural(s) for s in shape):
-            raise _bad(d, f"the index's entry for tensor '{name}' is {spec!r}: it needs a known dtype and a shape "
-                          "of non-negative ints")
+        # the same bound as a shard's own shapes: a zero-element [0, 10**30] would otherwise reach torch.empty
+        problem = fmt.shape_problem(shape, fmt.FROM_CODE[spec["dtype"]].itemsize) if ok else "no dtype"
+        if problem is not None or not isinstance(shape, list):
+            raise _bad(d, f"the index's entry for tensor '{name}' is {fmt.brief(spec)}: it needs a known dtype and "
+                          f"a shape of at most {fmt.MAX_NDIM} non-negative ints that fits a tensor")
         out[name] = (spec["dtype"], tuple(shape))
     return out
 
@@ -124,8 +122,8 @@ def _shard_files(d: Location, weight_map: Mapping[Any, Any]) -> tuple[str, ...]:
     plain name of a regular file inside the directory (a symlink leaving it is refused)."""
     for tensor, file in weight_map.items():
         if not isinstance(tensor, str) or not plain_file_name(file):
-            raise _bad(d, f"its weight map names {file!r} for '{tensor}': only plain .safetensors file names inside "
-                          "the directory are accepted")
+            raise _bad(d, f"its weight map names {fmt.brief(file)} for {fmt.brief(tensor)}: only plain .safetensors "
+                          "file names inside the directory are accepted")
     listed = {n for n in d.fs.listdir(d.path) if n.endswith(SUFFIX) and not n.startswith(".")}
     files = sorted({*weight_map.values(), *listed})
     for file in files:
@@ -155,10 +153,10 @@ def _pieces(d: Location, files: tuple[str, ...], shapes: Mapping[str, tuple[str,
             offsets = info.get(name, {}).get(SAVED_OFFSETS) if isinstance(info.get(name), dict) else None
             offsets = [0] * len(shape) if offsets is None else offsets
             if (entry["dtype"] != code or not isinstance(offsets, list) or len(offsets) != len(full)
-                    or len(shape) != len(full) or not all(_natural(o) for o in offsets)
+                    or len(shape) != len(full) or not all(fmt.natural(o) for o in offsets)
                     or any(o + s > f for o, s, f in zip(offsets, shape, full, strict=True))):
-                raise _bad(d, f"{file} holds '{name}' as {entry['dtype']} {list(shape)} at offsets {offsets!r}, "
-                              f"which does not fit the index's {code} {list(full)}")
+                raise _bad(d, f"{file} holds '{name}' as {entry['dtype']} {list(shape)} at offsets "
+                              f"{fmt.brief(offsets)}, which does not fit the index's {code} {list(full)}")
             out.setdefault(name, []).append((file, tuple(offsets), shape))
     return out
 
@@ -189,6 +187,26 @@ def _check_tree(d: Location, index: dict[str, Any], shapes: Mapping[str, Any]) -
     if missing:
         raise _bad(d, f"tied names refer to tensors it does not hold: {fmt.describe(missing)}")
     return tree, aliases
+
+
+def _local_path(loc: Location) -> str | None:
+    """The real local path ``loc`` names (a local path, or a ``file://`` URL), or ``None`` for another store."""
+    if loc.fs.directories and isinstance(loc.path, pathlib.Path):
+        return os.path.realpath(loc.path)
+    if getattr(loc.path, "protocol", None) in ("file", "local"):
+        return os.path.realpath(getattr(loc.path, "key", str(loc.path)))
+    return None
+
+
+def _within(target: Location, directory: Location) -> bool:
+    """Whether ``target`` is ``directory`` or lies inside it, symlinks and ``..`` resolved (a local path and a
+    ``file://`` URL of the same place count as the same)."""
+    here, there = _local_path(target), _local_path(directory)
+    if here is None or there is None:
+        if type(target.fs) is not type(directory.fs):
+            return False
+        here, there = posixpath.normpath(str(target.path)), posixpath.normpath(str(directory.path))
+    return here == there or here.startswith(there.rstrip("/" + os.sep) + os.sep) or here.startswith(there + "/")
 
 
 def open_checkpoint(path: str | os.PathLike[str] | Location) -> Checkpoint:
@@ -287,7 +305,8 @@ def consolidate(path: str | os.PathLike[str] | Location, out: str | os.PathLike[
 
     Raises:
         CheckpointError: ``path`` does not exist, is already one file, or is not a complete, intact sharded
-            checkpoint; or the write failed (nothing is then left at ``out``).
+            checkpoint; ``out`` is inside the checkpoint directory (or is it); or the write failed (nothing is
+            then left at ``out``).
     """
     d, target = resolve(path), resolve(out)
     found = d.layout()
@@ -297,6 +316,12 @@ def consolidate(path: str | os.PathLike[str] | Location, out: str | os.PathLike[
         raise CheckpointError(f"'{d}' is already one file: there is nothing to consolidate (load it with "
                               "distfn.load)")
     checkpoint = open_checkpoint(d)
+    if _within(target, d):
+        # Every .safetensors file in the directory counts as a shard: one more there (or a shard replaced) would
+        # leave the checkpoint unloadable.
+        raise CheckpointError(f"cannot consolidate '{d}' into '{target}': that is inside the checkpoint directory, "
+                              "whose every .safetensors file is read as a shard (the checkpoint would no longer load)."
+                              f" Write it next to the directory instead, e.g. '{d}.safetensors'. Nothing was written.")
     dropped = {"total_size", KEY_TENSORS, KEY_LAYOUT, KEY_WORLD}
     meta = {k: str(v) for k, v in checkpoint.metadata.items() if k not in dropped}
     stand_ins = [fmt.Entry(name, torch.empty(full, dtype=fmt.FROM_CODE[code], device="meta"), code, full,

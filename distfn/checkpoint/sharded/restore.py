@@ -85,16 +85,29 @@ class _Restore:
         if saved is None or saved_state is None or "param_groups" not in saved:
             raise CheckpointError(f"'{where}' in the checkpoint is {fmt.kind(node)}, not an optimizer's state")
         groups = fmt.decode(saved["param_groups"], fmt.NoTensors())
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                   for g in groups):
+            raise CheckpointError(f"'{where}' in the checkpoint is not an optimizer's state: its param_groups are "
+                                  f"{fmt.brief(groups)}, not a list of groups with params. Nothing was changed.")
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
             raise CheckpointError(f"cannot load '{where}': the checkpoint's optimizer has param groups of sizes "
                                   f"{[len(g['params']) for g in groups]}, the live one "
                                   f"{[len(g['params']) for g in opt.param_groups]}. Nothing was changed.")
+        ids = [j for g in groups for j in g["params"]]
+        if sorted(ids, key=str) != sorted(range(len(ids)), key=str):  # torch numbers them 0..n-1 (key: any type)
+            raise CheckpointError(f"'{where}' in the checkpoint is not an optimizer's state: its param groups list "
+                                  f"the parameters {fmt.brief(ids)}, not 0..{len(ids) - 1} once each. Nothing was "
+                                  "changed.")
         model = owner_of(opt, modules, _NO_MODEL)
         named: Any = get_optimizer_state_dict(model, opt)  # creates the moments of a fresh optimizer
         order = [fqn for g in named["param_groups"] for fqn in g["params"]]
         indexed = indexed_optimizer_state(named)
         state: dict[int, dict[str, Any]] = {}
         for i, entry in saved_state.items():
+            number = i if fmt.natural(i) else int(i) if isinstance(i, str) and i.isascii() and i.isdigit() else None
+            if number is None or number >= len(order):
+                raise CheckpointError(f"'{where}' in the checkpoint holds state for parameter {fmt.brief(i)}, the "
+                                      f"optimizer has {len(order)} parameters. Nothing was changed.")
             values = fmt.as_plain_dict(entry) or {}
             live = indexed["state"].get(int(i), {})
             state[int(i)] = {}
