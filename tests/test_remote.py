@@ -82,8 +82,7 @@ def test_memory_and_file_urls_go_through_the_same_code(scheme: str, tmp_path: Pa
         assert torch.equal(load_file(tmp_path / "run" / "ckpt-3.safetensors")["model.w"], _state(3)["model"]["w"])
 
 
-def test_storage_options_are_passed_through_and_remembered_for_the_bucket(s3: S3Server, monkeypatch) -> None:
-    monkeypatch.setattr(remote, "_OPTIONS", {})  # what this test gives is forgotten after it
+def test_storage_options_are_passed_through_and_kept_by_the_returned_path(s3: S3Server, monkeypatch) -> None:
     monkeypatch.delenv("FSSPEC_S3_ENDPOINT_URL")
     import fsspec.config
 
@@ -91,7 +90,8 @@ def test_storage_options_are_passed_through_and_remembered_for_the_bucket(s3: S3
     url = "s3://ckpt/opts/ckpt-1.safetensors"
     path = checkpoint.save(_state(1), url, storage_options={"endpoint_url": s3.endpoint, **FAST_FAILURE})
     assert checkpoint.load(path, storage_options={"endpoint_url": s3.endpoint})["model.w"].shape == (1 << 10,)
-    assert checkpoint.latest("s3://ckpt/opts") == path  # the bucket's options, remembered
+    assert checkpoint.latest("s3://ckpt/opts", storage_options={"endpoint_url": s3.endpoint}) == path
+    assert checkpoint.latest(path.parent) == path  # the returned path carries its file system, with its options
     assert "opts/ckpt-1.safetensors" in list_keys(s3, "opts/")
 
 

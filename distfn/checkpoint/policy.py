@@ -99,7 +99,7 @@ def save_state(
     as_directory = wants_sharded(path, mode, sharded)
     if not as_directory:  # checks that need no collective fail on every rank alike, before any collective
         check_keep(keep, target, directory=False)
-        api.check_file_target(target)
+        target = api.check_file_target(target)  # marked checked: the writer below does not ask the store again
         # with rng=True the ranks meet in a collective below, where different paths are an error instead
         if not rng and rank != 0 and re.search(_PER_RANK.format(rank=rank), target.given, re.IGNORECASE):
             _warn_per_rank(target.given, rank)
@@ -120,7 +120,7 @@ def save_state(
     # what a test or a user's wrapper replaces to observe real writes)
     write = checkpoint.save if blocking else functools.partial(run.saves.save_file, save=checkpoint.save)
     if shards_state(mode):
-        fsdp_state.save(obj, target.path, rank=rank, metadata=metadata, keep=keep, checked_in=checked_in, write=write,
+        fsdp_state.save(obj, target, rank=rank, metadata=metadata, keep=keep, checked_in=checked_in, write=write,
                         run=run)
     elif rank == 0:
         write(obj, target, metadata=metadata, keep=keep)
@@ -128,7 +128,7 @@ def save_state(
 
 
 def load_state(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     into: nn.Module | Mapping[str, Any],
     *,
     mode: Mode,
@@ -155,7 +155,7 @@ def load_state(
     if loc.layout() in ("sharded", "dir"):  # a directory is read as a sharded checkpoint (or says why it is not)
         values = directories.load_into(loc, into, device=device, strict=strict)
     elif shards_state(mode):
-        values = fsdp_state.load(loc.path, into, device=device, strict=strict, run=run)
+        values = fsdp_state.load(loc, into, device=device, strict=strict, run=run)
     else:
         values = restore.load_into(loc, into, device=device, strict=strict)
     if rng:
@@ -186,14 +186,16 @@ def resume_state(
     """``ctx.resume``: rank 0 picks the newest complete checkpoint (`distfn.checkpoint.latest`), every rank loads
     that one and restores its RNG states when they were saved; returns its step (0: none, ``state`` untouched)."""
     run.saves.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
-    resolve(directory, storage_options)  # on every rank: a URL's options are remembered for the load below too
-    last = api.latest(directory, prefix=prefix) if rank == 0 else None
+    d = resolve(directory, storage_options)  # on every rank, with its options: the load below uses this location
+    found = api.latest_location(d, prefix=prefix) if rank == 0 else None
     run.sync_point()  # the broadcast below is a collective every rank makes
-    last = collectives.broadcast_object(None if last is None else str(last))
-    if last is None:
+    # the entry's name only: every rank rebuilds the location from its own directory (its file system, its options)
+    name = collectives.broadcast_object(None if found is None else found.name)
+    if name is None:
         return 0
+    last = d.child(name)
     if run.tracking is not None and run.tracking.active:  # rank 0: continue the run the checkpoint belongs to
         run.tracking.adopt(api.read_metadata(last))
     load_state(last, state, mode=mode, rank=rank, world_size=world_size, device=device, run=run, strict=strict,
                rng=IF_PRESENT)
-    return step_of_path(last) or 0
+    return step_of_path(last.path) or 0

@@ -19,8 +19,10 @@ unchanged by meaning the same operations differently:
 
 Paths are `RemotePath` s: POSIX paths whose text is the URL, so every message names ``s3://bucket/key``. Storage
 options (endpoint, credentials) come from fsspec's usual configuration (``FSSPEC_S3_ENDPOINT_URL``, config files,
-the environment of the storage library) or from ``storage_options=``, which `locate` remembers per bucket for the
-later calls of the same process that name that bucket without them.
+the environment of the storage library) or from the ``storage_options=`` of the call. Nothing remembers them
+between calls: each `RemotePath` carries the file system it was resolved on (`RemotePath.store`, built with that
+call's options), so a path a save returned, passed back to a load, reads where it was written, and a URL given as
+text without options always means fsspec's configuration, whatever an earlier call passed for that bucket.
 
 fsspec is an optional dependency (the ``distfn[s3]`` extra): it is imported when the first URL is resolved,
 never by ``import distfn`` (a local-only user does not pay its ~0.1 s import, nor need it installed).
@@ -29,7 +31,6 @@ never by ``import distfn`` (a local-only user does not pay its ~0.1 s import, no
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import json
 import os
@@ -44,6 +45,7 @@ from loguru import logger
 
 from ..errors import CheckpointError
 from . import fs
+from .names import INDEX
 
 __all__ = ["ATTEMPTS", "COMMIT_SUFFIX", "PART_BYTES", "RemoteFileSystem", "RemotePath", "locate"]
 
@@ -86,12 +88,15 @@ class RemotePath(pathlib.PurePosixPath):
     protocol: ClassVar[str] = ""
     #: fsspec's root marker for the protocol: "" (object stores: keys have no leading slash) or "/".
     root: ClassVar[str] = ""
+    #: The file system this path was resolved on (with the storage options of that call): one subclass per
+    #: `RemoteFileSystem`, so every path derived from this one keeps it.
+    store: ClassVar[RemoteFileSystem | None] = None
 
     @staticmethod
-    @functools.cache
-    def of(protocol: str, root: str) -> type[RemotePath]:
-        """The `RemotePath` class of ``protocol`` (made once)."""
-        return type(f"RemotePath[{protocol}]", (RemotePath,), {"protocol": protocol, "root": root})
+    def of(store: RemoteFileSystem, root: str) -> type[RemotePath]:
+        """The `RemotePath` class of the paths of ``store`` (made once per file system)."""
+        return type(f"RemotePath[{store.protocol}]", (RemotePath,),
+                    {"protocol": store.protocol, "root": root, "store": store})
 
     @property
     def key(self) -> str:
@@ -282,7 +287,7 @@ class RemoteFileSystem(fs.FileSystem):
     def __init__(self, target: Any, protocol: str) -> None:
         self._fs = target
         self.protocol = protocol
-        self.path_type = RemotePath.of(protocol, "/" if getattr(target, "root_marker", "") == "/" else "")
+        self.path_type = RemotePath.of(self, "/" if getattr(target, "root_marker", "") == "/" else "")
         self._local = "file" in _protocols(target) or "local" in _protocols(target)
         self.directories = self._local
         self._leases: dict[pathlib.PurePath, pathlib.PurePath] = {}  # this process's in-place directories -> lease
@@ -500,7 +505,7 @@ class RemoteFileSystem(fs.FileSystem):
         writing in place when its index was never committed. A committed checkpoint is never touched."""
         target = path.with_name(str(lease[_LEASE_KEY]))
         if lease.get("dir"):
-            if self.kind(target / _INDEX) != "file":
+            if self.kind(target / INDEX) != "file":
                 self.remove_tree(target)
         else:
             self._abort_uploads(target)
@@ -524,7 +529,7 @@ class RemoteFileSystem(fs.FileSystem):
         with contextlib.suppress(Exception):  # never raises, as the interface says
             if self._released(path) or self._info(path) is None:
                 return
-            index = self.commit_object(path / _INDEX)
+            index = self.commit_object(path / INDEX)
             self._delete(index)  # the checkpoint's commit object first
             self._fs.rm(key, recursive=True)
         with contextlib.suppress(Exception):
@@ -560,9 +565,6 @@ class RemoteFileSystem(fs.FileSystem):
         self.commit_stream(stream)
 
 
-_INDEX: Final = "model.safetensors.index.json"  # = layout.INDEX (layout imports this module, not the reverse)
-
-
 def _protocols(target: Any) -> tuple[str, ...]:
     proto = getattr(target, "protocol", ())
     return (proto,) if isinstance(proto, str) else tuple(proto)
@@ -571,7 +573,8 @@ def _protocols(target: Any) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------------
 # URL -> (file system, path)
 
-_OPTIONS: dict[tuple[str, str], dict[str, Any]] = {}  # (protocol, bucket) -> the storage_options last given
+#: The file systems made so far, by fsspec's token (which covers the protocol and every option): one
+#: `RemoteFileSystem` (and one `RemotePath` class) per distinct set of options, never shared between two sets.
 _STORES: dict[str, RemoteFileSystem] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -589,23 +592,22 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
 
     Args:
         url: any fsspec URL.
-        storage_options: passed to the fsspec file system (``endpoint_url``, ``key``, ``secret``, ...); remembered
-            for later URLs of the same bucket that come without them. ``None``: the remembered ones, else fsspec's
-            configuration alone.
+        storage_options: passed to the fsspec file system (``endpoint_url``, ``key``, ``secret``, ...), for this
+            call only. ``None``: fsspec's configuration alone.
 
     Raises:
         CheckpointError: fsspec (or the protocol's library) is not installed, naming the extra to install.
     """
     fsspec = _fsspec(url)
-    protocol, _, rest = url.partition("://")
-    protocol = protocol.lower()
+    protocol = url.partition("://")[0].lower()
     if protocol in ("http", "https"):  # fsspec's HTTP file system reads only, and lists nothing: no checkpoints
         raise CheckpointError(f"cannot use {url}: checkpoints need a store that can be written and listed (s3://, "
                               "gs://, az://, file://, ...), not plain HTTP")
-    bucket = rest.lstrip("/").split("/", 1)[0]
-    if storage_options is not None:
-        _OPTIONS[(protocol, bucket)] = dict(storage_options)
-    options = _OPTIONS.get((protocol, bucket), {})
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise CheckpointError(f"cannot open {url}: storage_options= must be a mapping of the fsspec file system's "
+                              f"options such as {{'endpoint_url': 'http://host:9000'}}, got "
+                              f"{type(storage_options).__name__} {storage_options!r}")
+    options = dict(storage_options or {})
     try:
         target = fsspec.filesystem(protocol, **options)
     except ImportError as exc:
