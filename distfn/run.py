@@ -21,7 +21,7 @@ by the bootstrap for each run).
 Imports: `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `options`, `preemption`,
 `rng`, `timings`, `tracking.session` (the types of its parts and the rules that pick them); nothing imports it but
 `context`, `worker` and
-`checkpoint.policy` (and, for annotations, the services it is passed to).
+`checkpointing` (and, for annotations, the services it is passed to).
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def test_ctx_save_load_resume_use_the_location_they_resolved(s3: S3Server, mode:
     """The policy of ``ctx.save`` / ``ctx.resume`` (in this process, world size 1): given options for another
     endpoint than fsspec's configured one, the write (background too, FSDP's path too), the pick of the newest and
     the load all go to the endpoint of the options; the single-file checks ask the store once per save."""
+    from distfn import checkpointing
     from distfn.checkpoint import layout
-    from distfn.checkpoint import policy as checkpointing
     from distfn.run import Run
 
     other = start()

@@ -1,7 +1,7 @@
 """The plain functions of the package, usable without a process group: `save`, `load`, `latest`, ...
 
 No collective and no rank logic in here: the caller decides who writes (``Context.save`` writes one file from
-rank 0 only, through `distfn.checkpoint.policy`). Every path goes through `distfn.checkpoint.layout.resolve`
+rank 0 only, through `distfn.checkpointing`). Every path goes through `distfn.checkpoint.layout.resolve`
 once, and what it names decides the reader: `load` and `latest` take a ``.safetensors`` file and a sharded
 checkpoint directory alike.
 """

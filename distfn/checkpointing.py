@@ -14,8 +14,9 @@ The decisions, each made once:
 Every rank gets the same resolved path back. Paths that differ across ranks are an error wherever the ranks meet
 in a collective anyway (sharded saves, ``rng=True``), and a one-time warning where they do not.
 
-This module sits above `distfn.fsdp_state` (which itself uses the package's plain functions); the package's
-``__init__`` does not import it, so there is no cycle.
+This module is the run's use of the checkpoint library, beside `distfn.context`, not part of it: it needs the run
+state (`distfn.run`), the collectives and `distfn.fsdp_state`, which all sit above `distfn.checkpoint`; the
+package below imports none of them back (issue 40 item 4).
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ import torch
 from loguru import logger
 from torch import nn
 
-from .. import checkpoint, collectives, fsdp_state
-from ..errors import CheckpointError, ConfigError
-from ..options import Mode, shards_state
-from ..rng import gather_rng_states, rng_state_for_rank, set_rng_state
-from ..run import Run
-from . import api, restore
-from . import sharded as directories
-from .layout import Location, check_keep, resolve, step_of_path, wants_sharded
+from . import checkpoint, collectives, fsdp_state
+from .checkpoint import api, restore
+from .checkpoint import sharded as directories
+from .checkpoint.layout import Location, check_keep, resolve, step_of_path, wants_sharded
+from .errors import CheckpointError, ConfigError
+from .options import Mode, shards_state
+from .rng import gather_rng_states, rng_state_for_rank, set_rng_state
+from .run import Run
 
 __all__ = ["IF_PRESENT", "RngRestore", "load_state", "resume_state", "save_state"]
 
