@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias
 
 import torch
+import torch.distributed as dist
 from loguru import logger
 from torch import nn
 
@@ -74,6 +75,16 @@ def _same_path_everywhere(target: Location) -> None:
                               "distfn.checkpoint.save(obj, path) on every rank for one file per rank.")
 
 
+def _shared(loc: Location, call: str) -> None:
+    """Refuse a per-process store (``memory://``) in a job of several processes: each would save into its own
+    memory, every save would "succeed", and a resume would silently start from step 0."""
+    if loc.fs.per_process and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise CheckpointError(f"{call}('{loc}'): memory:// is this process's own memory, and this job has "
+                              f"{dist.get_world_size()} processes: a checkpoint saved there is invisible to the "
+                              "others and lost when the process ends. Use a shared store (s3://, gs://, a local or "
+                              "shared directory)")
+
+
 def save_state(
     obj: nn.Module | Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -97,6 +108,7 @@ def save_state(
     if run.tracking is not None:  # rank 0: the tracked run's key, so that a re-run which resumes continues it
         metadata = run.tracking.stamp(metadata)
     target = resolve(path, storage_options)
+    _shared(target, "ctx.save")  # on every rank alike, before any collective
     as_directory = wants_sharded(path, mode, sharded)
     if not as_directory:  # checks that need no collective fail on every rank alike, before any collective
         check_keep(keep, target, directory=False)
@@ -188,6 +200,7 @@ def resume_state(
     that one and restores its RNG states when they were saved; returns its step (0: none, ``state`` untouched)."""
     run.saves.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
     d = resolve(directory, storage_options)  # on every rank, with its options: the load below uses this location
+    _shared(d, "ctx.resume")
     found = api.latest_location(d, prefix=prefix) if rank == 0 else None
     run.sync_point()  # the broadcast below is a collective every rank makes
     # the entry's name only: every rank rebuilds the location from its own directory (its file system, its options)

@@ -8,13 +8,23 @@ Runs on moto's S3 server on loopback (tests/s3server.py), in this process.
 
 from __future__ import annotations
 
+import http.server
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from ckpt_helpers import equal_state
 from s3server import FAST_FAILURE, S3Server, list_keys, needs_s3, s3, s3_module, start
 
 from distfn import checkpoint
-from distfn.checkpoint import background
+from distfn.checkpoint import background, remote, storage
+from distfn.checkpoint.sharded.spec import PARTIAL
+from distfn.errors import CheckpointError
 
 __all__ = ["s3", "s3_module"]  # the fixtures, imported from tests/s3server.py
 
@@ -93,3 +103,156 @@ def test_ctx_save_load_resume_use_the_location_they_resolved(s3: S3Server, mode:
                                         run=run)["step"] == 4  # the returned path keeps its options
     finally:
         other.stop()
+
+
+# -- issue 41 item 3: cleaning never removes anything committed ----------------------------------------------------
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(done.stdout)
+
+
+def test_a_dead_writers_lease_naming_a_committed_checkpoint_never_deletes_it(s3: S3Server) -> None:
+    base = s3.url("leases")
+    one = checkpoint.save(_state(1), f"{base}/ckpt-1.safetensors")
+    two = checkpoint.sharded.save(_state(2), f"{base}/ckpt-2")
+    store = remote.locate(base)[0]
+    pid, host = _dead_pid(), storage._host()
+    leases = {  # what a killed writer on this host may leave (or a hand-made one): each names a committed checkpoint
+        f".ckpt-1.safetensors.{host}.{pid}.0000000a{storage.TMP_MARK}": {"distfn-lease": "ckpt-1.safetensors",
+                                                                        "dir": True},
+        f".ckpt-1.safetensors.{host}.{pid}.0000000b{storage.TMP_MARK}": {"distfn-lease": "ckpt-1.safetensors"},
+        f".ckpt-2.{host}.{pid}.0000000c{PARTIAL}": {"distfn-lease": "ckpt-2", "dir": True},
+        f".ckpt-2.{host}.{pid}.0000000d{storage.TMP_MARK}": {"distfn-lease": "ckpt-2", "dir": True},
+    }
+    for name, lease in leases.items():
+        store._put_small(store.path(f"ckpt/leases/{name}"), {**lease, "host": "h", "pid": pid})
+    checkpoint.save(_state(3), f"{base}/ckpt-3.safetensors")  # cleans dead writers' files: the leases go
+    checkpoint.sharded.save(_state(4), f"{base}/ckpt-4")  # cleans dead sharded saves' directories
+    equal_state(checkpoint.load(one), _flat(1))
+    equal_state(checkpoint.load(two), _flat(2))
+    assert not [k for k in list_keys(s3, "leases/") if k.endswith((storage.TMP_MARK, PARTIAL))]
+
+
+# -- issue 41 item 4: file:// URLs keep the local path's rules ------------------------------------------------------
+def test_file_urls_refuse_a_shard_linked_outside_and_say_what_a_local_save_lacks(tmp_path: Path) -> None:
+    d = checkpoint.sharded.save(_state(5), f"file://{tmp_path}/run/ckpt-5")
+    shard = next(p for p in (tmp_path / "run" / "ckpt-5").iterdir() if p.name.startswith("shard-"))
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)  # same bytes, same size as committed, but outside the checkpoint's directory
+    with pytest.raises(CheckpointError, match="shard-"):
+        checkpoint.load(d)
+    assert checkpoint.latest(f"file://{tmp_path}/run") is None
+    local = checkpoint.save(_state(6), tmp_path / "plain" / "ckpt-6.safetensors")  # a local save: no commit object
+    with pytest.raises(CheckpointError, match=r"no checkpoint at .*has no commit object.*read through that path"):
+        checkpoint.load(f"file://{local}")
+    equal_state(checkpoint.load(local), _flat(6))
+
+
+# -- issue 41 item 5: memory:// in a job of several processes ------------------------------------------------------
+def test_memory_urls_are_refused_by_a_multi_process_job(monkeypatch) -> None:
+    """Each process has its own memory://: a 2-rank job's save "succeeded" and its resume silently started at
+    step 0. The check runs before any collective, so every rank raises it alike (the process group is faked: the
+    rule only reads its world size)."""
+    import torch.distributed as dist
+
+    from distfn import checkpointing
+    from distfn.run import Run
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(CheckpointError, match=r"ctx.save\('memory://.*2 processes.*shared store"):
+        checkpointing.save_state(_state(1), "memory://mp/ckpt-1.safetensors", mode="ddp", rank=0, run=Run())
+    with pytest.raises(CheckpointError, match=r"ctx.resume\('memory://.*2 processes"):
+        checkpointing.resume_state(_state(1), "memory://mp", mode="ddp", rank=1, world_size=2,
+                                   device=torch.device("cpu"), run=Run())
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)  # one process: memory:// is fine
+    assert checkpointing.save_state(_state(1), "memory://mp/ckpt-1.safetensors", mode="ddp", rank=0, run=Run())
+
+
+# -- issue 41 item 6: a wrong or failing store is a CheckpointError naming the URL and the cause, in bounded time ---
+class _Html(http.server.BaseHTTPRequestHandler):
+    def _page(self) -> None:
+        body = b"<html><body>Welcome to nginx!</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _page
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_server_that_is_not_s3_is_named_as_such() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        opts = {"endpoint_url": f"http://127.0.0.1:{server.server_address[1]}", "key": "k", "secret": "s"}
+        for call in (lambda: checkpoint.latest("s3://ckpt/run", storage_options=opts),
+                     lambda: checkpoint.load("s3://ckpt/run/ckpt-1.safetensors", storage_options=opts)):
+            with pytest.raises(CheckpointError, match=r"s3://ckpt/run\S* does not answer like an S3 service"):
+                call()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_that_never_answers_fails_within_the_timeouts(monkeypatch) -> None:
+    import fsspec.config
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts connections (the kernel does), never answers
+    try:
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setitem(fsspec.config.conf, "s3", {})
+        # the defaults distfn gives: bounded waits, s3fs's extra layer of attempts off
+        store = remote.locate("s3://ckpt/x", {"endpoint_url": endpoint, "key": "k", "secret": "s"})[0]
+        assert store._fs.retries == 1 and store._fs.storage_options["config_kwargs"] == remote.S3_CONFIG
+        # the same rule with a 1 s read timeout (the defaults' 20 s would make this test slow): the window is over
+        # after the first attempt
+        monkeypatch.setattr(remote, "RETRY_WINDOW_S", 0.5)
+        quick = {"endpoint_url": endpoint, "key": "k", "secret": "s",
+                 "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"total_max_attempts": 1}}}
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"s3://ckpt/run.*(cannot reach|timed out|Timeout)"):
+            checkpoint.latest("s3://ckpt/run", storage_options=quick)
+        assert time.monotonic() - started < 10
+    finally:
+        silent.close()
+
+
+def test_a_server_that_dies_mid_load_is_a_checkpoint_error(monkeypatch) -> None:
+    server = start()
+    try:
+        opts = {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing", **FAST_FAILURE}
+        path = checkpoint.save({"a": torch.ones(1 << 19), "b": torch.ones(1 << 19)}, server.url("die", "c.safetensors"),
+                               storage_options=opts)
+        monkeypatch.setattr(remote, "ATTEMPTS", 2)
+        monkeypatch.setattr(remote, "_BLOCK", 1 << 10)  # the header's block only: the tensors come after the stop
+        monkeypatch.setattr(remote, "_SEQUENTIAL", 1 << 10)
+        real = remote.RemoteFileSystem.read_range
+
+        def stop_after_the_header(self, p, start_, end):
+            data = real(self, p, start_, end)
+            server.stop()
+            return data
+
+        monkeypatch.setattr(remote.RemoteFileSystem, "read_range", stop_after_the_header)
+        with pytest.raises(CheckpointError, match=r"cannot reach the storage service for s3://ckpt/die/c.safetensors"):
+            checkpoint.load(path)
+    finally:
+        server.stop()
+
+
+def test_storage_options_that_are_not_a_mapping_are_a_checkpoint_error() -> None:
+    for call in (lambda: checkpoint.save(_state(), "s3://ckpt/x/c.safetensors", storage_options="endpoint"),
+                 lambda: checkpoint.latest("s3://ckpt/x", storage_options=["endpoint"])):
+        with pytest.raises(CheckpointError, match=r"cannot open s3://ckpt/x\S*: storage_options= must be a mapping"):
+            call()

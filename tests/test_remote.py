@@ -113,7 +113,8 @@ def test_a_missing_bucket_is_a_clear_error(s3: S3Server) -> None:
     url = "s3://no-such-bucket/run/ckpt-1.safetensors"
     with pytest.raises(CheckpointError, match=r"bucket of s3://no-such-bucket/run/ckpt-1.safetensors does not exist"):
         checkpoint.save(_state(), url)
-    assert checkpoint.latest("s3://no-such-bucket/run") is None
+    with pytest.raises(CheckpointError, match=r"latest\('s3://no-such-bucket/run'\): the bucket 'no-such-bucket'"):
+        checkpoint.latest("s3://no-such-bucket/run")  # issue 41 item 6: a typo must not train from scratch
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         checkpoint.load(url)
 

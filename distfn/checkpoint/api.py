@@ -205,8 +205,19 @@ def latest(directory: PathLike | Location, prefix: str = "ckpt-", *,
 
 
 def latest_location(d: Location, prefix: str = "ckpt-") -> Location | None:
-    """`latest` on a resolved directory, as a `Location` on the same file system (with its storage options)."""
-    if d.fs.kind(d.path) != "dir":
+    """`latest` on a resolved directory, as a `Location` on the same file system (with its storage options).
+
+    Raises:
+        CheckpointError: the store itself is missing (an object store's bucket: a typo must not silently train
+            from scratch), unreachable, or not the kind of server the URL says, naming the URL and the cause.
+    """
+    kind = d.fs.kind(d.path)
+    if kind != "dir":
+        if kind == "missing":
+            try:
+                d.fs.check_root(d.path)
+            except OSError as exc:
+                raise CheckpointError(f"latest('{d}'): {exc}") from exc
         return None
     candidates: list[tuple[int, str, Location]] = []
     others = []

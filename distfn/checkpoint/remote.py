@@ -56,6 +56,15 @@ PART_BYTES = 16 << 20
 _MAX_PARTS: Final = 9_000
 #: Attempts of one storage request before a throttling answer or a network error becomes a `CheckpointError`.
 ATTEMPTS = 5
+#: No new attempt starts once this many seconds have passed since the first: with `S3_CONFIG`'s timeouts a server
+#: that accepts connections and never answers fails a call within about 80 s (3 botocore attempts of at most
+#: 5 + 20 s, then this window is over), not after minutes of layered retries.
+RETRY_WINDOW_S = 30.0
+#: The botocore settings distfn gives an ``s3://`` file system when neither the call's ``storage_options`` nor
+#: fsspec's configuration set ``config_kwargs``: bounded waits (botocore's own default read timeout is 60 s, and
+#: s3fs multiplies its attempts by 5). Throttling answers, 5xx and network errors are retried by botocore
+#: (``standard`` mode) and by `_attempts`; s3fs's extra layer of attempts is turned off (`locate`).
+S3_CONFIG: Final = {"connect_timeout": 5, "read_timeout": 20, "retries": {"mode": "standard", "total_max_attempts": 3}}
 #: The commit object of ``<dir>/<name>`` is ``<dir>/.<name>`` + this suffix.
 COMMIT_SUFFIX: Final = ".distfn-commit"
 _LEASE_KEY: Final = "distfn-lease"
@@ -163,11 +172,12 @@ def explain(exc: BaseException, url: object) -> OSError:
 def _attempts(what: str, url: object, call: Callable[[], T]) -> T:
     """``call()``, again after a throttling answer or a network error (at most `ATTEMPTS` times, backing off,
     each retry logged); any failure left becomes the `explain` ed `OSError`."""
+    start = time.monotonic()
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return call()
         except Exception as exc:  # the storage libraries raise many types: all are explained
-            if attempt == ATTEMPTS or not _transient(exc):
+            if attempt == ATTEMPTS or not _transient(exc) or time.monotonic() - start > RETRY_WINDOW_S:
                 raise explain(exc, url) from exc
             delay = min(0.1 * 2 ** attempt, 5.0)
             logger.warning("{} {}: {} (attempt {} of {}; retrying in {:.1f} s)", what, url, _text(exc), attempt,
@@ -251,6 +261,10 @@ class _Download(fs.ReadHandle):
         self._end = -1  # where the last read ended
 
     def read(self, offset: int, nbytes: int) -> bytes:
+        with _as_checkpoint_error():  # a server gone mid-load: the URL and the cause, not a bare ConnectionError
+            return self._read(offset, nbytes)
+
+    def _read(self, offset: int, nbytes: int) -> bytes:
         end = min(offset + nbytes, self.size)
         if end <= offset:
             return b""
@@ -290,6 +304,9 @@ class RemoteFileSystem(fs.FileSystem):
         self.path_type = RemotePath.of(self, "/" if getattr(target, "root_marker", "") == "/" else "")
         self._local = "file" in _protocols(target) or "local" in _protocols(target)
         self.directories = self._local
+        #: ``memory://``: each process has its own; a multi-process job cannot share a checkpoint through it.
+        self.per_process = protocol == "memory"
+        self._s3 = protocol in ("s3", "s3a")
         self._leases: dict[pathlib.PurePath, pathlib.PurePath] = {}  # this process's in-place directories -> lease
         self._lock = threading.Lock()
 
@@ -319,7 +336,14 @@ class RemoteFileSystem(fs.FileSystem):
                 return None
             return info
 
-        return _attempts("looking up", path, call)
+        info = _attempts("looking up", path, call)
+        if self._s3 and info is not None and info.get("type") == "file" and not info.get("ETag"):
+            # every S3 object has an ETag; a web server (an nginx page, a proxy's login form) answers a HEAD with a
+            # plain 200: taken for an object, it made `latest` say "no checkpoint" instead of naming the mistake
+            raise OSError(f"the server for {path} does not answer like an S3 service (an object without an ETag, "
+                          f"content type {info.get('ContentType') or 'unknown'}): is endpoint_url the address of "
+                          "the S3 API?")
+        return info
 
     def _read_small(self, path: pathlib.PurePath) -> Any:
         """The JSON in the small object ``path``, or ``None`` when it is absent or not ours."""
@@ -384,10 +408,20 @@ class RemoteFileSystem(fs.FileSystem):
         return isinstance(marker, dict) and marker.get("size") == info.get("size")
 
     def is_link(self, path: pathlib.PurePath) -> bool:
-        return False
+        return self._local and fs.LOCAL.is_link(pathlib.Path(self._key(path)))
 
     def inside(self, path: pathlib.PurePath, directory: pathlib.PurePath) -> bool:
+        if self._local:  # file://: real files, real symlinks: the local rule (a shard linked outside is refused)
+            return fs.LOCAL.inside(pathlib.Path(self._key(path)), pathlib.Path(self._key(directory)))
         return directory in path.parents
+
+    def check_root(self, path: pathlib.PurePath) -> None:
+        if self._local:
+            return
+        bucket = self._key(path).split("/", 1)[0]
+        if bucket and self._info(self.path(bucket)) is None:
+            raise FileNotFoundError(f"the bucket '{bucket}' of {path} does not exist (or these credentials cannot "
+                                    "see it); create it first, or fix the URL")
 
     def size(self, path: pathlib.PurePath) -> int:
         info = self._info(path)
@@ -412,10 +446,7 @@ class RemoteFileSystem(fs.FileSystem):
         if self._local:
             self._fs.makedirs(self._key(directory), exist_ok=True)
             return
-        bucket = self._key(directory).split("/", 1)[0]
-        if bucket and self._info(self.path(bucket)) is None:  # an object store has prefixes, but buckets exist
-            raise FileNotFoundError(f"the bucket '{bucket}' of {directory} does not exist (or these credentials "
-                                    "cannot see it); create it first, or fix the URL")
+        self.check_root(directory)  # an object store has prefixes, but buckets exist
 
     def make_dir(self, directory: pathlib.PurePath) -> None:
         self.make_dirs(directory)
@@ -503,12 +534,15 @@ class RemoteFileSystem(fs.FileSystem):
     def _release(self, path: pathlib.PurePath, lease: dict[str, Any]) -> None:
         """Clean what the (dead) writer of the lease ``path`` left: its unfinished upload, or the directory it was
         writing in place when its index was never committed. A committed checkpoint is never touched."""
-        target = path.with_name(str(lease[_LEASE_KEY]))
-        if lease.get("dir"):
-            if self.kind(target / INDEX) != "file":
+        name = str(lease[_LEASE_KEY])
+        if name and "/" not in name and not name.startswith(".") and name not in (".", ".."):
+            target = path.with_name(name)
+            # a committed checkpoint is never touched: not a committed file (a lease of either kind may name one, a
+            # dead writer's or a hand-made one), not a directory whose index is committed
+            if lease.get("dir") and self.kind(target) != "file" and self.kind(target / INDEX) != "file":
                 self.remove_tree(target)
-        else:
-            self._abort_uploads(target)
+            elif not lease.get("dir"):
+                self._abort_uploads(target)
         self._delete(path)
 
     def _abort_uploads(self, path: pathlib.PurePath, *, under: bool = False) -> None:
@@ -557,8 +591,12 @@ class RemoteFileSystem(fs.FileSystem):
             committed = info is not None and info.get("type") == "file" and self._committed(path, info)
         if info is not None and info.get("type") == "directory":
             raise IsADirectoryError(f"{path} is a directory")
-        if info is None or not committed:
+        if info is None:
             raise FileNotFoundError(f"no committed object at {path}")
+        if not committed:
+            raise FileNotFoundError(f"{path} exists but has no commit object ({self.commit_object(path).name} of its "
+                                    "size): a writer that did not finish, or a file not written through a URL (a "
+                                    "checkpoint saved to a local path is read through that path, not file://)")
         return _Download(self, path, int(info.get("size") or 0))
 
     def publish(self, stream: fs.WriteStream, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
@@ -608,6 +646,8 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
                               f"options such as {{'endpoint_url': 'http://host:9000'}}, got "
                               f"{type(storage_options).__name__} {storage_options!r}")
     options = dict(storage_options or {})
+    if protocol in ("s3", "s3a") and "config_kwargs" not in {**fsspec.config.conf.get(protocol, {}), **options}:
+        options["config_kwargs"] = S3_CONFIG  # bounded waits (see `S3_CONFIG`), unless the user chose their own
     try:
         target = fsspec.filesystem(protocol, **options)
     except ImportError as exc:
@@ -616,6 +656,10 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
         raise CheckpointError(f"cannot open {url}: {exc} ({hint})") from None
     except (ValueError, TypeError, OSError) as exc:  # an unknown protocol, bad options, a missing native library
         raise CheckpointError(f"cannot open {url}: {type(exc).__name__}: {exc}") from None
+    if isinstance(getattr(target, "retries", None), int):
+        # s3fs retries each call 5 times more, on top of botocore's attempts and `_attempts`: 75 attempts of a
+        # request that times out. botocore's (standard mode) and `_attempts` are enough.
+        target.retries = 1
     token = f"{protocol}:{getattr(target, '_fs_token', id(target))}"
     with _STORES_LOCK:
         store = _STORES.get(token)

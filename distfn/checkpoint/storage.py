@@ -287,8 +287,10 @@ def _open(loc: Location) -> fs.ReadHandle:
     """``loc`` open for reading, with the file-system errors users meet as `CheckpointError`."""
     try:
         return loc.fs.open(loc.path)  # the caller closes it
-    except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint at '{loc}'") from None
+    except FileNotFoundError as exc:
+        # an object store says why (an object without its commit object); a local disk's text adds nothing
+        why = f": {exc}" if str(exc).startswith(str(loc)) else ""
+        raise CheckpointError(f"no checkpoint at '{loc}'{why}") from None
     except IsADirectoryError:
         raise CheckpointError(f"'{loc}' is a directory without {INDEX}: not a checkpoint; pass a "
                               ".safetensors file or a sharded checkpoint directory (see distfn.latest)") from None
