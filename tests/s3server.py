@@ -128,3 +128,46 @@ def uploads(server: S3Server) -> list[str]:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class Killed(Exception):
+    """What every S3 request raises once `Requests` has "killed" the process (its writer can reach the store no
+    more: its cleanup cannot run, exactly as after SIGKILL)."""
+
+
+@attrs.define
+class Requests:
+    """Every S3 API request this process makes (aiobotocore's ``_make_api_call``, below s3fs's and distfn's retries:
+    uploads, parts, completions, look-ups, listings), counted, with a fault at a chosen one.
+
+    ``kill_at=k``: request ``k`` (0-based) and every later one raise `Killed`, until `revive`. ``hook``: called
+    with ``(index, operation, params)`` before each request (to pause a writer, or to inject an answer by raising).
+    """
+
+    seen: list[tuple[str, str]] = attrs.field(factory=list)
+    kill_at: int | None = None
+    hook: object = None
+
+    def revive(self) -> None:
+        self.kill_at = None
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> Requests:
+    """Count (and fault) this process's S3 requests for one test (`Requests`)."""
+    from aiobotocore.client import AioBaseClient
+
+    record = Requests()
+    real = AioBaseClient._make_api_call
+
+    async def call(self, operation_name, api_params):  # type: ignore[no-untyped-def]
+        index = len(record.seen)
+        record.seen.append((operation_name, str(api_params.get("Key", ""))))
+        if record.kill_at is not None and index >= record.kill_at:
+            raise Killed(f"killed before request {index} ({operation_name})")
+        if callable(record.hook):
+            record.hook(index, operation_name, api_params)
+        return await real(self, operation_name, api_params)
+
+    monkeypatch.setattr(AioBaseClient, "_make_api_call", call)
+    return record

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_helpers import equal_state
-from s3server import FAST_FAILURE, S3Server, list_keys, needs_s3, s3, s3_module, start
+from s3server import FAST_FAILURE, Killed, Requests, S3Server, list_keys, needs_s3, requests, s3, s3_module, start
 
 from distfn import checkpoint
-from distfn.checkpoint import background, remote, storage
+from distfn.checkpoint import background, remote, retries, storage
 from distfn.checkpoint.sharded.spec import PARTIAL
 from distfn.errors import CheckpointError
 
-__all__ = ["s3", "s3_module"]  # the fixtures, imported from tests/s3server.py
+__all__ = ["requests", "s3", "s3_module"]  # the fixtures, imported from tests/s3server.py
 
 pytestmark = needs_s3
 
@@ -217,7 +217,7 @@ def test_a_server_that_never_answers_fails_within_the_timeouts(monkeypatch) -> N
         assert store._fs.retries == 1 and store._fs.storage_options["config_kwargs"] == remote.S3_CONFIG
         # the same rule with a 1 s read timeout (the defaults' 20 s would make this test slow): the window is over
         # after the first attempt
-        monkeypatch.setattr(remote, "RETRY_WINDOW_S", 0.5)
+        monkeypatch.setattr(retries, "RETRY_WINDOW_S", 0.5)
         quick = {"endpoint_url": endpoint, "key": "k", "secret": "s",
                  "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"total_max_attempts": 1}}}
         started = time.monotonic()
@@ -234,7 +234,7 @@ def test_a_server_that_dies_mid_load_is_a_checkpoint_error(monkeypatch) -> None:
         opts = {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing", **FAST_FAILURE}
         path = checkpoint.save({"a": torch.ones(1 << 19), "b": torch.ones(1 << 19)}, server.url("die", "c.safetensors"),
                                storage_options=opts)
-        monkeypatch.setattr(remote, "ATTEMPTS", 2)
+        monkeypatch.setattr(retries, "ATTEMPTS", 2)
         monkeypatch.setattr(remote, "_BLOCK", 1 << 10)  # the header's block only: the tensors come after the stop
         monkeypatch.setattr(remote, "_SEQUENTIAL", 1 << 10)
         real = remote.RemoteFileSystem.read_range
@@ -256,3 +256,100 @@ def test_storage_options_that_are_not_a_mapping_are_a_checkpoint_error() -> None
                  lambda: checkpoint.latest("s3://ckpt/x", storage_options=["endpoint"])):
         with pytest.raises(CheckpointError, match=r"cannot open s3://ckpt/x\S*: storage_options= must be a mapping"):
             call()
+
+
+# -- issue 41 items 1-2 and part B: a re-save killed between any two requests, two writers at once ------------------
+def _resave_requests(requests: Requests, base: str) -> int:
+    checkpoint.save(_state(1), f"{base}/last.safetensors")
+    start_ = len(requests.seen)
+    checkpoint.save(_state(2, 96), f"{base}/last.safetensors")
+    return len(requests.seen) - start_
+
+
+@pytest.mark.slow  # about 1 s per kill point, 8-12 points (over 5 s on an idle machine)
+def test_a_resave_killed_between_any_two_requests_keeps_a_whole_checkpoint(s3: S3Server, requests: Requests) -> None:
+    """Issue 41 item 1 and part B's kill points: for every request of a re-save of ``last.safetensors``, the
+    writer is killed there (that request and every later one fail, its cleanup included, as after SIGKILL). After
+    each: the name loads whole, the old state or the new one (never neither), `latest` finds it, and the next save
+    into the directory (which cleans the dead writer's leftovers) keeps it."""
+    total = _resave_requests(requests, s3.url("kp", "count"))
+    assert 8 <= total <= 40, requests.seen[-total:]
+    for k in range(total):
+        base = s3.url("kp", str(k))
+        checkpoint.save(_state(1), f"{base}/last.safetensors")
+        requests.kill_at = len(requests.seen) + k
+        with pytest.raises((Killed, CheckpointError)):
+            checkpoint.save(_state(2, 96), f"{base}/last.safetensors")  # another size: a stale commit object shows
+        requests.revive()
+        loaded = checkpoint.load(f"{base}/last.safetensors")  # whole: one of the two states
+        assert any(torch.equal(loaded["model.w"], _flat(s, n)["model.w"]) for s, n in ((1, 64), (2, 96))), k
+        assert checkpoint.latest(base, prefix="last") is None  # not step-numbered: latest never picks it
+        checkpoint.save(_state(3), f"{base}/ckpt-3.safetensors")  # cleans what the dead writer left
+        equal_state(checkpoint.load(f"{base}/last.safetensors"), loaded)
+        assert checkpoint.latest(base) is not None
+
+
+def _race(name: str, pause_after: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """Writer A (a thread) pauses in `remote` after its upload is complete (``data``) or just before it writes a
+    commit object (``commit``: its size was checked already); writer B saves the same name from start to end
+    meanwhile; then A goes on."""
+    paused, go = threading.Event(), threading.Event()
+
+    def pausing(real):  # type: ignore[no-untyped-def]
+        def step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if pause_after == "data":
+                real(self, *args, **kwargs)
+            at = pause_after == "data" or str(args[0]).endswith(".distfn-commit")
+            if threading.current_thread().name == "writer-a" and at and not paused.is_set():
+                paused.set()
+                assert go.wait(60)
+            return None if pause_after == "data" else real(self, *args, **kwargs)
+        return step
+
+    if pause_after == "data":
+        monkeypatch.setattr(remote._Upload, "complete", pausing(remote._Upload.complete))
+    else:
+        monkeypatch.setattr(remote.RemoteFileSystem, "_put_small", pausing(remote.RemoteFileSystem._put_small))
+    outcome: dict[str, object] = {}
+
+    def writer_a() -> None:
+        try:
+            checkpoint.save(_state(1, 80), name)
+            outcome["a"] = "ok"
+        except CheckpointError as exc:
+            outcome["a"] = exc
+
+    thread = threading.Thread(target=writer_a, name="writer-a")
+    thread.start()
+    assert paused.wait(60)
+    try:
+        checkpoint.save(_state(2, 96), name)  # another size too: a commit object of the wrong one is unreadable
+        outcome["b"] = "ok"
+    except CheckpointError as exc:
+        outcome["b"] = exc
+    go.set()
+    thread.join(60)
+    monkeypatch.undo()
+    return outcome
+
+
+@pytest.mark.parametrize("pause_after", ["data", "commit"])
+@pytest.mark.parametrize("resave", [False, True])
+def test_two_writers_of_one_name_one_wins_whole_or_one_fails(s3: S3Server, monkeypatch, pause_after: str,
+                                                             resave: bool) -> None:
+    """Issue 41 item 2. Before: both writers returned and the key was unreadable. Now: the key loads whole, one
+    writer's state; the other writer returned an error saying another writer's save is the one kept (or, when its
+    own save was wholly replaced by a later one, returned: the later save won whole)."""
+    name = s3.url("race", f"{pause_after}-{resave}", "last.safetensors")
+    if resave:
+        checkpoint.save(_state(9), name)
+    outcome = _race(name, pause_after, monkeypatch)
+    from s3server import use
+
+    use(s3, monkeypatch)  # undone by _race
+    loaded = checkpoint.load(name)["model.w"]  # readable, whole
+    winner = "a" if loaded.shape == (80,) else "b"
+    assert torch.equal(loaded, (_flat(1, 80) if winner == "a" else _flat(2, 96))["model.w"])
+    loser = "b" if winner == "a" else "a"
+    assert outcome[loser] == "ok" or "another writer" in str(outcome[loser]), outcome
+    assert outcome[winner] == "ok" or "another writer" in str(outcome[winner]), outcome

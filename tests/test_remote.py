@@ -23,7 +23,7 @@ from s3server import FAST_FAILURE, S3Server, list_keys, needs_s3, s3, s3_module,
 
 import distfn
 from distfn import checkpoint
-from distfn.checkpoint import remote
+from distfn.checkpoint import remote, retries
 from distfn.errors import CheckpointError
 
 __all__ = ["s3", "s3_module"]  # the fixtures, imported from tests/s3server.py
@@ -148,7 +148,7 @@ def test_a_denied_request_is_not_retried() -> None:
         raise denied
 
     with pytest.raises(PermissionError, match=r"access to s3://b/k was denied: wrong or missing credentials"):
-        remote._attempts("looking up", "s3://b/k", fail)
+        retries.attempts("looking up", "s3://b/k", fail)
     assert calls == [1]
 
 
@@ -167,18 +167,18 @@ def test_throttling_is_retried_a_bounded_number_of_times_with_logs(s3: S3Server,
         return real(path, **kw)
 
     monkeypatch.setattr(store._fs, "info", throttled)
-    monkeypatch.setattr(remote.time, "sleep", lambda s: None)
+    monkeypatch.setattr(retries.time, "sleep", lambda s: None)
     seen: list[str] = []
     sink = logger.add(seen.append, level="WARNING", format="{message}")
     logger.enable("distfn")
     try:
         checkpoint.save(_state(), where)  # two throttled answers, then it goes through
         left["n"] = 10**6  # throttled for good
-        with pytest.raises(CheckpointError, match=rf"throttling requests for {where}.*after {remote.ATTEMPTS} "):
+        with pytest.raises(CheckpointError, match=rf"throttling requests for {where}.*after {retries.ATTEMPTS} "):
             checkpoint.load(where)
     finally:
         logger.remove(sink)
-    assert sum("SlowDown" in m and "retrying" in m for m in seen) >= 2 + remote.ATTEMPTS - 1
+    assert sum("SlowDown" in m and "retrying" in m for m in seen) >= 2 + retries.ATTEMPTS - 1
 
 
 @pytest.mark.slow  # over 5 s on an idle machine (conftest: the quick selection is for fast tests)

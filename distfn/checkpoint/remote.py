@@ -8,11 +8,18 @@ unchanged by meaning the same operations differently:
   file objects in parts of `PART_BYTES` (multipart on S3: the object appears whole, atomically, only when the
   upload is completed, and the previous object under that name stays readable until then). The temporary name the
   writer picked becomes a small **lease** object naming the upload and its writer's host and pid, so that a later
-  save removes what a killed writer left (exactly as it removes a killed local writer's temporary file);
+  save removes what a killed writer left (exactly as it removes a killed local writer's temporary file), never
+  anything committed;
 - **a file exists only once its commit object exists**: `publish` completes the upload, checks the object's size
   against the bytes streamed, and only then writes ``.<name>.distfn-commit`` (a few bytes of JSON holding that
-  size). `kind` says ``"missing"`` for an object without a commit object of its size, so `distfn.latest`,
-  `distfn.load` and resumes never see a partial upload;
+  size and the object's identity, its ETag or modification time). `kind` says ``"missing"`` for an object without
+  a commit object of its size and identity, so `distfn.latest`, `distfn.load` and resumes never see a partial
+  upload, nor an object another writer replaced after its commit;
+- **a re-save of a committed name** uploads beside it (``.<name>.<host>.<pid>.<random>.distfn-data``), switches
+  the commit object to that object (the one atomic step: the old checkpoint is readable until then, the new one
+  from then on), copies it onto the name (server-side) and commits that; a writer killed at any request leaves
+  one of the two whole. Two writers of one name: each checks after its commit that the object is still the one it
+  committed, else commits what is there (the other's whole upload) and raises, so one wins whole;
 - **a new directory is written in place** (`stage_dir` returns the target itself, with a lease); a sharded
   checkpoint is visible once its index is committed, which its writer does last, after every rank's shard is
   committed. Replacing an existing directory removes it first (an object store cannot swap directories).
@@ -37,37 +44,28 @@ import os
 import pathlib
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar, Final, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final
 
 from loguru import logger
 
 from ..errors import CheckpointError
 from . import fs
 from .names import INDEX
+from .retries import S3_CONFIG, as_checkpoint_error, attempts, explain
 
-__all__ = ["ATTEMPTS", "COMMIT_SUFFIX", "PART_BYTES", "RemoteFileSystem", "RemotePath", "locate"]
+__all__ = ["COMMIT_SUFFIX", "PART_BYTES", "RemoteFileSystem", "RemotePath", "locate"]
 
 #: Bytes per uploaded part: one part is all the host memory a streaming upload holds (plus the copy being sent). S3
 #: takes parts of 5 MiB to 5 GiB and at most 10,000 of them, so a file over `_MAX_PARTS` parts of this size gets
 #: larger parts (`_Upload.reserve`).
 PART_BYTES = 16 << 20
 _MAX_PARTS: Final = 9_000
-#: Attempts of one storage request before a throttling answer or a network error becomes a `CheckpointError`.
-ATTEMPTS = 5
-#: No new attempt starts once this many seconds have passed since the first: with `S3_CONFIG`'s timeouts a server
-#: that accepts connections and never answers fails a call within about 80 s (3 botocore attempts of at most
-#: 5 + 20 s, then this window is over), not after minutes of layered retries.
-RETRY_WINDOW_S = 30.0
-#: The botocore settings distfn gives an ``s3://`` file system when neither the call's ``storage_options`` nor
-#: fsspec's configuration set ``config_kwargs``: bounded waits (botocore's own default read timeout is 60 s, and
-#: s3fs multiplies its attempts by 5). Throttling answers, 5xx and network errors are retried by botocore
-#: (``standard`` mode) and by `_attempts`; s3fs's extra layer of attempts is turned off (`locate`).
-S3_CONFIG: Final = {"connect_timeout": 5, "read_timeout": 20, "retries": {"mode": "standard", "total_max_attempts": 3}}
 #: The commit object of ``<dir>/<name>`` is ``<dir>/.<name>`` + this suffix.
 COMMIT_SUFFIX: Final = ".distfn-commit"
 _LEASE_KEY: Final = "distfn-lease"
+_DATA: Final = ".distfn-data"  # a re-save's upload beside its target: ``.<name>.<host>.<pid>.<random>.distfn-data``
+_FORMAT: Final = "distfn-commit-2"
 _SMALL: Final = 1 << 16  # commit objects and leases are far smaller than this
 # Reads go through one cached block fetched from the offset asked for: _BLOCK bytes for a small read (the header, a
 # tiny tensor), _SEQUENTIAL bytes for a read that starts where the previous one ended (a load reads its tensors in
@@ -76,13 +74,8 @@ _SMALL: Final = 1 << 16  # commit objects and leases are far smaller than this
 _DIRECT: Final = 1 << 20
 _BLOCK: Final = 1 << 20
 _SEQUENTIAL: Final = 64 << 20
-_THROTTLED: Final = ("SlowDown", "Throttl", "RequestLimitExceeded", "TooManyRequests", "reduce your request rate",
-                     "503", "429")
-_DENIED: Final = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
-                  "InvalidToken", "Forbidden", "403", "NoCredentials", "Unable to locate credentials")
 _EXTRAS: Final = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
 
-T = TypeVar("T")
 
 
 class RemotePath(pathlib.PurePosixPath):
@@ -124,76 +117,15 @@ class RemotePath(pathlib.PurePosixPath):
 
 
 # --------------------------------------------------------------------------------------------------
-# Errors: what a user can act on, naming the URL
+# Errors and retries: `distfn.checkpoint.retries`
 
 
-def _text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _throttled(exc: BaseException) -> bool:
-    return any(mark in _text(exc) for mark in _THROTTLED)
-
-
-def _transient(exc: BaseException) -> bool:
-    """A throttling answer or a network failure: worth another attempt."""
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, FileExistsError)):
-        return False
-    names = {t.__name__ for t in type(exc).__mro__}
-    network = bool(names & {"ConnectionError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-                            "HTTPClientError", "ClientConnectorError", "ServerDisconnectedError", "TimeoutError",
-                            "ClientOSError", "IncompleteRead", "ResponseParserError"})
-    return network or _throttled(exc)
-
-
-def explain(exc: BaseException, url: object) -> OSError:
-    """``exc`` (from fsspec or its storage library) as an `OSError` whose message names ``url`` and the cause: wrong
-    credentials, a missing bucket, an unreachable server, throttling."""
-    text = _text(exc)
-    if isinstance(exc, FileNotFoundError) and "NoSuchBucket" not in text and "bucket" not in text.lower():
-        return FileNotFoundError(f"no such object: {url}")
-    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-        return FileNotFoundError(f"the bucket of {url} does not exist ({text}); create it first, or fix the URL")
-    if any(mark in text for mark in _DENIED) or isinstance(exc, PermissionError):
-        return PermissionError(f"access to {url} was denied: wrong or missing credentials? ({text}). distfn "
-                               "uses fsspec's configuration: the storage library's environment variables and "
-                               "config files, FSSPEC_<PROTOCOL>_* variables, or storage_options=")
-    if _throttled(exc):
-        return ConnectionError(f"the storage service kept throttling requests for {url} after {ATTEMPTS} "
-                               f"attempts ({text}); save less often or from fewer ranks, or raise its limits")
-    if _transient(exc):
-        return ConnectionError(f"cannot reach the storage service for {url} ({text}): is the endpoint right and "
-                               "the server up?")
-    if isinstance(exc, OSError):
-        return exc
-    return OSError(f"{url}: {text}")
-
-
-def _attempts(what: str, url: object, call: Callable[[], T]) -> T:
-    """``call()``, again after a throttling answer or a network error (at most `ATTEMPTS` times, backing off,
-    each retry logged); any failure left becomes the `explain` ed `OSError`."""
-    start = time.monotonic()
-    for attempt in range(1, ATTEMPTS + 1):
-        try:
-            return call()
-        except Exception as exc:  # the storage libraries raise many types: all are explained
-            if attempt == ATTEMPTS or not _transient(exc) or time.monotonic() - start > RETRY_WINDOW_S:
-                raise explain(exc, url) from exc
-            delay = min(0.1 * 2 ** attempt, 5.0)
-            logger.warning("{} {}: {} (attempt {} of {}; retrying in {:.1f} s)", what, url, _text(exc), attempt,
-                           ATTEMPTS, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-@contextlib.contextmanager
-def _as_checkpoint_error() -> Iterator[None]:
-    """For the metadata operations whose callers expect no `OSError` (`kind`, `listdir`): a failure there (no
-    access, no server) is the user's news, not a missing file."""
-    try:
-        yield
-    except OSError as exc:
-        raise CheckpointError(str(exc)) from exc
+def _identity(info: Mapping[str, Any]) -> str | None:
+    """What tells two versions of an object apart: its ETag (S3, GCS), else its modification time."""
+    for key in ("ETag", "etag", "mtime", "LastModified", "created"):
+        if info.get(key):
+            return str(info[key])
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,10 +137,15 @@ class _Upload(fs.WriteStream):
     object then appears only at `RemoteFileSystem.commit`). Data is handed over in pieces that fill the file's
     buffer to exactly one part, so at most one part (and the copy being sent) is held."""
 
-    def __init__(self, store: RemoteFileSystem, path: RemotePath, lease: RemotePath | None) -> None:
+    def __init__(self, store: RemoteFileSystem, path: RemotePath, lease: RemotePath | None,
+                 target: RemotePath | None = None, previous: RemotePath | None = None) -> None:
         self._store, self.path, self.lease = store, path, lease
+        #: The name the file is published under (``path`` itself, or the target a re-save's hidden upload serves).
+        self.target = target or path
+        #: The hidden data object the target's commit named when this save began (removed once it is replaced).
+        self.previous = previous
         self.written = 0
-        self._file: Any = _attempts("opening for writing", path, lambda: store.open_for_write(path))
+        self._file: Any = attempts("opening for writing", path, lambda: store.open_for_write(path))
         self.part = PART_BYTES
 
     def reserve(self, nbytes: int) -> None:
@@ -242,7 +179,7 @@ class _Upload(fs.WriteStream):
     def complete(self) -> None:
         """Make the uploaded object exist (S3: complete the multipart upload)."""
         if callable(getattr(self._file, "commit", None)) and not getattr(self._file, "autocommit", True):
-            _attempts("completing the upload of", self.path, self._file.commit)
+            attempts("completing the upload of", self.path, self._file.commit)
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -261,7 +198,7 @@ class _Download(fs.ReadHandle):
         self._end = -1  # where the last read ended
 
     def read(self, offset: int, nbytes: int) -> bytes:
-        with _as_checkpoint_error():  # a server gone mid-load: the URL and the cause, not a bare ConnectionError
+        with as_checkpoint_error():  # a server gone mid-load: the URL and the cause, not a bare ConnectionError
             return self._read(offset, nbytes)
 
     def _read(self, offset: int, nbytes: int) -> bytes:
@@ -336,7 +273,7 @@ class RemoteFileSystem(fs.FileSystem):
                 return None
             return info
 
-        info = _attempts("looking up", path, call)
+        info = attempts("looking up", path, call)
         if self._s3 and info is not None and info.get("type") == "file" and not info.get("ETag"):
             # every S3 object has an ETag; a web server (an nginx page, a proxy's login form) answers a HEAD with a
             # plain 200: taken for an object, it made `latest` say "no checkpoint" instead of naming the mistake
@@ -355,7 +292,7 @@ class RemoteFileSystem(fs.FileSystem):
             except FileNotFoundError:
                 return None
 
-        raw = _attempts("reading", path, call)
+        raw = attempts("reading", path, call)
         if raw is None:
             return None
         try:
@@ -366,7 +303,7 @@ class RemoteFileSystem(fs.FileSystem):
     def _put_small(self, path: pathlib.PurePath, value: Any, *, shown: pathlib.PurePath | None = None) -> None:
         """Write the small JSON object ``path`` (errors name ``shown``, the checkpoint it serves, when given)."""
         data = json.dumps(value).encode()
-        _attempts("writing", shown or path, lambda: self._fs.pipe_file(self._key(path), data))
+        attempts("writing", shown or path, lambda: self._fs.pipe_file(self._key(path), data))
 
     def _delete(self, path: pathlib.PurePath) -> None:
         key = self._key(path)
@@ -375,11 +312,11 @@ class RemoteFileSystem(fs.FileSystem):
             with contextlib.suppress(FileNotFoundError):
                 self._fs.rm_file(key)
 
-        _attempts("removing", path, call)
+        attempts("removing", path, call)
 
     def read_range(self, path: RemotePath, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object ``path`` (one ranged GET)."""
-        return bytes(_attempts("reading", path, lambda: self._fs.cat_file(path.key, start=start, end=end)))
+        return bytes(attempts("reading", path, lambda: self._fs.cat_file(path.key, start=start, end=end)))
 
     def open_for_write(self, path: RemotePath) -> Any:
         """An fsspec file object for a streaming upload to ``path`` (``autocommit=False`` where supported)."""
@@ -392,7 +329,7 @@ class RemoteFileSystem(fs.FileSystem):
 
     # -- FileSystem -------------------------------------------------------------------------------------
     def kind(self, path: pathlib.PurePath) -> fs.Kind:
-        with _as_checkpoint_error():
+        with as_checkpoint_error():
             info = self._info(path)
             if info is None:
                 return "missing"
@@ -400,12 +337,30 @@ class RemoteFileSystem(fs.FileSystem):
                 return "dir"
             if info.get("type") != "file":
                 return "other"
-            return "file" if self._committed(path, info) else "missing"
+            return "file" if self._committed(path, info) is not None else "missing"
 
-    def _committed(self, path: pathlib.PurePath, info: Mapping[str, Any]) -> bool:
-        """Whether the object ``path`` (whose fsspec ``info`` is given) has its commit object, of its size."""
+    def _committed(self, path: pathlib.PurePath, info: Mapping[str, Any]) -> tuple[RemotePath, int] | None:
+        """Where the committed bytes of ``path`` (whose fsspec ``info`` is given) are, and their size: ``path``
+        itself, or the hidden object a re-save's commit names (`commit_stream`); ``None`` without a commit object
+        whose size (and identity, `_identity`) are those of the object it names."""
         marker = self._read_small(self.commit_object(path))
-        return isinstance(marker, dict) and marker.get("size") == info.get("size")
+        if not isinstance(marker, dict) or not isinstance(marker.get("size"), int):
+            return None
+        data, data_info = self.path(self._key(path)), info
+        named = marker.get("object")
+        if isinstance(named, str) and named != path.name:
+            if not (named.startswith(".") and named.endswith(_DATA) and "/" not in named):
+                return None  # only a hidden sibling written by a re-save: a commit object never points elsewhere
+            data = self.path(self._key(path.with_name(named)))
+            found = self._info(data)
+            if found is None or found.get("type") != "file":
+                return None
+            data_info = found
+        if marker["size"] != data_info.get("size"):
+            return None
+        if marker.get("id") is not None and marker.get("id") != _identity(data_info):
+            return None  # another upload replaced the object after its commit object was written
+        return data, marker["size"]
 
     def is_link(self, path: pathlib.PurePath) -> bool:
         return self._local and fs.LOCAL.is_link(pathlib.Path(self._key(path)))
@@ -439,8 +394,8 @@ class RemoteFileSystem(fs.FileSystem):
             except (FileNotFoundError, NotADirectoryError):
                 return []
 
-        with _as_checkpoint_error():
-            return _attempts("listing", directory, call)
+        with as_checkpoint_error():
+            return attempts("listing", directory, call)
 
     def make_dirs(self, directory: pathlib.PurePath) -> None:
         if self._local:
@@ -455,30 +410,64 @@ class RemoteFileSystem(fs.FileSystem):
         target = final if final is not None else path
         if not isinstance(target, RemotePath) or not isinstance(path, RemotePath):
             raise TypeError(f"{path!r} is not a path of a remote file system")
-        lease = None
+        lease, upload, previous = None, target, None
         if target != path:  # the writer's temporary name: a lease naming the upload and its writer
             lease = path
-            self._put_small(lease, {_LEASE_KEY: target.name, "host": socket.gethostname(), "pid": os.getpid()},
-                            shown=target)
+            # a re-save of a committed name uploads beside it, so that the old checkpoint stays readable until the
+            # new one's commit object names it (`commit_stream`): no moment with neither
+            before = self._read_small(self.commit_object(target))
+            if isinstance(before, dict):
+                upload = self.path(self._key(path.with_name(path.name.rsplit(".", 1)[0] + _DATA)))
+                named = before.get("object")
+                if isinstance(named, str) and named.endswith(_DATA) and named.startswith(".") and "/" not in named:
+                    previous = self.path(self._key(target.with_name(named)))
+            self._put_small(lease, {_LEASE_KEY: target.name, "data": upload.name, "host": socket.gethostname(),
+                                    "pid": os.getpid()}, shown=target)
         try:
-            return _Upload(self, target, lease)
+            return _Upload(self, upload, lease, target, previous)
         except BaseException:
             if lease is not None:
                 self._delete(lease)
             raise
 
     def commit_stream(self, stream: fs.WriteStream) -> None:
-        """Complete the upload of ``stream``, check its size, write its commit object, drop its lease."""
+        """Complete the upload of ``stream``, check its size, write its commit object, drop its lease.
+
+        A re-save (uploaded beside the target) then switches the commit object to the new object (the one atomic
+        step: before it the old checkpoint is the one readable, after it the new one), copies it onto the target
+        (server-side) and commits that. Last, the object is checked to be still the one committed: a writer that
+        finds another's upload in its place (two writers of one name at once) commits what is there, whole, and
+        raises, so that one save wins whole and the other is an error.
+        """
         if not isinstance(stream, _Upload):
             raise TypeError("not a stream of this file system")
         stream.complete()
-        size = self.size(stream.path)
+        info = self._info(stream.path) or {}
+        size = int(info.get("size") or 0)
         if size != stream.written:
-            raise OSError(f"{stream.path} holds {size} bytes after the upload, {stream.written} were sent; not "
-                          "committed")
-        self._put_small(self.commit_object(stream.path), {"size": size, "format": "distfn-commit-1"})
-        if stream.lease is not None:
-            self._delete(stream.lease)
+            raise OSError(f"{stream.target} holds {size} bytes after the upload, {stream.written} were sent (another "
+                          "writer saved it at the same time, or the upload was cut); not committed")
+        commit, target = self.commit_object(stream.target), stream.target
+        mine = {"size": size, "id": _identity(info), "format": _FORMAT}
+        if stream.path != target:
+            self._put_small(commit, {**mine, "object": stream.path.name}, shown=target)  # the switch
+            try:
+                attempts("copying to", target, lambda: self._fs.copy(stream.path.key, target.key))
+            except FileNotFoundError:  # a later save of this name replaced ours and removed it: that one is kept
+                raise OSError(f"{target} was saved by another writer at the same time: its checkpoint is the one "
+                              "kept, this save is lost (one writer per name)") from None
+            info = self._info(target) or {}
+            mine = {"size": int(info.get("size") or 0), "id": _identity(info), "format": _FORMAT}
+        self._put_small(commit, mine, shown=target)
+        now = self._info(target)
+        if now is None or now.get("size") != mine["size"] or _identity(now) != mine["id"]:
+            if now is not None and now.get("type") == "file":  # another writer's complete upload: kept, whole
+                self._put_small(commit, {"size": now.get("size"), "id": _identity(now), "format": _FORMAT})
+            raise OSError(f"{target} was saved by another writer at the same time: its checkpoint is the one kept, "
+                          "this save is lost (one writer per name)")
+        for leftover in (stream.path if stream.path != target else None, stream.previous, stream.lease):
+            if leftover is not None:
+                self._delete(leftover)
 
     def commit(self, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
         # files are committed by `commit_stream` (called by `publish`); what remains is a directory written in
@@ -509,9 +498,13 @@ class RemoteFileSystem(fs.FileSystem):
     def remove(self, path: pathlib.PurePath) -> None:
         if self._released(path):
             return
+        info = self._info(path)
+        found = self._committed(path, info) if info is not None and info.get("type") == "file" else None
         # the commit object first: a half-removed checkpoint is never taken for a committed one
         self._delete(self.commit_object(path))
         self._delete(path)
+        if found is not None and found[0] != path:
+            self._delete(found[0])  # the hidden object a re-save's commit named
 
     def _released(self, path: pathlib.PurePath) -> bool:
         """When ``path`` is a lease (a writer's temporary name, given to `remove` or `remove_tree` by the cleaning of
@@ -543,6 +536,15 @@ class RemoteFileSystem(fs.FileSystem):
                 self.remove_tree(target)
             elif not lease.get("dir"):
                 self._abort_uploads(target)
+                data = lease.get("data")
+                if isinstance(data, str) and data != name and data.startswith(".") and data.endswith(_DATA) \
+                        and "/" not in data:
+                    hidden = path.with_name(data)
+                    self._abort_uploads(hidden)
+                    info = self._info(target)
+                    found = self._committed(target, info) if info is not None else None
+                    if found is None or found[0] != hidden:  # never the object a commit names
+                        self._delete(hidden)
         self._delete(path)
 
     def _abort_uploads(self, path: pathlib.PurePath, *, under: bool = False) -> None:
@@ -586,18 +588,18 @@ class RemoteFileSystem(fs.FileSystem):
     def open(self, path: pathlib.PurePath) -> fs.ReadHandle:
         if not isinstance(path, RemotePath):
             raise TypeError(f"{path!r} is not a path of a remote file system")
-        with _as_checkpoint_error():  # no access, no server: the user's news, not a missing file
+        with as_checkpoint_error():  # no access, no server: the user's news, not a missing file
             info = self._info(path)
-            committed = info is not None and info.get("type") == "file" and self._committed(path, info)
+            committed = self._committed(path, info) if info is not None and info.get("type") == "file" else None
         if info is not None and info.get("type") == "directory":
             raise IsADirectoryError(f"{path} is a directory")
         if info is None:
             raise FileNotFoundError(f"no committed object at {path}")
-        if not committed:
+        if committed is None:
             raise FileNotFoundError(f"{path} exists but has no commit object ({self.commit_object(path).name} of its "
                                     "size): a writer that did not finish, or a file not written through a URL (a "
                                     "checkpoint saved to a local path is read through that path, not file://)")
-        return _Download(self, path, int(info.get("size") or 0))
+        return _Download(self, committed[0], committed[1])
 
     def publish(self, stream: fs.WriteStream, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
         self.commit_stream(stream)
