@@ -19,7 +19,19 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_helpers import equal_state
-from s3server import FAST_FAILURE, Killed, Requests, S3Server, list_keys, needs_s3, requests, s3, s3_module, start
+from s3server import (
+    FAST_FAILURE,
+    FaultProxy,
+    Killed,
+    Requests,
+    S3Server,
+    list_keys,
+    needs_s3,
+    requests,
+    s3,
+    s3_module,
+    start,
+)
 
 from distfn import checkpoint
 from distfn.checkpoint import background, remote, retries, storage
@@ -353,3 +365,52 @@ def test_two_writers_of_one_name_one_wins_whole_or_one_fails(s3: S3Server, monke
     loser = "b" if winner == "a" else "a"
     assert outcome[loser] == "ok" or "another writer" in str(outcome[loser]), outcome
     assert outcome[winner] == "ok" or "another writer" in str(outcome[winner]), outcome
+
+
+# -- issue 41 part B: network faults at every request of a save and of a load ---------------------------------------
+_FAULTS = ("500", "503", "slowdown", "drop", "truncate", "delay:1.5")
+
+
+@pytest.mark.slow  # a save and a load per request index, about 25 in all: 28 s on this loaded 2-core VM
+def test_network_faults_at_every_request_of_a_resave_and_a_load_lose_nothing(s3_module: S3Server) -> None:
+    """A loopback proxy in front of the server answers request k of a re-save (then of a load) with a fault: an
+    error status (500, 503, S3's SlowDown), a dropped connection, a cut-off answer, an answer later than the read
+    timeout; the kinds take turns over the indexes. Each save either succeeds (the fault retried) and the name holds
+    the new state, or raises `CheckpointError` and the name holds a whole state; each load returns the exact state
+    or raises `CheckpointError`, never wrong tensors."""
+    proxy = FaultProxy(s3_module)
+    try:
+        opts = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing",
+                "config_kwargs": {"connect_timeout": 2, "read_timeout": 1,
+                                  "retries": {"mode": "standard", "total_max_attempts": 3}}}
+        name = "s3://ckpt/faults/last.safetensors"
+        checkpoint.save(_state(0), name, storage_options=opts)
+        before = len(proxy.log)
+        checkpoint.save(_state(1, 96), name, storage_options=opts)
+        saves = len(proxy.log) - before
+        states = {0: _flat(0), 1: _flat(1, 96)}
+        for k in range(saves):
+            proxy.at(k, _FAULTS[k % len(_FAULTS)])
+            states[k + 2] = _flat(k + 2, 64 + 8 * (k % 5))
+            try:
+                checkpoint.save(_state(k + 2, 64 + 8 * (k % 5)), name, storage_options=opts)
+                saved = True
+            except CheckpointError:
+                saved = False
+            loaded = checkpoint.load(name, storage_options=opts)["model.w"]
+            whole = [s for s, t in states.items() if t["model.w"].shape == loaded.shape and torch.equal(t["model.w"],
+                                                                                                       loaded)]
+            assert whole and (not saved or whole[-1] == k + 2), (k, _FAULTS[k % len(_FAULTS)], saved)
+        expected = checkpoint.load(name, storage_options=opts)
+        before = len(proxy.log)
+        checkpoint.load(name, storage_options=opts)
+        loads = len(proxy.log) - before
+        for k in range(loads):
+            proxy.at(k, _FAULTS[k % len(_FAULTS)])
+            try:
+                equal_state(checkpoint.load(name, storage_options=opts), expected)
+            except CheckpointError:
+                pass
+        assert len(proxy.faults) == saves + loads and saves >= 8
+    finally:
+        proxy.close()
