@@ -484,7 +484,7 @@ class Context:
             storage_options: for a URL (`s3://bucket/...`), the fsspec file system's options (endpoint,
                 credentials); by default fsspec's configuration (docs/checkpoints.md, "Remote storage").
         """
-        from .checkpoint import policy  # at the first save/load/resume, not at the job's start: ~30 ms (see
+        from . import checkpointing as policy  # at the first save/load/resume, not at the job's start: ~30 ms (see
         # distfn.checkpoint's _EXPORTS) that a job which never saves should not pay
 
         return policy.save_state(obj, path, mode=self.mode, rank=self.rank, run=self.run, metadata=metadata,
@@ -519,7 +519,7 @@ class Context:
                 (when it holds them) or False (leave them alone; a saved ``"rng"`` entry is then returned).
             storage_options: for a URL, the fsspec file system's options (as in `ctx.save`).
         """
-        from .checkpoint import policy  # see `save`
+        from . import checkpointing as policy  # see `save`
 
         return policy.load_state(path, into, mode=self.mode, rank=self.rank, world_size=self.world_size,
                                  device=self.device, run=self.run, strict=strict, rng=rng,
@@ -553,7 +553,7 @@ class Context:
             The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
             alone). Rank 0 picks the file and every rank loads that same one.
         """
-        from .checkpoint import policy  # see `save`
+        from . import checkpointing as policy  # see `save`
 
         return policy.resume_state(state, directory, mode=self.mode, rank=self.rank, world_size=self.world_size,
                                    device=self.device, run=self.run, prefix=prefix, strict=strict,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint
+from .checkpoint.layout import Location
 from .checkpoint.objects import owner_of
 from .modules import indexed_optimizer_state, named_optimizer_state
 from .tree import tree_leaves, tree_map
@@ -100,7 +101,7 @@ def _gather(obj: Any, models: Sequence[nn.Module]) -> Any:
 
 def save(
     obj: Any,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     *,
     rank: int,
     metadata: Mapping[str, Any] | None = None,
@@ -113,7 +114,8 @@ def save(
 
     When ``obj`` holds a sharded module or optimizer this must run on every rank (checked through ``run``, see
     the module docstring; ``checked_in=True`` when the caller already did, see `distfn.run.Run.check_in`);
-    otherwise it behaves exactly like DDP mode (rank 0 writes, no collective).
+    otherwise it behaves exactly like DDP mode (rank 0 writes, no collective). ``path``: a `Location` (what
+    ``ctx.save`` resolved, with its storage options) is written as it is, never resolved again from its text.
     """
     found = _state_objects(obj)
     if any(is_sharded(x) for x in found):
@@ -122,8 +124,9 @@ def save(
         with run.collective("ctx.save") if run is not None else contextlib.nullcontext():  # ledger, deadline
             obj = _gather(obj, _candidates(found, run))
     if rank == 0:
-        return (write or checkpoint.save)(obj, path, metadata=metadata, keep=keep)  # write: e.g. a background save
-    return Path(path)
+        written = (write or checkpoint.save)(obj, path, metadata=metadata, keep=keep)  # write: e.g. a background save
+        return written.path if isinstance(written, Location) else written
+    return path.path if isinstance(path, Location) else Path(path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,7 +221,7 @@ def _targets(into: Any, models: Sequence[nn.Module], strict: bool) -> Any:
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     into: nn.Module | Mapping[str, Any],
     *,
     device: torch.device,

@@ -29,7 +29,7 @@ entry the hang report reads and the step's comm time.
 
 Imports: `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `hangs`, `ledger`, `options`,
 `preemption`, `rankstore`, `rng`, `timings`, `topology` (types), `tracking.session` (the types of its parts and the
-rules that pick them); nothing imports it but `context`, `worker` and `checkpoint.policy` (and, for annotations,
+rules that pick them); nothing imports it but `context`, `worker` and `checkpointing` (and, for annotations,
 the services it is passed to).
 """
 

@@ -128,3 +128,157 @@ def uploads(server: S3Server) -> list[str]:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class Killed(Exception):
+    """What every S3 request raises once `Requests` has "killed" the process (its writer can reach the store no
+    more: its cleanup cannot run, exactly as after SIGKILL)."""
+
+
+@attrs.define
+class Requests:
+    """Every S3 API request this process makes (aiobotocore's ``_make_api_call``, below s3fs's and distfn's retries:
+    uploads, parts, completions, look-ups, listings), counted, with a fault at a chosen one.
+
+    ``kill_at=k``: request ``k`` (0-based) and every later one raise `Killed`, until `revive`. ``hook``: called
+    with ``(index, operation, params)`` before each request (to pause a writer, or to inject an answer by raising).
+    """
+
+    seen: list[tuple[str, str]] = attrs.field(factory=list)
+    kill_at: int | None = None
+    hook: object = None
+
+    def revive(self) -> None:
+        self.kill_at = None
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> Requests:
+    """Count (and fault) this process's S3 requests for one test (`Requests`)."""
+    from aiobotocore.client import AioBaseClient
+
+    record = Requests()
+    real = AioBaseClient._make_api_call
+
+    async def call(self, operation_name, api_params):  # type: ignore[no-untyped-def]
+        index = len(record.seen)
+        record.seen.append((operation_name, str(api_params.get("Key", ""))))
+        if record.kill_at is not None and index >= record.kill_at:
+            raise Killed(f"killed before request {index} ({operation_name})")
+        if callable(record.hook):
+            record.hook(index, operation_name, api_params)
+        return await real(self, operation_name, api_params)
+
+    monkeypatch.setattr(AioBaseClient, "_make_api_call", call)
+    return record
+
+
+# -- a fault-injecting proxy in front of the server ----------------------------------------------------------------
+_SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your '
+              b'request rate.</Message></Error>')
+
+
+class FaultProxy:
+    """A loopback HTTP proxy in front of an `S3Server` that answers chosen requests wrongly (issue 41 part B).
+
+    ``faults[i]`` is what request ``i`` (0-based, counted by the proxy) gets instead of the server's answer:
+    ``"drop"`` (the connection closes without an answer), ``"truncate"`` (the server's headers, half its body, then
+    the connection closes), ``"500"``, ``"503"``, ``"slowdown"`` (S3's 503 SlowDown), ``"delay:<seconds>"`` (the
+    server's answer, late). Requests are forwarded as they came (moto does not check signatures). ``log`` holds
+    ``(index, method, path)`` of every request.
+    """
+
+    def __init__(self, server: S3Server) -> None:
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+
+        upstream = urllib.parse.urlsplit(server.endpoint)
+        self.faults: dict[int, str] = {}
+        self.log: list[tuple[int, str, str]] = []
+        lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _body(self) -> bytes:
+                if "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
+                    return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                data = bytearray()  # HTTP chunks, forwarded whole with a length (an aws-chunked body stays framed)
+                while (size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)) > 0:
+                    data += self.rfile.read(size)
+                    self.rfile.readline()
+                while self.rfile.readline().strip():  # trailers
+                    pass
+                return bytes(data)
+
+            def _forward(self) -> None:
+                body = self._body()
+                with lock:
+                    index = len(proxy.log)
+                    proxy.log.append((index, self.command, self.path))
+                    fault = proxy.faults.get(index, "")
+                if fault == "drop":
+                    self.close_connection = True
+                    return
+                if fault in ("500", "503", "slowdown"):
+                    payload = _SLOW_DOWN if fault == "slowdown" else b"<Error><Code>InternalError</Code></Error>"
+                    self._answer(500 if fault == "500" else 503, [("Content-Type", "application/xml")], payload)
+                    return
+                conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=60)
+                try:
+                    headers = {k: v for k, v in self.headers.items()
+                               if k.lower() not in ("expect", "connection", "transfer-encoding", "content-length")}
+                    headers["Content-Length"] = str(len(body))
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    answer = conn.getresponse()
+                    data = answer.read()
+                    kept = [(k, v) for k, v in answer.getheaders()
+                            if k.lower() not in ("content-length", "transfer-encoding", "connection")]
+                finally:
+                    conn.close()
+                if fault.startswith("delay:"):
+                    time.sleep(float(fault.split(":", 1)[1]))
+                if fault == "truncate" and self.command != "HEAD":
+                    self.send_response(answer.status)
+                    for k, v in kept:
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.close_connection = True
+                    return
+                head = self.command == "HEAD"  # no body, and the object's own length
+                self._answer(answer.status, kept, b"" if head else data,
+                             length=int(answer.getheader("Content-Length") or 0) if head else None)
+
+            def _answer(self, status: int, headers: list[tuple[str, str]], data: bytes,
+                        length: int | None = None) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data) if length is None else length))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        threading.Thread(target=self._httpd.serve_forever, daemon=True, name="fault-proxy").start()
+
+    def at(self, offset: int, fault: str) -> int:
+        """Give request ``len(log) + offset`` (counted from now) the fault; its absolute index."""
+        index = len(self.log) + offset
+        self.faults[index] = fault
+        return index
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

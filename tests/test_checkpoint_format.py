@@ -248,8 +248,6 @@ def test_a_value_nested_deeper_than_a_file_may_hold_is_refused_at_the_save(tmp_p
     assert not (tmp_path / "x.safetensors").exists()
 
 
-@pytest.mark.xfail(reason="storage._is_json (storage.py, another change's) parses a pickle-suffixed file's header with "
-                          "a bare json.loads: a RecursionError; reported with issue 41 (fix: fmt.strict_json)")
 def test_a_deep_header_in_a_pickle_suffixed_file_is_a_checkpoint_error(tmp_path: pathlib.Path) -> None:
     raw = b'{"x": ' + _DEEP.encode() + b"}"
     raw += b" " * (-(8 + len(raw)) % 8)

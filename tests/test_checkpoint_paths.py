@@ -81,6 +81,21 @@ def test_a_pickle_suffix_warns_once(tmp_path: Path, warnings_seen: list[str]) ->
     assert set(distfn.load(tmp_path / "a.pt")) == set(Net().state_dict())
 
 
+def test_every_pickle_looking_suffix_warns_on_save_and_is_refused_on_a_bad_load(tmp_path: Path,
+                                                                              warnings_seen: list[str]) -> None:
+    """Issue 40 item 6: one list of pickle-looking suffixes (`checkpoint.names`): '.pickle' and '.tar' saved
+    without the warning '.pt' gets, while the reader counted them as pickle-looking."""
+    from distfn.checkpoint import api
+
+    api._warn_suffix.cache_clear()
+    for suffix in (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar"):
+        distfn.checkpoint.save(Net(), tmp_path / f"x{suffix}")
+        assert any(f"'{suffix}' file written now holds safetensors" in w for w in warnings_seen), suffix
+        (tmp_path / f"bad{suffix}").write_bytes(b"\x80\x04not a safetensors file")
+        with pytest.raises(CheckpointError, match=r"looks like a pickle-based torch\.save file"):
+            distfn.load(tmp_path / f"bad{suffix}")
+
+
 def test_consolidate_names_a_missing_path_and_a_single_file(tmp_path: Path) -> None:
     missing = run_python(["-m", "distfn", "consolidate", str(tmp_path / "nope"), str(tmp_path / "o.safetensors")])
     assert missing.returncode == 1 and missing.stderr.startswith("distfn consolidate: ")

@@ -13,8 +13,6 @@ import ast
 from collections.abc import Iterable
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "distfn"
 MAX_LINES = 750
 
@@ -117,6 +115,22 @@ def test_no_import_cycle_not_even_a_type_only_one() -> None:
         " <-> ".join(c) for c in cycles)
 
 
+def test_the_checkpoint_package_imports_nothing_that_imports_it() -> None:
+    """Issue 40 item 4: `distfn.checkpoint` is a plain library below the run. At the level of folders no arrow runs
+    back up: no module the package imports (directly or through others) imports the package itself."""
+    graph = _graph()
+    inside = {m for m in graph if m == "distfn.checkpoint" or m.startswith("distfn.checkpoint.")}
+    reached: set[str] = set()
+    todo = [w for m in inside for w in graph[m] - inside]
+    while todo:
+        m = todo.pop()
+        if m not in reached and m not in inside:
+            reached.add(m)
+            todo.extend(graph[m])
+    back = sorted(m for m in reached if graph[m] & inside)
+    assert not back, f"imported by distfn.checkpoint and importing it back: {back}"
+
+
 def _runtime_imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The distfn modules that importing ``name`` runs: its module-level imports (also under a module-level ``if``
     or ``try``, not under ``if TYPE_CHECKING:``, not in functions), and the packages above each."""
@@ -183,9 +197,6 @@ def test_no_import_runs_back_up_between_folders() -> None:
                                   "distfn.lib.b": set()})) == [["distfn.lib", "distfn.user"]]
     graph = _graph()
     cycles = _cycles(_folder_graph(graph))
-    if cycles and not _cycles(_folder_graph(graph, frozenset({"distfn.checkpoint.policy"}))):
-        pytest.xfail("only checkpoint/policy.py (the ctx.save policy, which imports the run) ties the checkpoint "
-                     "folder to the run; issue 40 item 4 moves it beside context")
     assert not cycles, "imports that run back up between folders:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 

@@ -525,10 +525,8 @@ def test_a_memory_url_is_never_a_local_path(key: str) -> None:
 
 
 @pytest.mark.parametrize("text", [
-    pytest.param("a\0b", marks=pytest.mark.xfail(reason="layout.resolve: a NUL byte escapes as a bare ValueError "
-                                                         "(reported with issue 41; layout.py is another change's)")),
-    pytest.param("~no-such-user-41/x", marks=pytest.mark.xfail(reason="layout.resolve: an unknown ~user escapes as "
-                                                                      "a bare RuntimeError (reported with issue 41)")),
+    "a\0b",
+    "~no-such-user-41/x",
     "foo://bar",
     "",
 ])

@@ -23,7 +23,7 @@ from s3server import FAST_FAILURE, S3Server, list_keys, needs_s3, s3, s3_module,
 
 import distfn
 from distfn import checkpoint
-from distfn.checkpoint import remote
+from distfn.checkpoint import remote, retries
 from distfn.errors import CheckpointError
 
 __all__ = ["s3", "s3_module"]  # the fixtures, imported from tests/s3server.py
@@ -82,8 +82,7 @@ def test_memory_and_file_urls_go_through_the_same_code(scheme: str, tmp_path: Pa
         assert torch.equal(load_file(tmp_path / "run" / "ckpt-3.safetensors")["model.w"], _state(3)["model"]["w"])
 
 
-def test_storage_options_are_passed_through_and_remembered_for_the_bucket(s3: S3Server, monkeypatch) -> None:
-    monkeypatch.setattr(remote, "_OPTIONS", {})  # what this test gives is forgotten after it
+def test_storage_options_are_passed_through_and_kept_by_the_returned_path(s3: S3Server, monkeypatch) -> None:
     monkeypatch.delenv("FSSPEC_S3_ENDPOINT_URL")
     import fsspec.config
 
@@ -91,7 +90,8 @@ def test_storage_options_are_passed_through_and_remembered_for_the_bucket(s3: S3
     url = "s3://ckpt/opts/ckpt-1.safetensors"
     path = checkpoint.save(_state(1), url, storage_options={"endpoint_url": s3.endpoint, **FAST_FAILURE})
     assert checkpoint.load(path, storage_options={"endpoint_url": s3.endpoint})["model.w"].shape == (1 << 10,)
-    assert checkpoint.latest("s3://ckpt/opts") == path  # the bucket's options, remembered
+    assert checkpoint.latest("s3://ckpt/opts", storage_options={"endpoint_url": s3.endpoint}) == path
+    assert checkpoint.latest(path.parent) == path  # the returned path carries its file system, with its options
     assert "opts/ckpt-1.safetensors" in list_keys(s3, "opts/")
 
 
@@ -113,7 +113,8 @@ def test_a_missing_bucket_is_a_clear_error(s3: S3Server) -> None:
     url = "s3://no-such-bucket/run/ckpt-1.safetensors"
     with pytest.raises(CheckpointError, match=r"bucket of s3://no-such-bucket/run/ckpt-1.safetensors does not exist"):
         checkpoint.save(_state(), url)
-    assert checkpoint.latest("s3://no-such-bucket/run") is None
+    with pytest.raises(CheckpointError, match=r"latest\('s3://no-such-bucket/run'\): the bucket 'no-such-bucket'"):
+        checkpoint.latest("s3://no-such-bucket/run")  # issue 41 item 6: a typo must not train from scratch
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         checkpoint.load(url)
 
@@ -147,7 +148,7 @@ def test_a_denied_request_is_not_retried() -> None:
         raise denied
 
     with pytest.raises(PermissionError, match=r"access to s3://b/k was denied: wrong or missing credentials"):
-        remote._attempts("looking up", "s3://b/k", fail)
+        retries.attempts("looking up", "s3://b/k", fail)
     assert calls == [1]
 
 
@@ -166,18 +167,18 @@ def test_throttling_is_retried_a_bounded_number_of_times_with_logs(s3: S3Server,
         return real(path, **kw)
 
     monkeypatch.setattr(store._fs, "info", throttled)
-    monkeypatch.setattr(remote.time, "sleep", lambda s: None)
+    monkeypatch.setattr(retries.time, "sleep", lambda s: None)
     seen: list[str] = []
     sink = logger.add(seen.append, level="WARNING", format="{message}")
     logger.enable("distfn")
     try:
         checkpoint.save(_state(), where)  # two throttled answers, then it goes through
         left["n"] = 10**6  # throttled for good
-        with pytest.raises(CheckpointError, match=rf"throttling requests for {where}.*after {remote.ATTEMPTS} "):
+        with pytest.raises(CheckpointError, match=rf"throttling requests for {where}.*after {retries.ATTEMPTS} "):
             checkpoint.load(where)
     finally:
         logger.remove(sink)
-    assert sum("SlowDown" in m and "retrying" in m for m in seen) >= 2 + remote.ATTEMPTS - 1
+    assert sum("SlowDown" in m and "retrying" in m for m in seen) >= 2 + retries.ATTEMPTS - 1
 
 
 @pytest.mark.slow  # over 5 s on an idle machine (conftest: the quick selection is for fast tests)

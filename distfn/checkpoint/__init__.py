@@ -11,8 +11,9 @@ The package, bottom up: `fs` (the storage seam: every file-system call, `fs.Loca
 (what a path names: `resolve`, step-numbered names, ``keep=`` rotation), `format` (object <-> header and JSON
 tree), `storage` (the atomic streaming writer and the memory-mapped reader of one file), `objects`,
 `background` (asynchronous saves), `restore` (`load_into` for one file), `sharded` (directories every rank writes:
-`sharded.write`, `sharded.read`, `sharded.restore`), `api` (the plain functions below), and `policy` (what
-``ctx.save``/``load``/``resume`` do; imported by ``Context``, not here, as it sits above `distfn.fsdp_state`).
+`sharded.write`, `sharded.read`, `sharded.restore`), `names` (the names checkpoints are recognised by), and `api`
+(the plain functions below). What ``ctx.save``/``load``/``resume`` do is `distfn.checkpointing`, beside
+``Context``: it needs the run state, and nothing in this package imports the run.
 Everything re-exported here is a plain function: no process group, no collective, no rank logic. Random
 generator states live in `distfn.rng` and module unwrapping in `distfn.modules`; both are re-exported here.
 """

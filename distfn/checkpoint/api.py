@@ -1,7 +1,7 @@
 """The plain functions of the package, usable without a process group: `save`, `load`, `latest`, ...
 
 No collective and no rank logic in here: the caller decides who writes (``Context.save`` writes one file from
-rank 0 only, through `distfn.checkpoint.policy`). Every path goes through `distfn.checkpoint.layout.resolve`
+rank 0 only, through `distfn.checkpointing`). Every path goes through `distfn.checkpoint.layout.resolve`
 once, and what it names decides the reader: `load` and `latest` take a ``.safetensors`` file and a sharded
 checkpoint directory alike.
 """
@@ -12,8 +12,9 @@ import functools
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
+import attrs
 import torch
 from loguru import logger
 
@@ -22,11 +23,11 @@ from . import format as fmt
 from . import sharded, storage
 from .background import DEFAULT
 from .layout import SUFFIX, Location, check_keep, resolve, rotate, step_of
+from .names import PICKLE_SUFFIXES
 
-__all__ = ["latest", "load", "read_metadata", "save", "save_in_background", "verify"]
+__all__ = ["latest", "latest_location", "load", "read_metadata", "save", "save_in_background", "verify"]
 
 PathLike = str | os.PathLike[str]
-_PICKLE_LOOKING: Final = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
 
 
 @functools.cache
@@ -37,17 +38,20 @@ def _warn_suffix(suffix: str) -> None:
                    "safetensors will). Name it '*.safetensors' to say so.", suffix)
 
 
-def check_file_target(target: Location) -> None:
+def check_file_target(target: Location) -> Location:
     """Refuse a single-file target that names a directory: ``"out/"``, an existing directory; warn once for a
-    pickle-looking suffix."""
+    pickle-looking suffix. Returns ``target`` marked `Location.checked`, which `save` does not check again."""
+    if target.checked:
+        return target
     if target.names_directory:
         raise CheckpointError(f"cannot save one file to '{target.given}': the trailing '/' names a directory. Give "
                               f"the file's name (e.g. '{target.given.rstrip('/' + os.sep)}/model.safetensors'), or "
                               "write a sharded checkpoint directory (ctx.save(..., sharded=True))")
     if target.layout() in ("dir", "sharded"):
         raise CheckpointError(f"cannot save to '{target}': it is a directory")
-    if target.path.suffix.lower() in _PICKLE_LOOKING:
+    if target.path.suffix.lower() in PICKLE_SUFFIXES:
         _warn_suffix(target.path.suffix.lower())
+    return attrs.evolve(target, checked=True)
 
 
 def save(
@@ -72,7 +76,8 @@ def save(
         keep: with a step-numbered name such as ``ckpt-1200.safetensors``, keep only the ``keep`` newest files
             with the same prefix in that directory (by step number; the file just written is always kept).
         storage_options: for a URL (``s3://bucket/...``), the fsspec file system's options (``endpoint_url``,
-            ``key``, ...), remembered for later URLs of the same bucket; by default fsspec's own configuration.
+            ``key``, ...) for this call (the returned path keeps them: pass it back to `load`); by default
+            fsspec's own configuration.
 
     Returns:
         The path written, absolute (a `distfn.checkpoint.remote.RemotePath`, whose text is the URL, for a URL).
@@ -84,7 +89,7 @@ def save(
     """
     target = resolve(path, storage_options)
     check_keep(keep, target, directory=False)
-    check_file_target(target)
+    target = check_file_target(target)
     plan = fmt.plan(obj, metadata)  # every error about the content is raised here, before touching the disk
     storage.write(plan, target)
     logger.debug("saved {} ({} tensors, {} bytes)", target, len(plan.entries), plan.total)
@@ -93,8 +98,9 @@ def save(
     return target.path
 
 
-def save_in_background(obj: Any, path: PathLike, *, metadata: Mapping[str, Any] | None = None,
-                       keep: int | None = None) -> pathlib.PurePath:
+def save_in_background(obj: Any, path: PathLike | Location, *, metadata: Mapping[str, Any] | None = None,
+                       keep: int | None = None,
+                       storage_options: Mapping[str, Any] | None = None) -> pathlib.PurePath:
     """`save` with ``blocking=False``: returns once ``obj`` is copied to host memory and checked; the write,
     fsync and renames run in a background thread (`distfn.checkpoint.background`). The next background save
     waits for it, and so does the interpreter at exit: a failed write is then reported on stderr and the exit
@@ -105,18 +111,20 @@ def save_in_background(obj: Any, path: PathLike, *, metadata: Mapping[str, Any] 
         path: the file to write.
         metadata: string metadata for the file's header.
         keep: rotation as in `save`.
+        storage_options: for a URL, the fsspec file system's options (see `save`); the background write uses
+            them, whatever other calls pass meanwhile.
 
     Returns:
         The absolute path that will hold the checkpoint.
     """
-    target = resolve(path)
+    target = resolve(path, storage_options)
     check_keep(keep, target, directory=False)
-    check_file_target(target)
+    target = check_file_target(target)
     return DEFAULT.save_file(obj, target, save=save, metadata=metadata, keep=keep).path
 
 
 def load(
-    path: PathLike, device: str | torch.device = "cpu", *, prefix: str | None = None,
+    path: PathLike | Location, device: str | torch.device = "cpu", *, prefix: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read the tensors of a checkpoint into a plain ``{name: tensor}`` dict.
@@ -145,16 +153,17 @@ def load(
         return fmt.select(loc, reader.names(), fmt.saved_aliases(reader.header), prefix, reader.get)
 
 
-def read_metadata(path: PathLike) -> dict[str, Any]:
+def read_metadata(path: PathLike | Location, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``metadata=`` mapping saved with a checkpoint (or the raw string metadata of a foreign file).
 
     Args:
         path: a ``.safetensors`` file or a sharded checkpoint directory.
+        storage_options: for a URL, the fsspec file system's options (see `save`).
 
     Returns:
         The values passed as ``metadata=`` to `save`, decoded.
     """
-    loc = resolve(path)
+    loc = resolve(path, storage_options)
     if loc.layout() == "sharded":
         checkpoint = sharded.open_checkpoint(loc)
         strings = {k: v for k, v in checkpoint.metadata.items() if isinstance(v, str)}
@@ -174,7 +183,7 @@ def verify(loc: Location) -> None:
         sharded.open_checkpoint(loc)
 
 
-def latest(directory: PathLike, prefix: str = "ckpt-", *,
+def latest(directory: PathLike | Location, prefix: str = "ckpt-", *,
            storage_options: Mapping[str, Any] | None = None) -> pathlib.PurePath | None:
     """The complete step-numbered checkpoint with the highest step in ``directory``.
 
@@ -191,8 +200,24 @@ def latest(directory: PathLike, prefix: str = "ckpt-", *,
         other names are not candidates: they are logged (a warning when nothing matched, so a resume that would
         start from scratch says why).
     """
-    d = resolve(directory, storage_options)
-    if d.fs.kind(d.path) != "dir":
+    found = latest_location(resolve(directory, storage_options), prefix)
+    return None if found is None else found.path
+
+
+def latest_location(d: Location, prefix: str = "ckpt-") -> Location | None:
+    """`latest` on a resolved directory, as a `Location` on the same file system (with its storage options).
+
+    Raises:
+        CheckpointError: the store itself is missing (an object store's bucket: a typo must not silently train
+            from scratch), unreachable, or not the kind of server the URL says, naming the URL and the cause.
+    """
+    kind = d.fs.kind(d.path)
+    if kind != "dir":
+        if kind == "missing":
+            try:
+                d.fs.check_root(d.path)
+            except OSError as exc:
+                raise CheckpointError(f"latest('{d}'): {exc}") from exc
         return None
     candidates: list[tuple[int, str, Location]] = []
     others = []
@@ -214,7 +239,7 @@ def latest(directory: PathLike, prefix: str = "ckpt-", *,
             continue
         if others:
             logger.debug("latest('{}', prefix='{}'): skipped other names: {}", d, prefix, skipped)
-        return entry.path
+        return entry
     if others:
         logger.warning("latest('{}', prefix='{}'): no complete '{}<step>.safetensors' there; skipped other names: {} "
                        "(pass prefix= to match them)", d, prefix, prefix, skipped)

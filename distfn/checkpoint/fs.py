@@ -78,6 +78,8 @@ class FileSystem(abc.ABC):
     #: Whether directories exist on their own and must be created before a file goes in them (an object store
     #: has none: a prefix exists once an object has it, so a writer creates nothing and checks nothing first).
     directories: bool = True
+    #: Whether each process sees its own copy (``memory://``): a multi-process job cannot share checkpoints on it.
+    per_process: bool = False
 
     @abc.abstractmethod
     def kind(self, path: pathlib.PurePath) -> Kind:
@@ -90,6 +92,11 @@ class FileSystem(abc.ABC):
     @abc.abstractmethod
     def inside(self, path: pathlib.PurePath, directory: pathlib.PurePath) -> bool:
         """Whether ``path``, with every symlink resolved, is still inside ``directory`` (resolved too)."""
+
+    def check_root(self, path: pathlib.PurePath) -> None:
+        """Raise ``FileNotFoundError`` naming the cause when the store that would hold ``path`` does not exist (an
+        object store's bucket); nothing on a local disk, where a missing directory is just missing."""
+        del path  # nothing to check here
 
     @abc.abstractmethod
     def size(self, path: pathlib.PurePath) -> int:

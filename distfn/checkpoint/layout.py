@@ -24,6 +24,7 @@ from loguru import logger
 from ..errors import CheckpointError
 from ..options import Mode, shards_state
 from . import fs, remote
+from .names import INDEX, STEP_DIR, STEP_FILE, SUFFIX
 
 __all__ = [
     "INDEX",
@@ -38,12 +39,7 @@ __all__ = [
     "wants_sharded",
 ]
 
-#: A sharded checkpoint's index file (the Hugging Face name, so `transformers` and `safetensors` tooling find it).
-INDEX: Final = "model.safetensors.index.json"
-SUFFIX: Final = ".safetensors"
 _URL: Final = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_STEP_FILE: Final = re.compile(r"^(?P<prefix>.*?)(?P<step>\d+)\.safetensors$")
-_STEP_DIR: Final = re.compile(r"^(?P<prefix>.*?)(?P<step>\d+)$")
 
 #: What a location holds: one file, a sharded checkpoint directory, another directory, nothing, or something
 #: that is not a checkpoint at all (a device, a socket).
@@ -60,6 +56,9 @@ class Location:
     given: str
     #: The text ended in a separator (``"out/"``): the user named a directory.
     names_directory: bool = False
+    #: `distfn.checkpoint.api.check_file_target` passed for it: a writer handed it does not check (and ask a
+    #: remote store) again (``ctx.save`` checks before its collectives, then writes through `distfn.checkpoint.save`).
+    checked: bool = attrs.field(default=False, eq=False)
 
     @property
     def name(self) -> str:
@@ -93,21 +92,35 @@ class Location:
 def resolve(path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None) -> Location:
     """The `Location` ``path`` names: ``~`` expanded and made absolute for a local path; a URL
     (``s3://bucket/run``) on its fsspec file system (`distfn.checkpoint.remote.locate`, which takes
-    ``storage_options``), never a local directory named ``s3:``."""
+    ``storage_options``), never a local directory named ``s3:``.
+
+    A `Location` is returned as it is, and a `distfn.checkpoint.remote.RemotePath` (what a save or `latest` returned
+    for a URL) keeps the file system it was resolved on, with that call's options: the options travel with the
+    path, nothing remembers them per bucket. ``storage_options`` given with one resolves its URL with those instead.
+    """
     if isinstance(path, Location):
         return path
+    if isinstance(path, remote.RemotePath) and path.store is not None and storage_options is None:
+        return Location(path.store, path, str(path))
     text = os.fspath(path)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     if not text:
         raise CheckpointError("the checkpoint path is empty")
+    if "\0" in text:  # no file system names such a file; os calls would raise a bare ValueError
+        raise CheckpointError(f"the checkpoint path {text!r} holds a NUL byte: pass the path without it")
     trailing = text.endswith(("/", os.sep)) and text.strip("/" + os.sep) != ""
     if _URL.match(text):
         store, where = remote.locate(text, storage_options)
         return Location(store, where, text, trailing)
     if storage_options is not None:
         raise CheckpointError(f"storage_options= is for URLs (s3://...), not for the local path '{text}'")
-    return Location(fs.LOCAL, pathlib.Path(text).expanduser().absolute(), text, trailing)
+    try:
+        local = pathlib.Path(text).expanduser().absolute()
+    except RuntimeError as exc:  # "~user" for a user this machine does not know
+        raise CheckpointError(f"cannot expand '~' in the checkpoint path '{text}' ({exc}): write the path out "
+                              "in full") from None
+    return Location(fs.LOCAL, local, text, trailing)
 
 
 def step_of(name: str, *, directory: bool = False) -> tuple[str, int] | None:
@@ -118,7 +131,7 @@ def step_of(name: str, *, directory: bool = False) -> tuple[str, int] | None:
             directory's name (``ckpt-1200``).
         directory: which of the two layouts' names to parse.
     """
-    m = (_STEP_DIR if directory else _STEP_FILE).match(name)
+    m = (STEP_DIR if directory else STEP_FILE).match(name)
     if m is None or name.startswith("."):
         return None
     return m.group("prefix"), int(m.group("step"))

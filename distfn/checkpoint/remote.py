@@ -8,19 +8,28 @@ unchanged by meaning the same operations differently:
   file objects in parts of `PART_BYTES` (multipart on S3: the object appears whole, atomically, only when the
   upload is completed, and the previous object under that name stays readable until then). The temporary name the
   writer picked becomes a small **lease** object naming the upload and its writer's host and pid, so that a later
-  save removes what a killed writer left (exactly as it removes a killed local writer's temporary file);
+  save removes what a killed writer left (exactly as it removes a killed local writer's temporary file), never
+  anything committed;
 - **a file exists only once its commit object exists**: `publish` completes the upload, checks the object's size
   against the bytes streamed, and only then writes ``.<name>.distfn-commit`` (a few bytes of JSON holding that
-  size). `kind` says ``"missing"`` for an object without a commit object of its size, so `distfn.latest`,
-  `distfn.load` and resumes never see a partial upload;
+  size and the object's identity, its ETag or modification time). `kind` says ``"missing"`` for an object without
+  a commit object of its size and identity, so `distfn.latest`, `distfn.load` and resumes never see a partial
+  upload, nor an object another writer replaced after its commit;
+- **a re-save of a committed name** uploads beside it (``.<name>.<host>.<pid>.<random>.distfn-data``), switches
+  the commit object to that object (the one atomic step: the old checkpoint is readable until then, the new one
+  from then on), copies it onto the name (server-side) and commits that; a writer killed at any request leaves
+  one of the two whole. Two writers of one name: each checks after its commit that the object is still the one it
+  committed, else commits what is there (the other's whole upload) and raises, so one wins whole;
 - **a new directory is written in place** (`stage_dir` returns the target itself, with a lease); a sharded
   checkpoint is visible once its index is committed, which its writer does last, after every rank's shard is
   committed. Replacing an existing directory removes it first (an object store cannot swap directories).
 
 Paths are `RemotePath` s: POSIX paths whose text is the URL, so every message names ``s3://bucket/key``. Storage
 options (endpoint, credentials) come from fsspec's usual configuration (``FSSPEC_S3_ENDPOINT_URL``, config files,
-the environment of the storage library) or from ``storage_options=``, which `locate` remembers per bucket for the
-later calls of the same process that name that bucket without them.
+the environment of the storage library) or from the ``storage_options=`` of the call. Nothing remembers them
+between calls: each `RemotePath` carries the file system it was resolved on (`RemotePath.store`, built with that
+call's options), so a path a save returned, passed back to a load, reads where it was written, and a URL given as
+text without options always means fsspec's configuration, whatever an earlier call passed for that bucket.
 
 fsspec is an optional dependency (the ``distfn[s3]`` extra): it is imported when the first URL is resolved,
 never by ``import distfn`` (a local-only user does not pay its ~0.1 s import, nor need it installed).
@@ -29,34 +38,34 @@ never by ``import distfn`` (a local-only user does not pay its ~0.1 s import, no
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import json
 import os
 import pathlib
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar, Final, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final
 
 from loguru import logger
 
 from ..errors import CheckpointError
 from . import fs
+from .names import INDEX
+from .retries import S3_CONFIG, as_checkpoint_error, attempts, explain
 
-__all__ = ["ATTEMPTS", "COMMIT_SUFFIX", "PART_BYTES", "RemoteFileSystem", "RemotePath", "locate"]
+__all__ = ["COMMIT_SUFFIX", "PART_BYTES", "RemoteFileSystem", "RemotePath", "locate"]
 
 #: Bytes per uploaded part: one part is all the host memory a streaming upload holds (plus the copy being sent). S3
 #: takes parts of 5 MiB to 5 GiB and at most 10,000 of them, so a file over `_MAX_PARTS` parts of this size gets
 #: larger parts (`_Upload.reserve`).
 PART_BYTES = 16 << 20
 _MAX_PARTS: Final = 9_000
-#: Attempts of one storage request before a throttling answer or a network error becomes a `CheckpointError`.
-ATTEMPTS = 5
 #: The commit object of ``<dir>/<name>`` is ``<dir>/.<name>`` + this suffix.
 COMMIT_SUFFIX: Final = ".distfn-commit"
 _LEASE_KEY: Final = "distfn-lease"
+_DATA: Final = ".distfn-data"  # a re-save's upload beside its target: ``.<name>.<host>.<pid>.<random>.distfn-data``
+_FORMAT: Final = "distfn-commit-2"
 _SMALL: Final = 1 << 16  # commit objects and leases are far smaller than this
 # Reads go through one cached block fetched from the offset asked for: _BLOCK bytes for a small read (the header, a
 # tiny tensor), _SEQUENTIAL bytes for a read that starts where the previous one ended (a load reads its tensors in
@@ -65,13 +74,8 @@ _SMALL: Final = 1 << 16  # commit objects and leases are far smaller than this
 _DIRECT: Final = 1 << 20
 _BLOCK: Final = 1 << 20
 _SEQUENTIAL: Final = 64 << 20
-_THROTTLED: Final = ("SlowDown", "Throttl", "RequestLimitExceeded", "TooManyRequests", "reduce your request rate",
-                     "503", "429")
-_DENIED: Final = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
-                  "InvalidToken", "Forbidden", "403", "NoCredentials", "Unable to locate credentials")
 _EXTRAS: Final = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
 
-T = TypeVar("T")
 
 
 class RemotePath(pathlib.PurePosixPath):
@@ -86,12 +90,15 @@ class RemotePath(pathlib.PurePosixPath):
     protocol: ClassVar[str] = ""
     #: fsspec's root marker for the protocol: "" (object stores: keys have no leading slash) or "/".
     root: ClassVar[str] = ""
+    #: The file system this path was resolved on (with the storage options of that call): one subclass per
+    #: `RemoteFileSystem`, so every path derived from this one keeps it.
+    store: ClassVar[RemoteFileSystem | None] = None
 
     @staticmethod
-    @functools.cache
-    def of(protocol: str, root: str) -> type[RemotePath]:
-        """The `RemotePath` class of ``protocol`` (made once)."""
-        return type(f"RemotePath[{protocol}]", (RemotePath,), {"protocol": protocol, "root": root})
+    def of(store: RemoteFileSystem, root: str) -> type[RemotePath]:
+        """The `RemotePath` class of the paths of ``store`` (made once per file system)."""
+        return type(f"RemotePath[{store.protocol}]", (RemotePath,),
+                    {"protocol": store.protocol, "root": root, "store": store})
 
     @property
     def key(self) -> str:
@@ -110,75 +117,15 @@ class RemotePath(pathlib.PurePosixPath):
 
 
 # --------------------------------------------------------------------------------------------------
-# Errors: what a user can act on, naming the URL
+# Errors and retries: `distfn.checkpoint.retries`
 
 
-def _text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _throttled(exc: BaseException) -> bool:
-    return any(mark in _text(exc) for mark in _THROTTLED)
-
-
-def _transient(exc: BaseException) -> bool:
-    """A throttling answer or a network failure: worth another attempt."""
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, FileExistsError)):
-        return False
-    names = {t.__name__ for t in type(exc).__mro__}
-    network = bool(names & {"ConnectionError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-                            "HTTPClientError", "ClientConnectorError", "ServerDisconnectedError", "TimeoutError",
-                            "ClientOSError", "IncompleteRead", "ResponseParserError"})
-    return network or _throttled(exc)
-
-
-def explain(exc: BaseException, url: object) -> OSError:
-    """``exc`` (from fsspec or its storage library) as an `OSError` whose message names ``url`` and the cause: wrong
-    credentials, a missing bucket, an unreachable server, throttling."""
-    text = _text(exc)
-    if isinstance(exc, FileNotFoundError) and "NoSuchBucket" not in text and "bucket" not in text.lower():
-        return FileNotFoundError(f"no such object: {url}")
-    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-        return FileNotFoundError(f"the bucket of {url} does not exist ({text}); create it first, or fix the URL")
-    if any(mark in text for mark in _DENIED) or isinstance(exc, PermissionError):
-        return PermissionError(f"access to {url} was denied: wrong or missing credentials? ({text}). distfn "
-                               "uses fsspec's configuration: the storage library's environment variables and "
-                               "config files, FSSPEC_<PROTOCOL>_* variables, or storage_options=")
-    if _throttled(exc):
-        return ConnectionError(f"the storage service kept throttling requests for {url} after {ATTEMPTS} "
-                               f"attempts ({text}); save less often or from fewer ranks, or raise its limits")
-    if _transient(exc):
-        return ConnectionError(f"cannot reach the storage service for {url} ({text}): is the endpoint right and "
-                               "the server up?")
-    if isinstance(exc, OSError):
-        return exc
-    return OSError(f"{url}: {text}")
-
-
-def _attempts(what: str, url: object, call: Callable[[], T]) -> T:
-    """``call()``, again after a throttling answer or a network error (at most `ATTEMPTS` times, backing off,
-    each retry logged); any failure left becomes the `explain` ed `OSError`."""
-    for attempt in range(1, ATTEMPTS + 1):
-        try:
-            return call()
-        except Exception as exc:  # the storage libraries raise many types: all are explained
-            if attempt == ATTEMPTS or not _transient(exc):
-                raise explain(exc, url) from exc
-            delay = min(0.1 * 2 ** attempt, 5.0)
-            logger.warning("{} {}: {} (attempt {} of {}; retrying in {:.1f} s)", what, url, _text(exc), attempt,
-                           ATTEMPTS, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-@contextlib.contextmanager
-def _as_checkpoint_error() -> Iterator[None]:
-    """For the metadata operations whose callers expect no `OSError` (`kind`, `listdir`): a failure there (no
-    access, no server) is the user's news, not a missing file."""
-    try:
-        yield
-    except OSError as exc:
-        raise CheckpointError(str(exc)) from exc
+def _identity(info: Mapping[str, Any]) -> str | None:
+    """What tells two versions of an object apart: its ETag (S3, GCS), else its modification time."""
+    for key in ("ETag", "etag", "mtime", "LastModified", "created"):
+        if info.get(key):
+            return str(info[key])
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,10 +137,15 @@ class _Upload(fs.WriteStream):
     object then appears only at `RemoteFileSystem.commit`). Data is handed over in pieces that fill the file's
     buffer to exactly one part, so at most one part (and the copy being sent) is held."""
 
-    def __init__(self, store: RemoteFileSystem, path: RemotePath, lease: RemotePath | None) -> None:
+    def __init__(self, store: RemoteFileSystem, path: RemotePath, lease: RemotePath | None,
+                 target: RemotePath | None = None, previous: RemotePath | None = None) -> None:
         self._store, self.path, self.lease = store, path, lease
+        #: The name the file is published under (``path`` itself, or the target a re-save's hidden upload serves).
+        self.target = target or path
+        #: The hidden data object the target's commit named when this save began (removed once it is replaced).
+        self.previous = previous
         self.written = 0
-        self._file: Any = _attempts("opening for writing", path, lambda: store.open_for_write(path))
+        self._file: Any = attempts("opening for writing", path, lambda: store.open_for_write(path))
         self.part = PART_BYTES
 
     def reserve(self, nbytes: int) -> None:
@@ -227,7 +179,7 @@ class _Upload(fs.WriteStream):
     def complete(self) -> None:
         """Make the uploaded object exist (S3: complete the multipart upload)."""
         if callable(getattr(self._file, "commit", None)) and not getattr(self._file, "autocommit", True):
-            _attempts("completing the upload of", self.path, self._file.commit)
+            attempts("completing the upload of", self.path, self._file.commit)
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -246,6 +198,10 @@ class _Download(fs.ReadHandle):
         self._end = -1  # where the last read ended
 
     def read(self, offset: int, nbytes: int) -> bytes:
+        with as_checkpoint_error():  # a server gone mid-load: the URL and the cause, not a bare ConnectionError
+            return self._read(offset, nbytes)
+
+    def _read(self, offset: int, nbytes: int) -> bytes:
         end = min(offset + nbytes, self.size)
         if end <= offset:
             return b""
@@ -282,9 +238,12 @@ class RemoteFileSystem(fs.FileSystem):
     def __init__(self, target: Any, protocol: str) -> None:
         self._fs = target
         self.protocol = protocol
-        self.path_type = RemotePath.of(protocol, "/" if getattr(target, "root_marker", "") == "/" else "")
+        self.path_type = RemotePath.of(self, "/" if getattr(target, "root_marker", "") == "/" else "")
         self._local = "file" in _protocols(target) or "local" in _protocols(target)
         self.directories = self._local
+        #: ``memory://``: each process has its own; a multi-process job cannot share a checkpoint through it.
+        self.per_process = protocol == "memory"
+        self._s3 = protocol in ("s3", "s3a")
         self._leases: dict[pathlib.PurePath, pathlib.PurePath] = {}  # this process's in-place directories -> lease
         self._lock = threading.Lock()
 
@@ -314,7 +273,14 @@ class RemoteFileSystem(fs.FileSystem):
                 return None
             return info
 
-        return _attempts("looking up", path, call)
+        info = attempts("looking up", path, call)
+        if self._s3 and info is not None and info.get("type") == "file" and not info.get("ETag"):
+            # every S3 object has an ETag; a web server (an nginx page, a proxy's login form) answers a HEAD with a
+            # plain 200: taken for an object, it made `latest` say "no checkpoint" instead of naming the mistake
+            raise OSError(f"the server for {path} does not answer like an S3 service (an object without an ETag, "
+                          f"content type {info.get('ContentType') or 'unknown'}): is endpoint_url the address of "
+                          "the S3 API?")
+        return info
 
     def _read_small(self, path: pathlib.PurePath) -> Any:
         """The JSON in the small object ``path``, or ``None`` when it is absent or not ours."""
@@ -326,7 +292,7 @@ class RemoteFileSystem(fs.FileSystem):
             except FileNotFoundError:
                 return None
 
-        raw = _attempts("reading", path, call)
+        raw = attempts("reading", path, call)
         if raw is None:
             return None
         try:
@@ -337,7 +303,7 @@ class RemoteFileSystem(fs.FileSystem):
     def _put_small(self, path: pathlib.PurePath, value: Any, *, shown: pathlib.PurePath | None = None) -> None:
         """Write the small JSON object ``path`` (errors name ``shown``, the checkpoint it serves, when given)."""
         data = json.dumps(value).encode()
-        _attempts("writing", shown or path, lambda: self._fs.pipe_file(self._key(path), data))
+        attempts("writing", shown or path, lambda: self._fs.pipe_file(self._key(path), data))
 
     def _delete(self, path: pathlib.PurePath) -> None:
         key = self._key(path)
@@ -346,11 +312,11 @@ class RemoteFileSystem(fs.FileSystem):
             with contextlib.suppress(FileNotFoundError):
                 self._fs.rm_file(key)
 
-        _attempts("removing", path, call)
+        attempts("removing", path, call)
 
     def read_range(self, path: RemotePath, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object ``path`` (one ranged GET)."""
-        return bytes(_attempts("reading", path, lambda: self._fs.cat_file(path.key, start=start, end=end)))
+        return bytes(attempts("reading", path, lambda: self._fs.cat_file(path.key, start=start, end=end)))
 
     def open_for_write(self, path: RemotePath) -> Any:
         """An fsspec file object for a streaming upload to ``path`` (``autocommit=False`` where supported)."""
@@ -363,7 +329,7 @@ class RemoteFileSystem(fs.FileSystem):
 
     # -- FileSystem -------------------------------------------------------------------------------------
     def kind(self, path: pathlib.PurePath) -> fs.Kind:
-        with _as_checkpoint_error():
+        with as_checkpoint_error():
             info = self._info(path)
             if info is None:
                 return "missing"
@@ -371,18 +337,46 @@ class RemoteFileSystem(fs.FileSystem):
                 return "dir"
             if info.get("type") != "file":
                 return "other"
-            return "file" if self._committed(path, info) else "missing"
+            return "file" if self._committed(path, info) is not None else "missing"
 
-    def _committed(self, path: pathlib.PurePath, info: Mapping[str, Any]) -> bool:
-        """Whether the object ``path`` (whose fsspec ``info`` is given) has its commit object, of its size."""
+    def _committed(self, path: pathlib.PurePath, info: Mapping[str, Any]) -> tuple[RemotePath, int] | None:
+        """Where the committed bytes of ``path`` (whose fsspec ``info`` is given) are, and their size: ``path``
+        itself, or the hidden object a re-save's commit names (`commit_stream`); ``None`` without a commit object
+        whose size (and identity, `_identity`) are those of the object it names."""
         marker = self._read_small(self.commit_object(path))
-        return isinstance(marker, dict) and marker.get("size") == info.get("size")
+        if not isinstance(marker, dict) or not isinstance(marker.get("size"), int):
+            return None
+        data, data_info = self.path(self._key(path)), info
+        named = marker.get("object")
+        if isinstance(named, str) and named != path.name:
+            if not (named.startswith(".") and named.endswith(_DATA) and "/" not in named):
+                return None  # only a hidden sibling written by a re-save: a commit object never points elsewhere
+            data = self.path(self._key(path.with_name(named)))
+            found = self._info(data)
+            if found is None or found.get("type") != "file":
+                return None
+            data_info = found
+        if marker["size"] != data_info.get("size"):
+            return None
+        if marker.get("id") is not None and marker.get("id") != _identity(data_info):
+            return None  # another upload replaced the object after its commit object was written
+        return data, marker["size"]
 
     def is_link(self, path: pathlib.PurePath) -> bool:
-        return False
+        return self._local and fs.LOCAL.is_link(pathlib.Path(self._key(path)))
 
     def inside(self, path: pathlib.PurePath, directory: pathlib.PurePath) -> bool:
+        if self._local:  # file://: real files, real symlinks: the local rule (a shard linked outside is refused)
+            return fs.LOCAL.inside(pathlib.Path(self._key(path)), pathlib.Path(self._key(directory)))
         return directory in path.parents
+
+    def check_root(self, path: pathlib.PurePath) -> None:
+        if self._local:
+            return
+        bucket = self._key(path).split("/", 1)[0]
+        if bucket and self._info(self.path(bucket)) is None:
+            raise FileNotFoundError(f"the bucket '{bucket}' of {path} does not exist (or these credentials cannot "
+                                    "see it); create it first, or fix the URL")
 
     def size(self, path: pathlib.PurePath) -> int:
         info = self._info(path)
@@ -400,17 +394,14 @@ class RemoteFileSystem(fs.FileSystem):
             except (FileNotFoundError, NotADirectoryError):
                 return []
 
-        with _as_checkpoint_error():
-            return _attempts("listing", directory, call)
+        with as_checkpoint_error():
+            return attempts("listing", directory, call)
 
     def make_dirs(self, directory: pathlib.PurePath) -> None:
         if self._local:
             self._fs.makedirs(self._key(directory), exist_ok=True)
             return
-        bucket = self._key(directory).split("/", 1)[0]
-        if bucket and self._info(self.path(bucket)) is None:  # an object store has prefixes, but buckets exist
-            raise FileNotFoundError(f"the bucket '{bucket}' of {directory} does not exist (or these credentials "
-                                    "cannot see it); create it first, or fix the URL")
+        self.check_root(directory)  # an object store has prefixes, but buckets exist
 
     def make_dir(self, directory: pathlib.PurePath) -> None:
         self.make_dirs(directory)
@@ -419,30 +410,64 @@ class RemoteFileSystem(fs.FileSystem):
         target = final if final is not None else path
         if not isinstance(target, RemotePath) or not isinstance(path, RemotePath):
             raise TypeError(f"{path!r} is not a path of a remote file system")
-        lease = None
+        lease, upload, previous = None, target, None
         if target != path:  # the writer's temporary name: a lease naming the upload and its writer
             lease = path
-            self._put_small(lease, {_LEASE_KEY: target.name, "host": socket.gethostname(), "pid": os.getpid()},
-                            shown=target)
+            # a re-save of a committed name uploads beside it, so that the old checkpoint stays readable until the
+            # new one's commit object names it (`commit_stream`): no moment with neither
+            before = self._read_small(self.commit_object(target))
+            if isinstance(before, dict):
+                upload = self.path(self._key(path.with_name(path.name.rsplit(".", 1)[0] + _DATA)))
+                named = before.get("object")
+                if isinstance(named, str) and named.endswith(_DATA) and named.startswith(".") and "/" not in named:
+                    previous = self.path(self._key(target.with_name(named)))
+            self._put_small(lease, {_LEASE_KEY: target.name, "data": upload.name, "host": socket.gethostname(),
+                                    "pid": os.getpid()}, shown=target)
         try:
-            return _Upload(self, target, lease)
+            return _Upload(self, upload, lease, target, previous)
         except BaseException:
             if lease is not None:
                 self._delete(lease)
             raise
 
     def commit_stream(self, stream: fs.WriteStream) -> None:
-        """Complete the upload of ``stream``, check its size, write its commit object, drop its lease."""
+        """Complete the upload of ``stream``, check its size, write its commit object, drop its lease.
+
+        A re-save (uploaded beside the target) then switches the commit object to the new object (the one atomic
+        step: before it the old checkpoint is the one readable, after it the new one), copies it onto the target
+        (server-side) and commits that. Last, the object is checked to be still the one committed: a writer that
+        finds another's upload in its place (two writers of one name at once) commits what is there, whole, and
+        raises, so that one save wins whole and the other is an error.
+        """
         if not isinstance(stream, _Upload):
             raise TypeError("not a stream of this file system")
         stream.complete()
-        size = self.size(stream.path)
+        info = self._info(stream.path) or {}
+        size = int(info.get("size") or 0)
         if size != stream.written:
-            raise OSError(f"{stream.path} holds {size} bytes after the upload, {stream.written} were sent; not "
-                          "committed")
-        self._put_small(self.commit_object(stream.path), {"size": size, "format": "distfn-commit-1"})
-        if stream.lease is not None:
-            self._delete(stream.lease)
+            raise OSError(f"{stream.target} holds {size} bytes after the upload, {stream.written} were sent (another "
+                          "writer saved it at the same time, or the upload was cut); not committed")
+        commit, target = self.commit_object(stream.target), stream.target
+        mine = {"size": size, "id": _identity(info), "format": _FORMAT}
+        if stream.path != target:
+            self._put_small(commit, {**mine, "object": stream.path.name}, shown=target)  # the switch
+            try:
+                attempts("copying to", target, lambda: self._fs.copy(stream.path.key, target.key))
+            except FileNotFoundError:  # a later save of this name replaced ours and removed it: that one is kept
+                raise OSError(f"{target} was saved by another writer at the same time: its checkpoint is the one "
+                              "kept, this save is lost (one writer per name)") from None
+            info = self._info(target) or {}
+            mine = {"size": int(info.get("size") or 0), "id": _identity(info), "format": _FORMAT}
+        self._put_small(commit, mine, shown=target)
+        now = self._info(target)
+        if now is None or now.get("size") != mine["size"] or _identity(now) != mine["id"]:
+            if now is not None and now.get("type") == "file":  # another writer's complete upload: kept, whole
+                self._put_small(commit, {"size": now.get("size"), "id": _identity(now), "format": _FORMAT})
+            raise OSError(f"{target} was saved by another writer at the same time: its checkpoint is the one kept, "
+                          "this save is lost (one writer per name)")
+        for leftover in (stream.path if stream.path != target else None, stream.previous, stream.lease):
+            if leftover is not None:
+                self._delete(leftover)
 
     def commit(self, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
         # files are committed by `commit_stream` (called by `publish`); what remains is a directory written in
@@ -473,9 +498,13 @@ class RemoteFileSystem(fs.FileSystem):
     def remove(self, path: pathlib.PurePath) -> None:
         if self._released(path):
             return
+        info = self._info(path)
+        found = self._committed(path, info) if info is not None and info.get("type") == "file" else None
         # the commit object first: a half-removed checkpoint is never taken for a committed one
         self._delete(self.commit_object(path))
         self._delete(path)
+        if found is not None and found[0] != path:
+            self._delete(found[0])  # the hidden object a re-save's commit named
 
     def _released(self, path: pathlib.PurePath) -> bool:
         """When ``path`` is a lease (a writer's temporary name, given to `remove` or `remove_tree` by the cleaning of
@@ -498,12 +527,24 @@ class RemoteFileSystem(fs.FileSystem):
     def _release(self, path: pathlib.PurePath, lease: dict[str, Any]) -> None:
         """Clean what the (dead) writer of the lease ``path`` left: its unfinished upload, or the directory it was
         writing in place when its index was never committed. A committed checkpoint is never touched."""
-        target = path.with_name(str(lease[_LEASE_KEY]))
-        if lease.get("dir"):
-            if self.kind(target / _INDEX) != "file":
+        name = str(lease[_LEASE_KEY])
+        if name and "/" not in name and not name.startswith(".") and name not in (".", ".."):
+            target = path.with_name(name)
+            # a committed checkpoint is never touched: not a committed file (a lease of either kind may name one, a
+            # dead writer's or a hand-made one), not a directory whose index is committed
+            if lease.get("dir") and self.kind(target) != "file" and self.kind(target / INDEX) != "file":
                 self.remove_tree(target)
-        else:
-            self._abort_uploads(target)
+            elif not lease.get("dir"):
+                self._abort_uploads(target)
+                data = lease.get("data")
+                if isinstance(data, str) and data != name and data.startswith(".") and data.endswith(_DATA) \
+                        and "/" not in data:
+                    hidden = path.with_name(data)
+                    self._abort_uploads(hidden)
+                    info = self._info(target)
+                    found = self._committed(target, info) if info is not None else None
+                    if found is None or found[0] != hidden:  # never the object a commit names
+                        self._delete(hidden)
         self._delete(path)
 
     def _abort_uploads(self, path: pathlib.PurePath, *, under: bool = False) -> None:
@@ -524,7 +565,7 @@ class RemoteFileSystem(fs.FileSystem):
         with contextlib.suppress(Exception):  # never raises, as the interface says
             if self._released(path) or self._info(path) is None:
                 return
-            index = self.commit_object(path / _INDEX)
+            index = self.commit_object(path / INDEX)
             self._delete(index)  # the checkpoint's commit object first
             self._fs.rm(key, recursive=True)
         with contextlib.suppress(Exception):
@@ -547,20 +588,21 @@ class RemoteFileSystem(fs.FileSystem):
     def open(self, path: pathlib.PurePath) -> fs.ReadHandle:
         if not isinstance(path, RemotePath):
             raise TypeError(f"{path!r} is not a path of a remote file system")
-        with _as_checkpoint_error():  # no access, no server: the user's news, not a missing file
+        with as_checkpoint_error():  # no access, no server: the user's news, not a missing file
             info = self._info(path)
-            committed = info is not None and info.get("type") == "file" and self._committed(path, info)
+            committed = self._committed(path, info) if info is not None and info.get("type") == "file" else None
         if info is not None and info.get("type") == "directory":
             raise IsADirectoryError(f"{path} is a directory")
-        if info is None or not committed:
+        if info is None:
             raise FileNotFoundError(f"no committed object at {path}")
-        return _Download(self, path, int(info.get("size") or 0))
+        if committed is None:
+            raise FileNotFoundError(f"{path} exists but has no commit object ({self.commit_object(path).name} of its "
+                                    "size): a writer that did not finish, or a file not written through a URL (a "
+                                    "checkpoint saved to a local path is read through that path, not file://)")
+        return _Download(self, committed[0], committed[1])
 
     def publish(self, stream: fs.WriteStream, written: pathlib.PurePath, target: pathlib.PurePath) -> None:
         self.commit_stream(stream)
-
-
-_INDEX: Final = "model.safetensors.index.json"  # = layout.INDEX (layout imports this module, not the reverse)
 
 
 def _protocols(target: Any) -> tuple[str, ...]:
@@ -571,7 +613,8 @@ def _protocols(target: Any) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------------
 # URL -> (file system, path)
 
-_OPTIONS: dict[tuple[str, str], dict[str, Any]] = {}  # (protocol, bucket) -> the storage_options last given
+#: The file systems made so far, by fsspec's token (which covers the protocol and every option): one
+#: `RemoteFileSystem` (and one `RemotePath` class) per distinct set of options, never shared between two sets.
 _STORES: dict[str, RemoteFileSystem] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -589,23 +632,24 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
 
     Args:
         url: any fsspec URL.
-        storage_options: passed to the fsspec file system (``endpoint_url``, ``key``, ``secret``, ...); remembered
-            for later URLs of the same bucket that come without them. ``None``: the remembered ones, else fsspec's
-            configuration alone.
+        storage_options: passed to the fsspec file system (``endpoint_url``, ``key``, ``secret``, ...), for this
+            call only. ``None``: fsspec's configuration alone.
 
     Raises:
         CheckpointError: fsspec (or the protocol's library) is not installed, naming the extra to install.
     """
     fsspec = _fsspec(url)
-    protocol, _, rest = url.partition("://")
-    protocol = protocol.lower()
+    protocol = url.partition("://")[0].lower()
     if protocol in ("http", "https"):  # fsspec's HTTP file system reads only, and lists nothing: no checkpoints
         raise CheckpointError(f"cannot use {url}: checkpoints need a store that can be written and listed (s3://, "
                               "gs://, az://, file://, ...), not plain HTTP")
-    bucket = rest.lstrip("/").split("/", 1)[0]
-    if storage_options is not None:
-        _OPTIONS[(protocol, bucket)] = dict(storage_options)
-    options = _OPTIONS.get((protocol, bucket), {})
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise CheckpointError(f"cannot open {url}: storage_options= must be a mapping of the fsspec file system's "
+                              f"options such as {{'endpoint_url': 'http://host:9000'}}, got "
+                              f"{type(storage_options).__name__} {storage_options!r}")
+    options = dict(storage_options or {})
+    if protocol in ("s3", "s3a") and "config_kwargs" not in {**fsspec.config.conf.get(protocol, {}), **options}:
+        options["config_kwargs"] = S3_CONFIG  # bounded waits (see `S3_CONFIG`), unless the user chose their own
     try:
         target = fsspec.filesystem(protocol, **options)
     except ImportError as exc:
@@ -614,6 +658,10 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
         raise CheckpointError(f"cannot open {url}: {exc} ({hint})") from None
     except (ValueError, TypeError, OSError) as exc:  # an unknown protocol, bad options, a missing native library
         raise CheckpointError(f"cannot open {url}: {type(exc).__name__}: {exc}") from None
+    if isinstance(getattr(target, "retries", None), int):
+        # s3fs retries each call 5 times more, on top of botocore's attempts and `_attempts`: 75 attempts of a
+        # request that times out. botocore's (standard mode) and `_attempts` are enough.
+        target.retries = 1
     token = f"{protocol}:{getattr(target, '_fs_token', id(target))}"
     with _STORES_LOCK:
         store = _STORES.get(token)

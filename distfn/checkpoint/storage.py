@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import math
 import os
 import pathlib
@@ -30,7 +29,8 @@ from loguru import logger
 from ..errors import CheckpointError
 from . import format as fmt
 from . import fs
-from .layout import INDEX, Location, resolve
+from .layout import Location, resolve
+from .names import INDEX, PICKLE_SUFFIXES
 
 __all__ = [
     "TMP_MARK",
@@ -49,7 +49,6 @@ __all__ = [
 TMP_MARK: Final = ".distfn-tmp"
 _WRITE_CHUNK: Final = 64 << 20  # bytes per GPU->host copy
 _SMALL_WRITE: Final = 4 << 20  # pieces smaller than this are gathered into one write
-_PICKLE_SUFFIXES: Final = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,8 +333,10 @@ def _open(loc: Location) -> fs.ReadHandle:
     """``loc`` open for reading, with the file-system errors users meet as `CheckpointError`."""
     try:
         return loc.fs.open(loc.path)  # the caller closes it
-    except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint at '{loc}'") from None
+    except FileNotFoundError as exc:
+        # an object store says why (an object without its commit object); a local disk's text adds nothing
+        why = f": {exc}" if str(exc).startswith(str(loc)) else ""
+        raise CheckpointError(f"no checkpoint at '{loc}'{why}") from None
     except IsADirectoryError:
         raise CheckpointError(f"'{loc}' is a directory without {INDEX}: not a checkpoint; pass a "
                               ".safetensors file or a sharded checkpoint directory (see distfn.latest)") from None
@@ -349,7 +350,7 @@ def _looks_like_pickle(head: bytes) -> bool:
 
 def _is_json(raw: bytes) -> bool:
     try:
-        json.loads(raw)
+        fmt.strict_json(raw)  # bounded: a header nested 100,000 deep is "not JSON", never a RecursionError
     except (UnicodeDecodeError, ValueError):
         return False
     return True
@@ -374,12 +375,12 @@ def read_header(path: str | os.PathLike[str] | Location, opened: fs.ReadHandle |
         if not (2 <= n <= fmt.MAX_HEADER and 8 + n <= size and head[8:9] == b"{"):
             if _looks_like_pickle(head):
                 raise _refuse_pickle(loc.path, "it starts with a zip/pickle signature")
-            if loc.path.suffix.lower() in _PICKLE_SUFFIXES:
+            if loc.path.suffix.lower() in PICKLE_SUFFIXES:
                 raise _refuse_pickle(loc.path, "its first bytes are not a safetensors header")
             raise CheckpointError(f"'{loc}' is not a complete safetensors file ({size} bytes, header length "
                                   f"{n}); it may be truncated or of another format")
         raw = f.read(8, n)
-    if loc.path.suffix.lower() in _PICKLE_SUFFIXES and not _is_json(raw):
+    if loc.path.suffix.lower() in PICKLE_SUFFIXES and not _is_json(raw):
         raise _refuse_pickle(loc.path, "its header is not JSON")
     return fmt.parse_header(loc.path, raw, size)
 

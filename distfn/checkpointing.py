@@ -14,8 +14,9 @@ The decisions, each made once:
 Every rank gets the same resolved path back. Paths that differ across ranks are an error wherever the ranks meet
 in a collective anyway (sharded saves, ``rng=True``), and a one-time warning where they do not.
 
-This module sits above `distfn.fsdp_state` (which itself uses the package's plain functions); the package's
-``__init__`` does not import it, so there is no cycle.
+This module is the run's use of the checkpoint library, beside `distfn.context`, not part of it: it needs the run
+state (`distfn.run`), the collectives and `distfn.fsdp_state`, which all sit above `distfn.checkpoint`; the
+package below imports none of them back (issue 40 item 4).
 """
 
 from __future__ import annotations
@@ -28,17 +29,18 @@ from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias
 
 import torch
+import torch.distributed as dist
 from loguru import logger
 from torch import nn
 
-from .. import checkpoint, collectives, fsdp_state
-from ..errors import CheckpointError, ConfigError
-from ..options import Mode, shards_state
-from ..rng import gather_rng_states, rng_state_for_rank, set_rng_state
-from ..run import Run
-from . import api, restore
-from . import sharded as directories
-from .layout import Location, check_keep, resolve, step_of_path, wants_sharded
+from . import checkpoint, collectives, fsdp_state
+from .checkpoint import api, restore
+from .checkpoint import sharded as directories
+from .checkpoint.layout import Location, check_keep, resolve, step_of_path, wants_sharded
+from .errors import CheckpointError, ConfigError
+from .options import Mode, shards_state
+from .rng import gather_rng_states, rng_state_for_rank, set_rng_state
+from .run import Run
 
 __all__ = ["IF_PRESENT", "RngRestore", "load_state", "resume_state", "save_state"]
 
@@ -73,6 +75,16 @@ def _same_path_everywhere(target: Location) -> None:
                               "distfn.checkpoint.save(obj, path) on every rank for one file per rank.")
 
 
+def _shared(loc: Location, call: str) -> None:
+    """Refuse a per-process store (``memory://``) in a job of several processes: each would save into its own
+    memory, every save would "succeed", and a resume would silently start from step 0."""
+    if loc.fs.per_process and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise CheckpointError(f"{call}('{loc}'): memory:// is this process's own memory, and this job has "
+                              f"{dist.get_world_size()} processes: a checkpoint saved there is invisible to the "
+                              "others and lost when the process ends. Use a shared store (s3://, gs://, a local or "
+                              "shared directory)")
+
+
 def save_state(
     obj: nn.Module | Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -96,10 +108,11 @@ def save_state(
     if run.tracking is not None:  # rank 0: the tracked run's key, so that a re-run which resumes continues it
         metadata = run.tracking.stamp(metadata)
     target = resolve(path, storage_options)
+    _shared(target, "ctx.save")  # on every rank alike, before any collective
     as_directory = wants_sharded(path, mode, sharded)
     if not as_directory:  # checks that need no collective fail on every rank alike, before any collective
         check_keep(keep, target, directory=False)
-        api.check_file_target(target)
+        target = api.check_file_target(target)  # marked checked: the writer below does not ask the store again
         # with rng=True the ranks meet in a collective below, where different paths are an error instead
         if not rng and rank != 0 and re.search(_PER_RANK.format(rank=rank), target.given, re.IGNORECASE):
             _warn_per_rank(target.given, rank)
@@ -121,7 +134,7 @@ def save_state(
     # what a test or a user's wrapper replaces to observe real writes)
     write = checkpoint.save if blocking else functools.partial(run.saves.save_file, save=checkpoint.save)
     if shards_state(mode):
-        fsdp_state.save(obj, target.path, rank=rank, metadata=metadata, keep=keep, checked_in=checked_in, write=write,
+        fsdp_state.save(obj, target, rank=rank, metadata=metadata, keep=keep, checked_in=checked_in, write=write,
                         run=run)
     elif rank == 0:
         write(obj, target, metadata=metadata, keep=keep)
@@ -129,7 +142,7 @@ def save_state(
 
 
 def load_state(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     into: nn.Module | Mapping[str, Any],
     *,
     mode: Mode,
@@ -156,7 +169,7 @@ def load_state(
     if loc.layout() in ("sharded", "dir"):  # a directory is read as a sharded checkpoint (or says why it is not)
         values = directories.load_into(loc, into, device=device, strict=strict)
     elif shards_state(mode):
-        values = fsdp_state.load(loc.path, into, device=device, strict=strict, run=run)
+        values = fsdp_state.load(loc, into, device=device, strict=strict, run=run)
     else:
         values = restore.load_into(loc, into, device=device, strict=strict)
     if rng:
@@ -187,14 +200,17 @@ def resume_state(
     """``ctx.resume``: rank 0 picks the newest complete checkpoint (`distfn.checkpoint.latest`), every rank loads
     that one and restores its RNG states when they were saved; returns its step (0: none, ``state`` untouched)."""
     run.saves.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
-    resolve(directory, storage_options)  # on every rank: a URL's options are remembered for the load below too
-    last = api.latest(directory, prefix=prefix) if rank == 0 else None
+    d = resolve(directory, storage_options)  # on every rank, with its options: the load below uses this location
+    _shared(d, "ctx.resume")
+    found = api.latest_location(d, prefix=prefix) if rank == 0 else None
+    # the entry's name only: every rank rebuilds the location from its own directory (its file system, its options)
     with run.collective("broadcast_object"):  # a collective every rank makes
-        last = collectives.broadcast_object(None if last is None else str(last))
-    if last is None:
+        name = collectives.broadcast_object(None if found is None else found.name)
+    if name is None:
         return 0
+    last = d.child(name)
     if run.tracking is not None and run.tracking.active:  # rank 0: continue the run the checkpoint belongs to
         run.tracking.adopt(api.read_metadata(last))
     load_state(last, state, mode=mode, rank=rank, world_size=world_size, device=device, run=run, strict=strict,
                rng=IF_PRESENT)
-    return step_of_path(last) or 0
+    return step_of_path(last.path) or 0
