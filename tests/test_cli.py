@@ -463,9 +463,10 @@ def test_inspect_damaged_files_is_one_line_and_status_1_never_a_traceback(tmp_pa
     assert cli.main(["inspect", str(tmp_path / "model.pt")]) == 1
     assert "unpickling a file can execute arbitrary code" in capsys.readouterr().err
     assert cli.main(["inspect", str(tmp_path / "ckpt-6.safetensors")]) == 1
-    assert "nested too deeply" in capsys.readouterr().err
+    assert "levels deep, over the limit" in capsys.readouterr().err  # the bounded parser names the depth
     assert cli.main(["inspect", str(tmp_path / "ckpt-1.safetensors")]) == 1
-    assert f"'{tmp_path / 'ckpt-1.safetensors'}': corrupt distfn metadata: a mapping key" in capsys.readouterr().err
+    assert re.search(rf"{re.escape(str(tmp_path / 'ckpt-1.safetensors'))}'.* corrupt distfn metadata: .*cannot be a "
+                     "mapping key", capsys.readouterr().err)
 
 
 def test_an_unforeseen_failure_is_still_one_line_unless_debugging(tmp_path: Any, capsys: pytest.CaptureFixture[str],
@@ -533,15 +534,12 @@ def test_ls_newest_first_what_latest_picks_and_why_others_are_skipped(tmp_path: 
     assert capsys.readouterr().err.strip() == f"distfn ls: no directory at '{tmp_path / 'nope'}'"
     assert cli.main(["ls", str(tmp_path / "ckpt-3.safetensors")]) == 1
     assert "is not a directory (to see what a checkpoint holds: distfn inspect" in capsys.readouterr().err
-    # A header nested past Python's limit: its row says so; distfn.latest skips it (issue 41 item 19) or, where it
-    # still raises RecursionError, ls says that a resume from here fails, with status 1
+    # A header nested past any reader's limit: its row says so and distfn.latest skips it (issue 41 item 19)
     save(state, tmp_path / "deep" / "ckpt-3.safetensors")
     status = cli.main(["ls", str(tmp_path / "deep")])
     out = capsys.readouterr().out
-    assert re.search(r"\n  ckpt-6\.safetensors .* skipped: its header's JSON is nested too deeply", out)
-    assert (status, out.splitlines()[-1].startswith("distfn.latest -> ckpt-3.safetensors")) in ((0, True), (1, False))
-    assert status == 0 or out.splitlines()[-1] == ("distfn.latest fails here: its header's JSON is nested too deeply "
-                                                   "to read (damaged, or made to break readers)")
+    assert re.search(r"\n  ckpt-6\.safetensors .* skipped: .*nested \d+ levels deep", out), out
+    assert status == 0 and out.splitlines()[-1].startswith("distfn.latest -> ckpt-3.safetensors"), out
     (tmp_path / "empty").mkdir()
     assert cli.main(["ls", str(tmp_path / "empty")]) == 0
     assert "no checkpoints here" in capsys.readouterr().out

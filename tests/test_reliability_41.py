@@ -57,11 +57,12 @@ def _agree(cfgs: list[Any]) -> dict[int, BaseException]:
     """Run ``Agreement.check`` on one rank per cfg (threads over one store); the exception each rank raised."""
     import torch.distributed as dist
 
-    from distfn.checkin import CheckIn
     from distfn.fingerprint import Agreement
+    from distfn.rankstore import Channel
 
     store, world = dist.HashStore(), len(cfgs)
-    ranks = [Agreement.start(CheckIn.start(r, world, 5.0, store), cfg, 5.0) for r, cfg in enumerate(cfgs)]
+    ranks = [Agreement.start(Channel.open(store, r, world).child("fingerprint"), cfg, 5.0)
+             for r, cfg in enumerate(cfgs)]
     errors: dict[int, BaseException] = {}
 
     def wrap(r: int) -> None:
