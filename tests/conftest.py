@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from loguru import logger
@@ -31,20 +31,49 @@ SLOW_S = 5.0
 REPORT_SLOW_S = 2 * SLOW_S
 _unmarked_slow: list[tuple[str, float]] = []
 
+#: CI's two passes (.ci/run): the bare pass writes the node ids of the tests that passed to the file named by
+#: ``DISTFN_TESTS_PASSED_TO``; the full pass, given that file as ``DISTFN_TESTS_PASSED_IN``, leaves those out
+#: (they passed already, on the smaller install) and runs everything else: the slow and cluster tests and every
+#: quick test that skipped there for a missing extra. The files below are run whole in both passes: a test there
+#: takes another branch when an extra is installed (a notebook row, a TensorBoard check, a snippet's tool).
+PASSED_TO: Final = os.environ.get("DISTFN_TESTS_PASSED_TO")
+PASSED_IN: Final = os.environ.get("DISTFN_TESTS_PASSED_IN")
+RUN_IN_BOTH: Final = frozenset({"test_bench_smoke.py", "test_docs.py", "test_examples.py", "test_progress.py",
+                                "test_ray.py", "test_remote.py", "test_tracking.py"})
+_failed_phase: set[str] = set()
+_left_out: list[int] = []
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the quick selection: every test neither ``slow`` nor ``cluster`` (a slow one marked ``quick`` stays)."""
+    """Mark the quick selection: every test neither ``slow`` nor ``cluster`` (a slow one marked ``quick`` stays);
+    under ``DISTFN_TESTS_PASSED_IN`` (CI's full pass) leave out what CI's bare pass already passed."""
     for item in items:
         if item.get_closest_marker("slow") is None and item.get_closest_marker("cluster") is None:
             item.add_marker(pytest.mark.quick)
+    if PASSED_IN:
+        passed = set(Path(PASSED_IN).read_text().split("\n"))
+        done = [item for item in items if item.nodeid in passed and Path(item.path).name not in RUN_IN_BOTH]
+        if done:
+            config.hook.pytest_deselected(items=done)
+            keep = set(map(id, done))
+            items[:] = [item for item in items if id(item) not in keep]
+            _left_out.append(len(done))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call" and report.duration > REPORT_SLOW_S and "slow" not in report.keywords:
         _unmarked_slow.append((report.nodeid, report.duration))
+    if PASSED_TO:
+        if report.outcome != "passed" or getattr(report, "wasxfail", None) is not None:
+            _failed_phase.add(report.nodeid)  # a failed or skipped phase (an xfail too): not "passed"
+        elif report.when == "teardown" and report.nodeid not in _failed_phase:
+            with open(PASSED_TO, "a", encoding="utf-8") as out:
+                out.write(report.nodeid + "\n")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _left_out:
+        terminalreporter.write_line(f"{_left_out[0]} tests deselected: they passed in CI's bare pass ({PASSED_IN})")
     if _unmarked_slow:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         terminalreporter.section(f"tests over {REPORT_SLOW_S:g} s not marked slow (load average {load:.1f} on "
