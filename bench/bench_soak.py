@@ -29,9 +29,8 @@ import _common as c
 
 JOB = c.REPO / "tests" / "scripts" / "soak_job.py"
 sys.path.insert(0, str(JOB.parent))
-from rel_leftovers import processes
+from rel_leftovers import growth, processes
 
-EXACT = ("fds", "threads", "os_threads", "listening", "shm", "tmp", "children")
 RSS_SLACK_MIB = 25.0
 NAMES = {"fds": "open descriptors", "threads": "Python threads", "os_threads": "OS threads",
          "listening": "listening TCP sockets", "shm": "/dev/shm entries (unused, new)", "tmp": "TMPDIR entries",
@@ -57,16 +56,6 @@ def run_soak(launches: int, restarts: int, tmp: Path) -> tuple[list[dict[str, An
         raise RuntimeError(f"{len(failed)} restart(s) failed: {failed[0]}")
     samples = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("SAMPLE ")]
     return samples, len(processes(proc.pid, session=True))
-
-
-def growth(samples: list[dict[str, Any]]) -> dict[str, float]:
-    """Each resource's lasting growth from the warm-up (the first restart: every module imported, Python's
-    multiprocessing helpers started): the least of the last 5 samples minus the warm-up's. A leak shows in every
-    later sample; a passing blip (a thread still ending at the OS level after Python let it go, another program's
-    fresh /dev/shm file on a shared machine) in one only."""
-    first = next(i for i, s in enumerate(samples) if s["kind"] == "restart")
-    base, rest = samples[first], samples[first + 1:][-5:]
-    return {k: min([s[k] for s in rest] or [base[k]]) - base[k] for k in (*EXACT, "rss_mib")}
 
 
 def _targets(values: dict[str, float]) -> list[dict[str, Any]]:

@@ -19,11 +19,9 @@ import pytest
 from conftest import SCRIPTS, clean_env
 
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import processes
+from rel_leftovers import EXACT, growth, processes
 
 JOB = SCRIPTS / "soak_job.py"
-#: Counted exactly: one more of any after the warm-up is a leak.
-EXACT = ("fds", "threads", "os_threads", "listening", "shm", "tmp", "children")
 #: RSS may move by the allocator's whims, not by a launch's worth each time.
 RSS_GROWTH_MIB = 25.0
 
@@ -45,16 +43,6 @@ def soak(tmp: Path, launches: int, restarts: int, timeout: float) -> list[dict[s
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert "RESTART FAILED" not in done.stdout, done.stdout
     return [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("SAMPLE ")]
-
-
-def growth(samples: list[dict[str, Any]]) -> dict[str, float]:
-    """Each resource's lasting growth from the warm-up (the first restart: every module imported, Python's
-    multiprocessing helpers started): the least of the last 5 samples minus the warm-up's. A leak shows in every
-    later sample; a passing blip (a thread still ending at the OS level after Python let it go, another program's
-    fresh /dev/shm file on a shared machine) in one only."""
-    first = next(i for i, s in enumerate(samples) if s["kind"] == "restart")
-    base, rest = samples[first], samples[first + 1:][-5:]
-    return {k: min([s[k] for s in rest] or [base[k]]) - base[k] for k in (*EXACT, "rss_mib")}
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from typing import Any
 
 _SHM = "/dev/shm"
 # torchinductor_<user> is torch's compile cache, kept across runs on purpose (a fresh interpreter may make it)
@@ -179,3 +180,18 @@ def temp_files() -> list[str]:
 def leftovers(pid: int, *, forked: bool = False) -> list[str]:
     """Everything above (``forked``: see :func:`shm_segments`)."""
     return processes(pid) + listening(pid) + shm_segments(forked=forked) + temp_files()
+
+
+#: The soak's resources counted exactly: one more of any after the warm-up is a leak (tests/test_reliability_soak.py
+#: and bench/bench_soak.py read the samples of tests/scripts/soak_job.py with the same rule).
+EXACT = ("fds", "threads", "os_threads", "listening", "shm", "tmp", "children")
+
+
+def growth(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Each resource's lasting growth from the warm-up (the first restart: every module imported, Python's
+    multiprocessing helpers started): the least of the last 5 samples minus the warm-up's. A leak shows in every
+    later sample; a passing blip (a thread still ending at the OS level after Python let it go, another program's
+    fresh /dev/shm file on a shared machine) in one only."""
+    first = next(i for i, s in enumerate(samples) if s["kind"] == "restart")
+    base, rest = samples[first], samples[first + 1:][-5:]
+    return {k: min([s[k] for s in rest] or [base[k]]) - base[k] for k in (*EXACT, "rss_mib")}
