@@ -45,6 +45,13 @@ class FailureRecord(Protocol):
 class DistfnError(Exception):
     """Base class of every error raised by distfn itself."""
 
+    def _render_traceback_(self) -> list[str]:
+        """The traceback IPython and Jupyter show for it: the user's frames and the cause, without distfn's own
+        frames or source (``DISTFN_DEBUG=1`` keeps them), as Python prints it."""
+        from .failures import format_user_exception  # deferred: failures imports this module
+
+        return format_user_exception(self).rstrip("\n").split("\n")
+
 
 class LauncherError(DistfnError, ValueError):
     """The launcher environment is missing or inconsistent (raised before any process group starts)."""

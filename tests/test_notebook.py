@@ -224,6 +224,10 @@ def test_jupyter_kernel_matches_the_script(script_results: dict[str, Any], tmp_p
     text = err["evalue"] + "\n".join(err["traceback"])
     assert err["ename"] == "WorkerError" and "rank 1" in text and "boom from rank 1" in text
     assert 'raise ValueError("boom from rank 1")' in text
+    # issue 44 item 2: the cell's frame and the one-line cause lead (IPython showed ~45 lines of distfn's source)
+    shown = "\n".join(err["traceback"]).splitlines()
+    assert shown[0] == "Traceback (most recent call last):" and shown[2] == "    boom({})", shown
+    assert shown[3].startswith("distfn.errors.WorkerError: rank 1 (pid ") and "distfn/" not in text and len(shown) < 12
     # The interrupt: KeyboardInterrupt in the cell, the workers gone within seconds, the kernel alive.
     assert errors["sleeper"]["ename"] == "KeyboardInterrupt"
     assert stopped_after < 20  # SIGINT to the workers, SIGKILL after a 5 s grace; generous on a shared machine
