@@ -63,7 +63,7 @@ def _start_method(opts: Options) -> tuple[str, str, str | None]:
     except ConfigError as exc:
         if opts.start_method == "forkserver":
             raise
-        logger.warning("{}; starting the workers with spawn instead", exc)
+        logger.warning("{}; starting the workers with start method spawn instead", exc)
         return "spawn", f"{reason}; the fork server cannot start here", None
 
 

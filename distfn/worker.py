@@ -131,7 +131,9 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             if run_state.checkin is not None:
                 run_state.agreement = fingerprint.Agreement.start(run_state.checkin, cfg, opts.timeout.total_seconds())
         if topology.rank == 0:
-            log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}", topology.launcher,
+            # "self-spawned", not the launcher's name "spawn", which would read as the start method (issue 44)
+            log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}",
+                     "self-spawned" if topology.launcher == "spawn" else topology.launcher,
                      topology.reason, topology.world_size, device, backend, threads)
         ctx = Context(
             rank=topology.rank,
