@@ -47,7 +47,8 @@ def test_logging_levels_ranks_user_sinks_and_thread_sizing(tmp_path: Path) -> No
     assert "info from rank 1" in err and "debug from rank 1" in err
     # the launching process logs in the same format as the ranks, and respects DISTFN_LOG_LEVEL too
     assert all(LINE.match(line) for line in _log_lines(err)), err
-    assert any(re.search(r"\| TRACE +\| launcher \| starting 2 workers, start method fork", line) for line in err.splitlines())
+    started = r"\| TRACE +\| launcher \| starting 2 workers, start method fork"
+    assert any(re.search(started, line) for line in err.splitlines())
     sized = [line for line in err.splitlines() if "CPU thread(s) per process" in line]
     assert len(sized) == 1 and "rank 0/2" in sized[0]  # rank 0's start-up line says how the cores were split
     assert f"{max(1, cpus // 2)} CPU thread(s) per process ({cpus} CPUs / 2 processes on this node)" in sized[0]
