@@ -26,6 +26,7 @@ import torch
 from loguru import logger
 
 from .errors import ConfigError, LauncherError, Terminated
+from .tracebacks import debug, format_user_exception, user_traceback
 
 _SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer; see `dmesg` or the job's memory limit",
@@ -65,46 +66,9 @@ def exception_text(exc: BaseException) -> str:
 
 
 # -- what the user sees of a traceback ------------------------------------------------------------------------------
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Set on an exception that `report_in_place` has already reported in full: the rank's own excepthook prints
 #: one line for it instead of the traceback again (`install_excepthook`).
 _REPORTED_ATTR = "_distfn_reported"
-
-
-def debug() -> bool:
-    """Whether ``DISTFN_DEBUG=1``: tracebacks then keep distfn's own frames."""
-    return os.environ.get("DISTFN_DEBUG") == "1"
-
-
-def _hidden(frame: types.FrameType) -> bool:
-    """A frame of distfn itself, or of IPython's cell runner (above the cell's own frame)."""
-    name = frame.f_code.co_filename
-    return name.startswith(_PACKAGE) or f"{os.sep}IPython{os.sep}core{os.sep}" in name
-
-
-def user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` without distfn's own frames (the decorator, the launcher, the rank bootstrap, the internals below
-    a ``ctx`` call): what is left is the user's code and the libraries it called. ``tb`` itself under
-    ``DISTFN_DEBUG=1``, or where every frame is distfn's (a failure of distfn before the user's code ran)."""
-    if debug():
-        return tb
-    kept = []
-    entry = tb
-    while entry is not None:
-        if not _hidden(entry.tb_frame):
-            kept.append(entry)
-        entry = entry.tb_next
-    if not kept:
-        return tb
-    trimmed = None
-    for entry in reversed(kept):
-        trimmed = types.TracebackType(trimmed, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
-    return trimmed
-
-
-def format_user_exception(exc: BaseException) -> str:
-    """``exc`` formatted as Python does, its traceback without distfn's frames (`user_traceback`)."""
-    return "".join(traceback.format_exception(type(exc), exc, user_traceback(exc.__traceback__)))
 
 
 def _excepthook(etype: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
