@@ -120,7 +120,13 @@ def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | 
 
             execute.check_arguments(func, args, kwargs)
             with logs.launcher():  # one log format from here on ("launcher", then "rank r/n" in the ranks)
-                return _call(func, origin or wrapper, opts, args[0] if args else None)
+                try:
+                    return _call(func, origin or wrapper, opts, args[0] if args else None)
+                except DistfnError as exc:
+                    if os.environ.get("DISTFN_DEBUG") == "1":
+                        raise
+                    # the cause leads: distfn's frames between the caller and the raise are dropped (issue 44)
+                    raise exc.with_traceback(None)  # noqa: B904 - the same exception, not a new one
 
     def options(**changes: Any) -> Callable[..., R]:
         """The same function with some arguments of ``@distributed`` changed for the calls made through it,

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from .tracebacks import format_user_exception
+
 
 class FailureRecord(Protocol):
     """One rank's failure as `WorkerError` holds it: the documented fields (docs/failures.md) and the two texts
@@ -44,6 +46,11 @@ class FailureRecord(Protocol):
 
 class DistfnError(Exception):
     """Base class of every error raised by distfn itself."""
+
+    def _render_traceback_(self) -> list[str]:
+        """The traceback IPython and Jupyter show for it: the user's frames and the cause, without distfn's own
+        frames or source (``DISTFN_DEBUG=1`` keeps them), as Python prints it."""
+        return format_user_exception(self).rstrip("\n").split("\n")
 
 
 class LauncherError(DistfnError, ValueError):

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from loguru import logger
 
-from . import devices, preflight, rendezvous, topology, worker
+from . import devices, failures, preflight, rendezvous, topology, worker
 from .context import Context
 from .errors import ConfigError
 from .launch import forkserver, local, pernode
@@ -63,7 +63,7 @@ def _start_method(opts: Options) -> tuple[str, str, str | None]:
     except ConfigError as exc:
         if opts.start_method == "forkserver":
             raise
-        logger.warning("{}; starting the workers with spawn instead", exc)
+        logger.warning("{}; starting the workers with start method spawn instead", exc)
         return "spawn", f"{reason}; the fork server cannot start here", None
 
 
@@ -82,6 +82,7 @@ def _launch(sendable: Callable[..., R], cfg: Any, plan: CallPlan) -> R:
 def run_call(fn: Callable[..., R], sendable: Callable[..., R], cfg: Any, plan: CallPlan) -> R:
     """Run one job as ``plan`` says (any kind but ``"nested"``, which the decorator refuses): ``fn`` is the user's
     function, ``sendable`` what spawn may pickle to reach it."""
+    failures.install_excepthook()  # an uncaught error of this job then leads with the user's frame, not distfn's
     for note in plan.notes:
         logger.log(note.level, note.text)
     if plan.kind == "ray":  # the ranks are Ray actors on the cluster's nodes, not processes of this machine

@@ -8,13 +8,16 @@ never imports the launcher (like torch's ``elastic/multiprocessing/errors``, whi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import socket
+import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +26,7 @@ import torch
 from loguru import logger
 
 from .errors import ConfigError, LauncherError, Terminated
+from .tracebacks import debug, format_user_exception, user_traceback
 
 _SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer; see `dmesg` or the job's memory limit",
@@ -59,6 +63,34 @@ def exception_text(exc: BaseException) -> str:
         except Exception:  # noqa: BLE001
             detail = type(err).__name__
         return f"<str() of {type(exc).__qualname__} raised {detail}>"
+
+
+# -- what the user sees of a traceback ------------------------------------------------------------------------------
+#: Set on an exception that `report_in_place` has already reported in full: the rank's own excepthook prints
+#: one line for it instead of the traceback again (`install_excepthook`).
+_REPORTED_ATTR = "_distfn_reported"
+
+
+def _excepthook(etype: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+    """`sys.excepthook` of a process that ran a job: an uncaught error shows the user's frames and the cause,
+    not distfn's; one `report_in_place` already reported in full is one line."""
+    if getattr(value, _REPORTED_ATTR, False) and not debug():
+        if isinstance(value, Exception):  # a stop from outside (SIGTERM, Ctrl-C) was one warning line: no more
+            name = etype.__qualname__ if etype.__module__ == "builtins" else f"{etype.__module__}.{etype.__qualname__}"
+            first = (exception_text(value).splitlines() or [""])[0]
+            sys.stderr.write(f"{name}: {first} (reported above; DISTFN_DEBUG=1 shows the whole traceback)\n")
+        return
+    trimmed = user_traceback(tb)
+    # Python's own hook prints the exception's __traceback__, not the one it is given
+    sys.__excepthook__(etype, value.with_traceback(trimmed), trimmed)
+
+
+def install_excepthook() -> None:
+    """Let this process's uncaught errors lead with the user's code (`_excepthook`), unless someone else
+    replaced Python's excepthook already (theirs is left alone). IPython does not use `sys.excepthook`: there
+    distfn's errors render themselves (`distfn.errors.DistfnError._render_traceback_`)."""
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _excepthook
 
 
 # The hang report a rank collected (or received) for its exception (`distfn.hangs`), kept on the exception itself:
@@ -100,6 +132,8 @@ class Failure:
     #: The rank that collected the cross-rank hang report of this failure (`distfn.hangs`), if any: on any other
     #: rank this failure is a consequence, and its diagnosis only points there.
     reporter: int | None = None
+    #: Whether the full traceback (before distfn's frames were cut from `traceback`) went through a collective.
+    collective: bool = False
 
     def headline(self) -> str:
         """One line: the rank, where it ran, and what happened."""
@@ -123,7 +157,8 @@ class Failure:
             pid=os.getpid(),
             exc_type=type(exc).__qualname__,
             message=exception_text(exc),
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            traceback=format_user_exception(exc),
+            collective=bool(_COLLECTIVE_FRAME.search("".join(traceback.format_tb(exc.__traceback__)))),
             retryable=not isinstance(exc, (ConfigError, LauncherError)),
             diagnosis=diagnosis,
             stacks=stacks,
@@ -172,32 +207,46 @@ def order_failures(failures: list[Failure]) -> list[Failure]:
 
 
 def report_in_place(rank: int, exc: BaseException) -> None:
-    """Report a failing rank under torchrun / srun / mpirun, where no distfn parent collects it.
+    """Report a failing rank under torchrun / srun / mpirun, where no distfn parent collects it: each report once
+    in the job's output.
 
-    Logs the traceback tagged with the rank, and writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``, the
-    JSON of ``torch.distributed.elastic``'s ``ErrorHandler.record_exception``) so torchrun names this rank as
-    the root cause. The caller re-raises, so the process exits non-zero and the launcher tears the job down.
+    Under torchrun (``TORCHELASTIC_ERROR_FILE``) the whole report (the diagnosis, the traceback without distfn's
+    frames, the other ranks' stacks) goes into torchrun's error file (the JSON of ``torch.distributed.elastic``'s
+    ``ErrorHandler.record_exception``), which torchrun prints in its summary and uses to name this rank as the
+    root cause; the log has one line (the cause and the user's frame) and the diagnosis. Elsewhere the log has the
+    whole report. A rank whose hang another rank reported logs one line either way. The caller re-raises, so the
+    process exits non-zero and the launcher tears the job down; the exception is marked as reported, so the rank's
+    excepthook (`install_excepthook`) prints one line for it instead of the traceback again.
     A stop from outside (SIGTERM, Ctrl-C) is not a root cause: one warning line, no error file.
     """
     message = exception_text(exc)
+    with contextlib.suppress(Exception):  # an exception that takes no attributes is printed in full once more
+        setattr(exc, _REPORTED_ATTR, True)
     if isinstance(exc, (Terminated, KeyboardInterrupt)) or (isinstance(exc, SystemExit) and not exc.code):
         logger.warning("rank {} stopped: {}: {}", rank, type(exc).__name__, message)
         return
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    failure = Failure.from_exception(rank, exc)
     report = attached_report(exc)
-    consequence = _PEER_LOSS.search(message) is not None
+    where = innermost_user_frame(failure.traceback, recent_first=False)
+    headline = f"rank {rank} failed with {type(exc).__qualname__}: {message}" + (f"\nin {where}" if where else "")
+    consequence = _PEER_LOSS.search(message) is not None or (report is not None and report[2] != rank)
     if report is not None and report[2] != rank:
         # another rank collected the hang report and prints it: one line here, so the job's output has it once
-        logger.error("rank {} failed with {}: {}{}", rank, type(exc).__qualname__, message,
-                     "" if report[0] == "" else f" ({report[0]})")
-        consequence = True
+        text = headline + ("" if report[0] == "" else f"\n({report[0]})")
     else:
-        if report is not None:
-            text = Failure.from_exception(rank, exc).details() + "\n"
-        logger.error("rank {} failed with {}: {}\n{}", rank, type(exc).__qualname__, message, text.rstrip())
+        text = f"{headline}\n{failure.details().rstrip()}"
+    if _write_error_file(exc, message, text, consequence=consequence):
+        if text != headline and not (report is not None and report[2] != rank):
+            text = "\n".join([headline, *([failure.diagnosis] if failure.diagnosis else []),
+                              "(the whole report, with the traceback, is in torchrun's summary below)"])
+    logger.error("{}", text)
+
+
+def _write_error_file(exc: BaseException, message: str, text: str, *, consequence: bool) -> bool:
+    """Write torchrun's error file (``TORCHELASTIC_ERROR_FILE``) with ``text``; whether it was written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     stamp = int(time.time())
     if consequence:
         # torchrun names the failure with the smallest timestamp (whole seconds, ties go to the lowest rank):
@@ -210,6 +259,8 @@ def report_in_place(rank: int, exc: BaseException) -> None:
             json.dump(data, f)
     except OSError as err:
         logger.warning("could not write TORCHELASTIC_ERROR_FILE={}: {}", path, err)
+        return False
+    return True
 
 
 # -- stacks -------------------------------------------------------------------------------------------------------
@@ -310,7 +361,7 @@ def in_collective(failure: Failure) -> bool:
     Only then can ranks that had returned be the cause; an error only rank 0 can have (a `ctx.save` error, a
     return value that cannot be pickled) involves no collective, and a hint about one would mislead.
     """
-    return bool(_COLLECTIVE_FRAME.search(failure.traceback) or _PEER_LOSS.search(failure.message))
+    return bool(failure.collective or _COLLECTIVE_FRAME.search(failure.traceback) or _PEER_LOSS.search(failure.message))
 
 
 def _position(first: Failure) -> str | None:

@@ -256,8 +256,19 @@ def launcher() -> Iterator[Any]:
     The decorated call runs inside it (`distfn.decorator`), so detection, the spawn launcher and its failure
     reports all log in the one format; ranks run in place inside it switch to ``rank r/n``.
     """
+    _flush_streams()  # what the caller printed before the call comes before the job's lines
     log = setup()
     try:
         yield log
     finally:
         teardown()
+        _flush_streams()  # and the job's lines before the caller's result and its next print
+
+
+def _flush_streams() -> None:
+    """Flush the caller's stdout and stderr. Jupyter's kernel buffers each stream apart and sends them on a timer,
+    so without this a ``print`` before a call reached the cell after the call's log lines, and those after the
+    cell's result (issue 44 item 7)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or odd replacement stream: nothing to keep in order
+            stream.flush()

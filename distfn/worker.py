@@ -120,7 +120,9 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             backend = _join_group(opts, topology, device, store)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
         if topology.rank == 0:
-            log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}", topology.launcher,
+            # "self-spawned", not the launcher's name "spawn", which would read as the start method (issue 44)
+            log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}",
+                     "self-spawned" if topology.launcher == "spawn" else topology.launcher,
                      topology.reason, topology.world_size, device, backend, threads)
         ctx = Context.of(topology, device=device, backend=backend, opts=opts, log=log, run=life,
                          restart=restart_attempt(os.environ))

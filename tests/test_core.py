@@ -83,7 +83,7 @@ def test_same_script_self_spawn_twice_at_once_and_torchrun(tmp_path: Path) -> No
     assert caller["params_device"] == "cpu" and caller["params_type"] == "Tensor"
     assert [json.loads((t / f"result-{r}.json").read_text())["rank"] for r in (0, 1)] == [0, 1]
     # Logged once, by rank 0, with the reason.
-    assert outs[0][1].count("launcher: spawn") == 1
+    assert outs[0][1].count("launcher: self-spawned (") == 1
     assert "launcher: torchrun" in done.stderr and "TORCHELASTIC_RUN_ID" in done.stderr
     # Two local processes share the 2 cores: one thread each, unless OMP_NUM_THREADS says otherwise.
     assert {r["threads"] for r in spawned} == {1}
@@ -95,7 +95,7 @@ def test_falls_back_to_spawn_when_fork_is_unsafe(tmp_path: Path) -> None:
     say so, and spawn instead, with the same results."""
     done = run_python([JOB, str(tmp_path)], env=clean_env(PRE_MATMUL="1", OMP_NUM_THREADS="2"))
     assert done.returncode == 0, done.stderr
-    assert "with forkserver" in done.stderr and "threads" in done.stderr
+    assert "start method forkserver" in done.stderr and "threads" in done.stderr
     recs = _check_job(tmp_path, 2, "spawn")
     assert len(recs) == 2
 

@@ -361,3 +361,19 @@ def test_the_home_pages_first_program_runs_two_ranks_on_a_cpu_and_learns(tmp_pat
     losses = [float(v) for v in re.findall(r"^epoch \d: loss ([\d.]+) on \d ranks$", done.stdout, re.M)]
     assert len(losses) == 3 and losses[0] > 10 * losses[-1], done.stdout
     assert done.stdout.count("{'loss'") == 1
+
+
+def test_coming_from_puts_each_call_beside_distfns(site: Path) -> None:
+    """Issue 44 item 4: Accelerate, Fabric and torchrun code on the left, distfn's on the right, in two-column grids
+    (md_in_html), for every concept the page promises."""
+    html = _page(site, "coming-from")
+    grids = html.split('<div class="grid">')[1:]
+    assert len(grids) >= 12
+    titles = [re.findall(r'<span class="filename">([^<]*)</span>', g)[:2] for g in grids]
+    assert all(len(t) == 2 and t[1] == "distfn" for t in titles), titles
+    assert {t[0] for t in titles} == {"Accelerate", "Fabric", "torchrun"}
+    text = re.sub(r"<[^>]+>", "", html)  # highlighted code is split into spans: join them back
+    for concept in ("accelerator.prepare", "accelerator.backward", "accelerator.accumulate", "save_state",
+                    "init_trackers", "notebook_launcher", "fabric.setup", "fabric.backward", "no_backward_sync",
+                    "fabric.save", "ddp_notebook", "init_process_group", "What changes in behaviour"):
+        assert concept in text, concept

@@ -33,7 +33,10 @@ def test_torchrun_error_file_matches_torch_format(tmp_path: Path, monkeypatch: p
     a, b = json.loads(ours.read_text()), json.loads(theirs.read_text())
     assert a["message"]["message"] == b["message"]["message"] == "ValueError: boom"
     assert a["message"]["extraInfo"].keys() == b["message"]["extraInfo"].keys()
-    assert "raise ValueError" in a["message"]["extraInfo"]["py_callstack"]
+    # torchrun prints this text in its summary: the cause and the user's frame lead, distfn's frames are cut
+    callstack = a["message"]["extraInfo"]["py_callstack"]
+    assert callstack.startswith("rank 3 failed with ValueError: boom\nin test_torchrun_error_file_matches_torch_form")
+    assert "raise ValueError" in callstack and "distfn/" not in callstack
     # an outside stop is no root cause: no error file
     ours.unlink()
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(ours))
@@ -221,3 +224,39 @@ def test_a_hang_report_is_in_the_reporters_error_file_and_one_line_elsewhere(tmp
     first, second = (failures.Failure.from_exception(r, e) for r, e in ((0, reporter), (1, other)))
     assert failures.order_failures([second, first])[0] is first and first.reporter == 0
     assert failures.diagnose(first, timeout_s=10) is first  # already diagnosed among the ranks
+
+
+def test_under_torchrun_each_report_is_in_the_output_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 44 item 2: a hang under torchrun printed its report three times (the rank's log, Python's traceback of
+    the re-raised exception, torchrun's summary of the error file): now the log has the cause, the user's frame
+    and the diagnosis, the error file the whole report, and the rank's excepthook one line."""
+    from loguru import logger
+
+    try:
+        raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+    except RuntimeError as caught:
+        exc = caught
+    failures.attach_report(exc, "Rank 1 had not reached a collective: ...", "rank 1:\n  File \"t.py\"", reporter=0)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    logged: list[str] = []
+    sink = logger.add(logged.append, format="{message}")
+    logger.enable("distfn")  # a library is quiet outside a job unless asked
+    try:
+        failures.report_in_place(0, exc)
+    finally:
+        logger.disable("distfn")
+        logger.remove(sink)
+    log = "".join(logged)
+    assert log.startswith("rank 0 failed with RuntimeError: Timed out waiting 10000ms for recv operation to complete"
+                          "\nin test_under_torchrun_each_report_is_in_the_output_once (")
+    assert "Rank 1 had not reached a collective" in log and "torchrun's summary below" in log
+    assert "Traceback" not in log and "rank 1:" not in log
+    callstack = json.loads((tmp_path / "error.json").read_text())["message"]["extraInfo"]["py_callstack"]
+    assert "Traceback" in callstack and "rank 1:" in callstack and "distfn/" not in callstack
+    failures._excepthook(type(exc), exc, exc.__traceback__)  # the rank re-raises it: one line, no traceback
+    assert capsys.readouterr().err == ("RuntimeError: Timed out waiting 10000ms for recv operation to complete "
+                                       "(reported above; DISTFN_DEBUG=1 shows the whole traceback)\n")
+    monkeypatch.setenv("DISTFN_DEBUG", "1")
+    failures._excepthook(type(exc), exc, exc.__traceback__)
+    assert "Traceback (most recent call last)" in capsys.readouterr().err

@@ -82,7 +82,7 @@ def test_fork_is_refused_after_cuda_is_available(tmp_path: Path) -> None:
     )
     done = run_python([str(script)], timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "with forkserver" in done.stderr and "CUDA driver" in done.stderr
+    assert "start method forkserver" in done.stderr and "CUDA driver" in done.stderr
     assert "RESULT 1.0" in done.stdout
 
 

@@ -39,7 +39,7 @@ def test_logging_levels_ranks_user_sinks_and_thread_sizing(tmp_path: Path) -> No
     assert "debug from rank" not in err
     assert "starting 2 workers" not in err  # the launcher's TRACE line is below the default level
     assert all(LINE.match(line) for line in _log_lines(err)), err
-    assert any("launcher: spawn" in line and "(OMP_NUM_THREADS=2)" in line for line in err.splitlines())
+    assert any("launcher: self-spawned (" in line and "(OMP_NUM_THREADS=2)" in line for line in err.splitlines())
     assert any("rank 1/2" in line and "warning from rank 1" in line for line in err.splitlines())
     for rank in (0, 1):  # the user's own sink is kept and sees everything it asked for
         assert f"debug from rank {rank}" in user and f"info from rank {rank}" in user
@@ -49,7 +49,8 @@ def test_logging_levels_ranks_user_sinks_and_thread_sizing(tmp_path: Path) -> No
     assert "info from rank 1" in err and "debug from rank 1" in err
     # the launching process logs in the same format as the ranks, and respects DISTFN_LOG_LEVEL too
     assert all(LINE.match(line) for line in _log_lines(err)), err
-    assert any(re.search(r"\| TRACE +\| launcher \| starting 2 workers with fork", line) for line in err.splitlines())
+    started = r"\| TRACE +\| launcher \| starting 2 workers, start method fork"
+    assert any(re.search(started, line) for line in err.splitlines())
     sized = [line for line in err.splitlines() if "CPU thread(s) per process" in line]
     assert len(sized) == 1 and "rank 0/2" in sized[0]  # rank 0's start-up line says how the cores were split
     assert f"{max(1, cpus // 2)} CPU thread(s) per process ({cpus} CPUs / 2 processes on this node)" in sized[0]
@@ -195,7 +196,7 @@ def test_an_interactive_definition_adds_the_sink_before_the_call_and_only_once()
     assert "SINK BEFORE THE CALL True" in done.stdout
     err = done.stderr
     assert err.count("user line") == 1 and err.count("job line") == 1
-    assert err.count("launcher: spawn") == 1  # rank 0's start-up line
+    assert err.count("launcher: self-spawned (") == 1  # rank 0's start-up line
 
 
 _CLOSED_STREAMS = """

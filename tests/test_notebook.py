@@ -132,7 +132,7 @@ def script_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert list(results) == [n for n, _ in CALLS]
     assert results["train1"]["same_on_all_ranks"] and results["total"] == 25 and len(results["shard"]) == 3
     assert results["point"] == [True, 3]
-    assert "starting 2 workers with forkserver" in done.stderr  # the calls after the matmul
+    assert "starting 2 workers, start method forkserver" in done.stderr  # the calls after the matmul
     return results
 
 
@@ -172,6 +172,7 @@ def test_jupyter_kernel_matches_the_script(script_results: dict[str, Any], tmp_p
     cells = {
         "defs": DEFS,
         **{name: _line(name, call) for name, call in CALLS},
+        "ordered": 'print("BEFORE"); total({"f": abs, "s": Scale(1)}); print("AFTER")',
         "boom": "boom({})",
         "after_error": _line("after_error", "train({})"),
         "sleeper": f"sleeper({str(pids)!r})",
@@ -216,14 +217,22 @@ def test_jupyter_kernel_matches_the_script(script_results: dict[str, Any], tmp_p
     assert got["after_error"] == script_results["train1"]
     assert got["after_interrupt"] == 0 + 1 + 1 + 1 + 1 + 1
     # Fork is used while it is safe; after the matmul the fork server starts the workers, shipped by value.
-    assert "with forkserver" not in out["train1"] + out["train2"]
-    assert "starting 2 workers with forkserver" in out["train3"] and "shipped by value" in out["train3"]
+    assert "start method forkserver" not in out["train1"] + out["train2"]
+    assert "starting 2 workers, start method forkserver" in out["train3"] and "shipped by value" in out["train3"]
     assert "threads" in out["train3"]  # the reason fork was unsafe
+    # issue 44 item 7: the cell's prints and the job's lines in the order they happened (BEFORE came after them)
+    ordered = out["ordered"]
+    assert "ordered" not in errors and ordered.index("BEFORE") < ordered.index("starting 2 workers") \
+        < ordered.index("AFTER"), ordered
     # The error: one WorkerError naming rank 1 with its traceback, in the cell's output; the kernel lives on.
     err = errors["boom"]
     text = err["evalue"] + "\n".join(err["traceback"])
     assert err["ename"] == "WorkerError" and "rank 1" in text and "boom from rank 1" in text
     assert 'raise ValueError("boom from rank 1")' in text
+    # issue 44 item 2: the cell's frame and the one-line cause lead (IPython showed ~45 lines of distfn's source)
+    shown = "\n".join(err["traceback"]).splitlines()
+    assert shown[0] == "Traceback (most recent call last):" and shown[2] == "    boom({})", shown
+    assert shown[3].startswith("distfn.errors.WorkerError: rank 1 (pid ") and "distfn/" not in text and len(shown) < 12
     # The interrupt: KeyboardInterrupt in the cell, the workers gone within seconds, the kernel alive.
     assert errors["sleeper"]["ename"] == "KeyboardInterrupt"
     assert stopped_after < 20  # SIGINT to the workers, SIGKILL after a 5 s grace; generous on a shared machine

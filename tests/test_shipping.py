@@ -152,7 +152,7 @@ def test_the_copy_made_at_decoration_is_gone_before_the_launcher_exits(tmp_path:
     result = json.loads(done.stdout.split("RESULT ", 1)[1])
     assert isinstance(result["copy"], int)
     assert result["nice"] == [result["own"], result["own"]]  # not the preparing thread's 19
-    assert ("with forkserver" in done.stderr) == (path == "op")
+    assert ("start method forkserver" in done.stderr) == (path == "op")
     assert "Traceback" not in done.stderr, done.stderr
     assert not _alive(result["copy"])
     assert list(tmp.iterdir()) == []  # the standard library's pymp-* directory, with the server's socket
@@ -180,7 +180,7 @@ def test_workers_of_the_fork_server_see_the_environment_of_the_call(tmp_path: Pa
     done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
     assert done.returncode == 0, done.stderr
     assert "RESULT 41" in done.stdout  # (20 + 0) + (20 + 1)
-    assert "starting 2 workers with forkserver" in done.stderr and "threads" in done.stderr
+    assert "starting 2 workers, start method forkserver" in done.stderr and "threads" in done.stderr
 
 
 SLEEPER = """
@@ -282,7 +282,7 @@ def test_a_torch_op_before_the_decoration_gets_a_fresh_fork_server(tmp_path: Pat
     done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
     assert done.returncode == 0, done.stderr
     assert "RESULT 11 True" in done.stdout  # (0 + 5) + (1 + 5), the lambda by value
-    assert "with forkserver" in done.stderr and "a fresh interpreter" in done.stderr
+    assert "start method forkserver" in done.stderr and "a fresh interpreter" in done.stderr
 
 
 LONG_TMPDIR_JOB = """

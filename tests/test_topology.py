@@ -819,6 +819,6 @@ def test_constructors_for_the_undetected_cases() -> None:
     assert fields(t) == dict(
         launcher="spawn", rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
         master_addr="127.0.0.1", master_port=29400)
-    assert t.reason == "self-spawned 2 workers"
+    assert t.reason == "2 workers started by the calling process"
     with pytest.raises(LauncherError, match="rank=2 not in"):
         Topology.self_spawned(2, 2, 29400)

@@ -594,11 +594,11 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, *, meth
     # takes the environment along to forkserver workers
     with tracking_key.exported():
         if method == "fork":
-            logger.trace("starting {} workers with fork: {}", nprocs, reason)
+            logger.trace("starting {} workers, start method fork: {}", nprocs, reason)
         else:
             cfg = protocol.compact_views(cfg)  # travels by pickle: a view must not carry its whole storage
             fn, cfg, how = shipping.pack(preflight.sendable(fn), cfg, method, opts.start_method)
-            logger.info("starting {} workers with {}: {}; {}", nprocs, method, reason,
+            logger.info("starting {} workers, start method {}: {}; {}", nprocs, method, reason,
                         f"{server}; {how}" if server else how)
         return _attempts(fn, cfg, opts, nprocs, method, topology)
 

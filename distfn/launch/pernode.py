@@ -85,7 +85,7 @@ class NodeLayout:
             launcher=self.launcher, rank=self.node_rank * self.local_world_size + local_rank, local_rank=local_rank,
             world_size=self.world_size, local_world_size=self.local_world_size, node_rank=self.node_rank,
             num_nodes=self.num_nodes, master_addr=self.master_addr, master_port=self.master_port,
-            reason=f"{self.reason}; one task per node, {self.local_world_size} workers spawned on each",
+            reason=f"{self.reason}; one task per node, {self.local_world_size} workers started on each",
         )
 
 

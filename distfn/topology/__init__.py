@@ -245,10 +245,10 @@ def spawn_reason(env: Mapping[str, str], launcher: str = "auto") -> str:
     if env.get("SLURM_JOB_ID", "").strip():
         step = SlurmDetector.step(env)
         if step is None:
-            return ("inside SLURM job {} but not in a job step (batch script or salloc shell): distfn spawns its "
-                    "workers on this node; use `srun python script.py` for one rank per task").format(
+            return ("inside SLURM job {} but not in a job step (batch script or salloc shell): distfn starts "
+                    "its own workers on this node; use `srun python script.py` for one rank per task").format(
                         env["SLURM_JOB_ID"])
         if not SlurmDetector.is_task_step(step[1]):
-            return f"inside the special SLURM step {step[1]}: distfn spawns its workers on this node"
-        return "a SLURM step with a single task: distfn spawns its workers on this node"
-    return "no torchrun, MPI or SLURM step variables: distfn spawns its workers"
+            return f"inside the special SLURM step {step[1]}: distfn starts its own workers on this node"
+        return "a SLURM step with a single task: distfn starts its own workers on this node"
+    return "no torchrun, MPI or SLURM step variables: distfn starts its own workers"

@@ -117,7 +117,7 @@ class Topology:
         """Worker ``rank`` of ``world_size`` that distfn started on this machine, meeting on loopback ``port``."""
         return cls(launcher="spawn", rank=rank, local_rank=rank, world_size=world_size,
                    local_world_size=world_size, node_rank=0, num_nodes=1, master_addr=LOOPBACK, master_port=port,
-                   reason=f"self-spawned {world_size} workers")
+                   reason=f"{world_size} workers started by the calling process")
 
 
 # ---------------------------------------------------------------------------------------------------------
