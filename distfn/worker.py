@@ -100,6 +100,15 @@ def _report(exc: BaseException, topology: Topology, report: Callable[[BaseExcept
         failures.report_in_place(topology.rank, exc)
 
 
+def _log_start(log: Any, topology: Topology, device: Any, backend: str | None, threads: str) -> None:
+    """Rank 0's one start-up line: who launched the job and why, the world, the device, the backend."""
+    if topology.rank == 0:
+        # "self-spawned", not the launcher's name "spawn", which would read as the start method (issue 44)
+        log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}",
+                 "self-spawned" if topology.launcher == "spawn" else topology.launcher,
+                 topology.reason, topology.world_size, device, backend, threads)
+
+
 def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
         report: Callable[[BaseException], None] | None = None) -> Any:
     """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always left.
@@ -119,11 +128,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         if opts.multi_rank:
             backend = _join_group(opts, topology, device, store)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
-        if topology.rank == 0:
-            # "self-spawned", not the launcher's name "spawn", which would read as the start method (issue 44)
-            log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}",
-                     "self-spawned" if topology.launcher == "spawn" else topology.launcher,
-                     topology.reason, topology.world_size, device, backend, threads)
+        _log_start(log, topology, device, backend, threads)
         ctx = Context.of(topology, device=device, backend=backend, opts=opts, log=log, run=life,
                          restart=restart_attempt(os.environ))
         result = fn(cfg, ctx)
