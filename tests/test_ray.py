@@ -192,6 +192,16 @@ def test_one_ctrl_c_ends_the_job_even_where_ray_swallows_the_keyboard_interrupt(
     monkeypatch.setattr(ray_launch.RayJob, "place", lambda self: None)
     monkeypatch.setattr(ray_launch.RayJob, "start", lambda self, fn, cfg: {0: 0, 1: 1})
     monkeypatch.setattr(ray_launch.RayJob, "teardown", lambda self: torn_down.append(True))
+    # Python's own handler, as in an interactive driver, whatever this test process inherited (a runner started
+    # in the background of a non-interactive shell has SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_against_a_swallowing_ray(fake, torn_down)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_against_a_swallowing_ray(fake: Any, torn_down: list[bool]) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(KeyboardInterrupt):
         ray_launch.launch(lambda cfg, ctx: None, None, Options(nprocs=2))
