@@ -200,6 +200,9 @@ class Responder:
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
     _claimed: bool = False
+    #: What this rank's deadline watch reported (`_report_overdue`), if it did: the main thread's own error for
+    #: the same collective (NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1`` raises it later) is then one line.
+    _deadline_report: str | None = None
 
     @classmethod
     def start(cls, channel: Channel, *, timeout_s: float, left: Callable[[], list[int]] = _nobody_left,
@@ -307,6 +310,7 @@ class Responder:
         exc = TimeoutError(f"{what} within the timeout of {self.timeout_s:g} s (distfn's deadline; "
                            f"{_abort_phrase()})")
         stack = failures.main_stack(_dump_threads(), self.bootstrap, others=True)
+        self._deadline_report = f"{type(exc).__name__}: {exc}"
         self._collect(ch, exc, own_stack=stack)
         if self.report is not None:
             self.report(exc)
@@ -323,6 +327,12 @@ class Responder:
         """The main thread failed with ``exc``: for a timeout or a lost peer, take part in the report (collect it,
         or wait for the rank that does) and attach it to ``exc`` (`distfn.failures.attach_report`)."""
         self.stop()
+        if self._deadline_report is not None and _is_hang(exc):
+            # the collective this rank's deadline watch already reported failed in the main thread too (NCCL's
+            # blocking wait): the job's output has that report once, this error points at it in one line
+            failures.attach_report(exc, f"rank {self.rank} reported this hang at distfn's deadline: "
+                                        f"{self._deadline_report}", "", reporter=-1)
+            return
         if self._claimed or not _is_hang(exc):
             return
         try:

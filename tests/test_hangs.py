@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from distfn import hangs
+from distfn import failures, hangs
 from distfn.ledger import Entry, Ledger, RankState, disagreement
 
 from conftest import clean_env, free_port
@@ -98,11 +98,18 @@ def test_the_deadline_watch_reports_a_collective_open_past_distfns_timeout(monke
             deadline = time.monotonic() + 5
             while not reported and time.monotonic() < deadline:
                 time.sleep(0.05)
+        # TORCH_NCCL_BLOCKING_WAIT=1: the same collective then fails in the main thread too (issue 42 item 7); that
+        # error points at the report in one line instead of reporting the hang a second time
+        later = RuntimeError("NCCL communicator was aborted on rank 0")
+        responder.on_failure(later)
     finally:
         responder.stop()
     assert reported, "the deadline watch did not report"
     exc = reported[0]
     assert isinstance(exc, TimeoutError) and "all_reduce #1 (test_hangs.py:" in str(exc)
+    diagnosis, stacks, reporter = failures.attached_report(later)
+    assert reporter == -1 and stacks == "" and diagnosis.startswith("rank 0 reported this hang at distfn's deadline")
+    assert len(reported) == 1
     # torch's watchdog: the group's timeout (distfn's + 15 s), then 4 x the 15 s dump wait before it aborts
     assert "NCCL's watchdog aborts this rank about 75 s later" in str(exc)
     assert hangs.nccl_abort_after({}) == 75.0
