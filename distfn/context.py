@@ -14,7 +14,7 @@ import builtins
 import os
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -32,10 +32,6 @@ from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 from .run import Run
 from .stragglers import TimingTable
-
-if TYPE_CHECKING:
-    from .options import Options
-    from .topology import Topology
 
 
 @attrs.define(eq=False)
@@ -86,16 +82,6 @@ class Context:
     # asks, and working it out parses the backend's name (~5 µs a call, bench/bench_collectives.py)
     _group_device_of: tuple[Any, Any, torch.device | None] | None = attrs.field(default=None, init=False,
                                                                                repr=False)
-    @classmethod
-    def of(cls, topology: Topology, *, device: torch.device, backend: str | None, opts: Options, log: Any, run: Run,
-           restart: int = 0) -> Context:
-        """The `Context` of this rank: its place in ``topology``, its device and backend, the call's options."""
-        return cls(rank=topology.rank, local_rank=topology.local_rank, world_size=topology.world_size,
-                   local_world_size=topology.local_world_size, node_rank=topology.node_rank,
-                   num_nodes=topology.num_nodes, device=device, backend=backend, mode=opts.mode,
-                   launcher=topology.launcher, seed=opts.seed, log=log, precision=opts.precision, restart=restart,
-                   run=run)
-
     @property
     def saves(self) -> Saves:
         """This rank's background checkpoint writer (``ctx.save(..., blocking=False)``): ``ctx.saves.wait()`` waits

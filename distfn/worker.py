@@ -100,6 +100,17 @@ def _report(exc: BaseException, topology: Topology, report: Callable[[BaseExcept
         failures.report_in_place(topology.rank, exc)
 
 
+def _context(topology: Topology, *, device: torch.device, backend: str | None, opts: Options, log: Any,
+             run: Run) -> Context:
+    """The `Context` of this rank: its place in ``topology``, its device and backend, the call's options (a
+    function here, not a `Context` constructor: the API page shows `Context` as the user meets it)."""
+    return Context(rank=topology.rank, local_rank=topology.local_rank, world_size=topology.world_size,
+                   local_world_size=topology.local_world_size, node_rank=topology.node_rank,
+                   num_nodes=topology.num_nodes, device=device, backend=backend, mode=opts.mode,
+                   launcher=topology.launcher, seed=opts.seed, log=log, precision=opts.precision,
+                   restart=restart_attempt(os.environ), run=run)
+
+
 def _log_start(log: Any, topology: Topology, device: Any, backend: str | None, threads: str) -> None:
     """Rank 0's one start-up line: who launched the job and why, the world, the device, the backend."""
     if topology.rank == 0:
@@ -129,8 +140,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
             backend = _join_group(opts, topology, device, store)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
         _log_start(log, topology, device, backend, threads)
-        ctx = Context.of(topology, device=device, backend=backend, opts=opts, log=log, run=life,
-                         restart=restart_attempt(os.environ))
+        ctx = _context(topology, device=device, backend=backend, opts=opts, log=log, run=life)
         result = fn(cfg, ctx)
         life.saves.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
         _requeue_if_stopped(opts, topology, ctx)
