@@ -6,7 +6,8 @@
 - ``assets/checkpoint-layout.svg`` (docs/checkpoints.md): one file, a sharded directory with its index, an object
   store's commit object, and ``keep=`` rotation. The file names come from `distfn.checkpoint.names` (``INDEX``,
   ``SUFFIX``, ``STEP_FILE``), `distfn.checkpoint.sharded.spec` (``shard_file``, ``PARTIAL``),
-  `distfn.checkpoint.remote` (``COMMIT_SUFFIX``) and `distfn.checkpoint.format` (the header's keys).
+  `distfn.checkpoint.remote` (``COMMIT_SUFFIX``, ``_DATA``), `distfn.checkpoint.storage` (``TMP_MARK``) and
+  `distfn.checkpoint.format` (the header's keys).
 
 Plain SVG written by hand (no plotting library: the docs extra installs none). tests/test_docs.py regenerates
 both and compares them byte for byte with the committed files, so a renamed constant, a new launcher kind or a
@@ -180,8 +181,10 @@ def checkpoint_picture() -> str:
     """What a checkpoint is on disk and in a bucket: one file, a sharded directory, the commit object, ``keep=``."""
     from distfn.checkpoint import format as fmt
     from distfn.checkpoint.names import INDEX, STEP_FILE, SUFFIX
+    from distfn.checkpoint.remote import _DATA as DATA  # private, read only for its name
     from distfn.checkpoint.remote import COMMIT_SUFFIX
     from distfn.checkpoint.sharded.spec import PARTIAL, shard_file
+    from distfn.checkpoint.storage import TMP_MARK
 
     s = Svg(WIDTH, 700, "What a distfn checkpoint is on disk and in a bucket")
     s.text(20, 30, "What a checkpoint is, on disk and in a bucket", size=19, bold=True)
@@ -219,7 +222,7 @@ def checkpoint_picture() -> str:
     y2 += 31 + 16 * 4
     s.text(x + 20, y2 + 4, "tensors by key path: model.fc.weight, ...", size=12)
     s.text(x + 12, y + 252, "while writing (hidden, never a checkpoint):", size=12)
-    entry(x, y + 260, (f".{one}", ".<host>.<pid>.<random>.distfn-tmp"), hidden=True)
+    entry(x, y + 260, (f".{one}", f".<host>.<pid>.<random>{TMP_MARK}"), hidden=True)
 
     # A sharded directory.
     x, y = xs[1], ys[0]
@@ -240,7 +243,7 @@ def checkpoint_picture() -> str:
     s.text(x + 12, y2 + 10, "No rename in a bucket: an object exists for latest,", size=12)
     s.text(x + 12, y2 + 26, "load, resume and keep= only with its commit object.", size=12)
     s.text(x + 12, y + 252, "a re-save uploads beside it, then switches:", size=12)
-    entry(x, y + 260, (f".{one}", ".<host>.<pid>.<random>.distfn-data"), hidden=True)
+    entry(x, y + 260, (f".{one}", f".<host>.<pid>.<random>{DATA}"), hidden=True)
 
     # keep= rotation, with the step numbers read off the names by STEP_FILE as distfn reads them.
     x, y = xs[1], ys[1]
