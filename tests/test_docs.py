@@ -377,3 +377,90 @@ def test_coming_from_puts_each_call_beside_distfns(site: Path) -> None:
                     "init_trackers", "notebook_launcher", "fabric.setup", "fabric.backward", "no_backward_sync",
                     "fabric.save", "ddp_notebook", "init_process_group", "What changes in behaviour"):
         assert concept in text, concept
+
+
+# An image in Markdown (`![alt](src)`, also inside a link) or in HTML (`<img ... src="...">`).
+_IMAGE = re.compile(r"!\[(?P<alt>[^\]]*)\]\((?P<src>[^)\s]+)\)|<img\b[^>]*\bsrc=\"(?P<html>[^\"]+)\"")
+_SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _images() -> list[tuple[Path, str, Path]]:
+    """Every image the README and the pages show: (page, alt text, the file it names)."""
+    found = []
+    for page in PAGES:
+        for m in _IMAGE.finditer(page.read_text()):
+            src = m.group("src") or m.group("html")
+            assert "://" not in src, f"{page.name} shows a remote image ({src}): the docs build offline"
+            found.append((page, m.group("alt") or "", (page.parent / src).resolve()))
+    return found
+
+
+def test_every_image_of_the_docs_exists_and_is_a_real_picture() -> None:
+    """Issue 44 item 1: every picture a page shows is there, parses (SVG through xml.etree, PNG by its signature and
+    header), has a size and text, has alt text, and is small; the two pictures are where people look."""
+    import struct
+    import xml.etree.ElementTree as ET
+
+    images = _images()
+    shown = {(page.name, file.name) for page, _, file in images}
+    for where in (("concepts.md", "how-a-call-runs.svg"), ("architecture.md", "how-a-call-runs.svg"),
+                  ("launching.md", "how-a-call-runs.svg"), ("checkpoints.md", "checkpoint-layout.svg")):
+        assert where in shown, f"{where[0]} does not show {where[1]}"
+    for page, alt, file in images:
+        assert file.is_file() and REPO / "docs" in file.parents, f"{page.name}: {file} is not a file under docs/"
+        assert len(alt.split()) >= 3, f"{page.name}: {file.name} needs an alt text saying what it shows"
+        data = file.read_bytes()
+        assert len(data) < 30_000, f"{file.name} is {len(data)} bytes: keep pictures small"
+        if file.suffix == ".svg":
+            root = ET.fromstring(data)  # well-formed XML, or this raises
+            assert root.tag == f"{_SVG}svg", f"{file.name} is not SVG"
+            _, _, w, h = (float(v) for v in root.attrib["viewBox"].split())
+            assert w >= 300 and h >= 200, f"{file.name}: viewBox {w}x{h}"
+            texts = [t.text for t in root.iter(f"{_SVG}text") if t.text and t.text.strip()]
+            assert len(texts) >= 10, f"{file.name} has {len(texts)} text elements"
+            assert root.find(f"{_SVG}title") is not None, f"{file.name} has no <title> (screen readers read it)"
+        else:
+            assert file.suffix == ".png", f"{file.name}: only SVG and PNG pictures are checked"
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{file.name} is not a PNG"
+            w, h = struct.unpack(">II", data[16:24])
+            assert w >= 300 and h >= 200, f"{file.name} is {w}x{h}"
+
+
+def test_the_pictures_are_drawn_from_the_code_and_committed_as_drawn() -> None:
+    """Issue 44 item 1: docs/pictures.py redraws the committed SVGs byte for byte (a renamed checkpoint file, a new
+    launcher kind or a moved module shows as a difference here), and what they show comes from distfn's constants."""
+    import importlib.util
+
+    from distfn import topology
+    from distfn.checkpoint.names import INDEX, SUFFIX
+    from distfn.checkpoint.remote import COMMIT_SUFFIX
+    from distfn.checkpoint.sharded.spec import PARTIAL, shard_file
+    from distfn.plan import KINDS
+
+    spec = importlib.util.spec_from_file_location("docs_pictures", REPO / "docs" / "pictures.py")
+    assert spec is not None and spec.loader is not None
+    pictures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pictures)
+    drawn = pictures.render()
+    assert set(drawn) == {"how-a-call-runs.svg", "checkpoint-layout.svg"}
+    for name, text in drawn.items():
+        committed = (REPO / "docs" / "assets" / name).read_bytes()
+        assert committed == text.encode(), f"docs/assets/{name} is stale: run python docs/pictures.py"
+    call, ckpt = drawn["how-a-call-runs.svg"], drawn["checkpoint-layout.svg"]
+    assert all(f">{kind}</text>" in call for kind in KINDS)
+    assert " → ".join(d.name for d in topology.DETECTORS) in call
+    for name in (INDEX, shard_file(0), shard_file(1), f".ckpt-1200{SUFFIX}{COMMIT_SUFFIX}", PARTIAL):
+        assert name in ckpt, name
+
+
+@pytest.mark.slow
+@requires("mkdocs", "docs")
+def test_the_built_pages_show_the_pictures(site: Path) -> None:
+    """Issue 44 item 1: in the strict build the pictures are copied into the site and the pages' images point at
+    them (a relative path that resolves inside the site)."""
+    for page, name in (("concepts", "how-a-call-runs.svg"), ("architecture", "how-a-call-runs.svg"),
+                       ("launching", "how-a-call-runs.svg"), ("checkpoints", "checkpoint-layout.svg")):
+        srcs = re.findall(r'<img\b[^>]*\bsrc="([^"]+)"', _page(site, page))
+        targets = {(site / page / src).resolve() for src in srcs}
+        assert (site / "assets" / name).resolve() in targets, (page, srcs)
+        assert (site / "assets" / name).read_bytes() == (REPO / "docs" / "assets" / name).read_bytes()
