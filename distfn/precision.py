@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
+import torch.distributed as dist
+from loguru import logger
 from torch import nn
 
 from .errors import ConfigError
@@ -52,6 +54,7 @@ class LoopState:
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     accumulator: Window | None = None
     _scaler: Any = attrs.field(default=None, init=False)
+    _told_cpu_autocast: bool = attrs.field(default=False, init=False)
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -74,7 +77,22 @@ def autocast(state: LoopState, *, enabled: bool | None = None, dtype: torch.dtyp
         return contextlib.nullcontext()
     if dtype is None:
         dtype = torch.float16 if state.precision == "16" else torch.bfloat16
+    if state.device.type == "cpu" and state.precision != "32" and not state._told_cpu_autocast:
+        _tell_cpu_autocast(state, dtype)
     return torch.autocast(device_type=state.device.type, dtype=dtype)
+
+
+def _tell_cpu_autocast(state: LoopState, dtype: torch.dtype) -> None:
+    """One line on rank 0, at the first ``ctx.autocast()`` of the job: autocast on a CPU is easy to miss (a port
+    that maps a script's ``dtype`` to ``precision`` runs its CPU tests in half precision and silently diverges
+    from the original's float32 there)."""
+    state._told_cpu_autocast = True
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16" if dtype == torch.float16 else str(dtype)
+    logger.info("precision={!r}: autocast runs matmuls and convolutions on the CPU in {} (weights and gradients "
+                "stay float32), so losses and weights differ from a float32 run in the 3rd-4th significant digit; "
+                "use precision='32' to compare against a float32 original", state.precision, name)
 
 
 def backward(state: LoopState, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distfn import ConfigError, distributed
-from distfn.precision import LoopState, reduce_loss, step
+from distfn.precision import LoopState, autocast, reduce_loss, step
 
 
 def _micro_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +42,17 @@ def _bf16(ctx) -> dict:
 
 @distributed(nprocs=2, seed=0, precision="bf16")
 def _bf16_job(cfg, ctx):
-    return ctx.gather_object({"precision": ctx.precision, "bf16": _bf16(ctx)})
+    from loguru import logger
+
+    told: list[str] = []
+    sink = logger.add(told.append, filter=lambda r: "autocast runs" in r["message"], format="{message}")
+    try:
+        bf16 = _bf16(ctx)
+        with ctx.autocast():  # a second autocast block: the line is not repeated
+            pass
+    finally:
+        logger.remove(sink)
+    return ctx.gather_object({"precision": ctx.precision, "bf16": bf16, "told": told})
 
 
 def test_bf16_autocast_on_two_ranks() -> None:
@@ -56,6 +66,28 @@ def test_bf16_autocast_on_two_ranks() -> None:
         assert b["changed"] and b["zeroed"]
     assert r0["bf16"]["weights"] == r1["bf16"]["weights"]
     assert r0["bf16"]["mean_loss"] == r1["bf16"]["mean_loss"]
+    # autocast on a CPU is said once, by rank 0 only, with what it means for the numbers.
+    assert len(r0["told"]) == 1 and r1["told"] == []
+    assert "precision='bf16': autocast runs matmuls and convolutions on the CPU in bfloat16" in r0["told"][0]
+    assert "use precision='32'" in r0["told"][0]
+
+
+def test_cpu_autocast_is_told_once_per_run_and_not_for_float32() -> None:
+    from loguru import logger
+
+    told: list[str] = []
+    sink = logger.add(told.append, filter=lambda r: "autocast runs" in r["message"], format="{message}")
+    logger.enable("distfn")  # distfn is quiet outside a job
+    try:
+        for precision in ("16", "32"):
+            state = LoopState(precision=precision)
+            for _ in range(3):
+                with autocast(state):
+                    pass
+    finally:
+        logger.disable("distfn")
+        logger.remove(sink)
+    assert len(told) == 1 and "precision='16': autocast runs matmuls and convolutions on the CPU in float16" in told[0]
 
 
 def test_fp16_uses_a_grad_scaler_and_skips_overflowing_steps() -> None:
