@@ -85,6 +85,7 @@ class Accumulator:
             raise ConfigError(f"accumulate(every=...) must be a positive int, got {self.every!r}")
         if not isinstance(self.model, nn.Module):
             raise ConfigError(f"accumulate expects the (wrapped) model, got {type(self.model).__name__}")
+        self.state.track(self.model)  # ctx.step(max_grad_norm=) clips in the model's parameter order
 
     def __enter__(self) -> Accumulator:
         if self._inside:
