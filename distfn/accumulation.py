@@ -23,6 +23,7 @@ from torch import nn
 from .data import LastLoader
 from .errors import ConfigError
 from .precision import LoopState
+from .timings import continue_step
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
@@ -85,6 +86,7 @@ class Accumulator:
             raise ConfigError(f"accumulate(every=...) must be a positive int, got {self.every!r}")
         if not isinstance(self.model, nn.Module):
             raise ConfigError(f"accumulate expects the (wrapped) model, got {type(self.model).__name__}")
+        self.state.track(self.model)  # ctx.step(max_grad_norm=) clips in the model's parameter order
 
     def __enter__(self) -> Accumulator:
         if self._inside:
@@ -94,6 +96,8 @@ class Accumulator:
         self.sync = self._in_window >= self.every or (self.loaders is not None and self.loaders.at_last_batch())
         self.state.accumulator = self
         self._inside = True
+        if self._in_window > 1:  # ctx.timings() counts optimizer steps: this forward is no step boundary
+            continue_step(self.model, True)
         if not self.sync:
             self._no_sync = no_sync(self.model)
             self._no_sync.__enter__()
@@ -101,6 +105,7 @@ class Accumulator:
 
     def __exit__(self, *exc: object) -> None:
         self._inside = False
+        continue_step(self.model, False)
         self._left_open = not self.sync
         if self.sync:
             self._in_window = 0

@@ -216,8 +216,10 @@ class Context:
                 mode, overrides of the `fsdp={...}` options for this model (e.g. `module_classes=[Block]`).
         """
         self.run.agree(model)  # every rank got the same cfg and built the same model (distfn.fingerprint)
-        return wrapping.wrap(model, mode=self.mode, device=self.device, is_main=self.is_main,
-                             sync_batchnorm=sync_batchnorm, init=init, run=self.run, **ddp_kwargs)
+        wrapped = wrapping.wrap(model, mode=self.mode, device=self.device, is_main=self.is_main,
+                                sync_batchnorm=sync_batchnorm, init=init, run=self.run, **ddp_kwargs)
+        self._loop_state().track(wrapped)  # ctx.step(max_grad_norm=) clips in this model's parameter order
+        return wrapped
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
@@ -292,7 +294,9 @@ class Context:
 
         Args:
             optimizers: the optimizer(s) to step.
-            max_grad_norm: clip the (unscaled) gradients of all their parameters to this norm first.
+            max_grad_norm: clip the (unscaled) gradients of all their parameters to this norm first, the same
+                computation as `clip_grad_norm_(model.parameters(), max_grad_norm)` for the model(s) of
+                `ctx.wrap` / `ctx.accumulate`.
             zero_grad: set the gradients to `None` afterwards.
         """
         return amp.step(self._loop_state(), *optimizers, max_grad_norm=max_grad_norm, zero_grad=zero_grad)

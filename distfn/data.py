@@ -115,6 +115,10 @@ class DistributedLoader(DataLoader):
         self._done = False  # True once this epoch's iteration ran to its end
         self._pending = False  # an iteration started and next_epoch has not moved past it yet
         self._iterations = 0  # iterators created so far (only the newest one may advance the epoch)
+        # The "batch_size x ranks = global batch" line, said by rank 0 at the first iteration (`_announce`), so a
+        # ctx.resume in between that changes the per-rank batch is in the one line instead of contradicting it.
+        self._announce_pending = False
+        self._resized_from: tuple[int, int] | None = None  # (saved world size, per-rank batch asked) of a resume
 
     @property
     def global_batch_size(self) -> int:
@@ -138,6 +142,8 @@ class DistributedLoader(DataLoader):
         # iterator takes the sampler's order and draws the workers' base seed when it is created.
         epoch = self.next_epoch
         self.sampler.set_epoch(epoch)
+        if self._announce_pending:
+            self._announce()
         if self._seed_parts is not None and self.generator is not None:
             self.generator.manual_seed(mix_seed(*self._seed_parts, epoch))
         self.epoch = epoch
@@ -146,6 +152,26 @@ class DistributedLoader(DataLoader):
         self._iterations += 1
         batches = super().__iter__()
         return self._track(batches if self._timer is None else self._timer(batches), self._iterations)
+
+    def _announce(self) -> None:
+        """The loader's one line (rank 0): per-rank batch, ranks, global batch, batches per full epoch, and, after a
+        resume on another number of ranks, the per-rank batch asked for and the saved global batch it keeps."""
+        self._announce_pending = False
+        batch, replicas, size = int(self.batch_size or 0), self.sampler.num_replicas, len(self.dataset)  # type: ignore[arg-type]
+        per_rank = self.sampler.num_samples
+        batches = per_rank // batch if self.drop_last else -(-per_rank // batch)
+        padded = self.sampler.total_size - size
+        resized = ""
+        if self._resized_from is not None:
+            saved_world, asked = self._resized_from
+            resized = (f"; resumed from {saved_world} rank(s): {batch} per rank instead of the {asked} asked "
+                       f"keeps the saved global batch {batch * replicas}")
+        logger.info(
+            "dataloader: batch_size {} per rank x {} rank(s) = global batch {}; {} batches per epoch per rank "
+            "({} samples{}){}", batch, replicas, batch * replicas, batches, size,
+            f", {padded} padded with duplicates" if padded > 0 else (f", {-padded} dropped" if padded < 0 else ""),
+            resized,
+        )
 
     def _track(self, batches: Iterator[Any], iteration: int) -> Iterator[Any]:
         for batch in batches:
@@ -219,10 +245,15 @@ class DistributedLoader(DataLoader):
             raise CheckpointError(f"malformed data loader state: position {saved.position} is past the end of "
                                   f"epoch {saved.epoch}")
         batch_size = per_rank_batch(saved, world, int(self.batch_size or 0), self._on_change)
-        if batch_size != self.batch_size or (world != saved.world_size and batch_size * world == saved.global_batch):
-            logger.info("dataloader resumed on {} rank(s) (saved on {}): {} per rank keeps the global batch {}",
-                        world, saved.world_size, batch_size, saved.global_batch)
+        if batch_size != self.batch_size:
+            asked = int(self.batch_size or 0)
             self._set_batch_size(batch_size)
+            if self._announce_pending:  # said once, with these figures, at the first iteration
+                self._resized_from = (saved.world_size, asked)
+            elif self.sampler.rank == 0:  # the loader's line was already said: this one supersedes it
+                logger.info("dataloader resumed from {} rank(s): batch_size {} per rank x {} rank(s) = global batch "
+                            "{} as saved, instead of the {} per rank asked", saved.world_size, batch_size, world,
+                            batch_size * world, asked)
         elif batch_size * world != saved.global_batch and self.sampler.rank == 0:  # one line for the job
             logger.warning("dataloader resumed on {} rank(s) (saved on {}): global batch {} instead of the saved {} "
                            "(it does not divide over {} ranks; global_batch_change='continue'); same sample order",
@@ -342,14 +373,7 @@ def dataloader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, seed_parts=seed_parts, tracker=tracker,
         global_batch_change=global_batch_change, timer=timer, **kwargs
     )
-    if rank == 0:
-        replicas, size = sampler.num_replicas, len(dataset)  # type: ignore[arg-type]
-        padded = sampler.total_size - size
-        logger.info(
-            "dataloader: batch_size {} per rank x {} rank(s) = global batch {}; {} batches per epoch per rank "
-            "({} samples{})", batch_size, replicas, batch_size * replicas, len(loader), size,
-            f", {padded} padded with duplicates" if padded > 0 else (f", {-padded} dropped" if padded < 0 else ""),
-        )
+    loader._announce_pending = rank == 0  # logged at its first iteration, after any ctx.resume (`_announce`)
     return loader
 
 

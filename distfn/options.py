@@ -62,6 +62,12 @@ LAUNCHERS: Final[tuple[LauncherName, ...]] = get_args(LauncherName)
 PRECISIONS: Final[tuple[Precision, ...]] = get_args(Precision)
 _PRECISION_ALIASES: Final = {32: "32", 16: "16", "fp32": "32", "float32": "32", "fp16": "16", "float16": "16",
                              "bfloat16": "bf16"}
+#: Lightning Fabric's precision names and the distfn value closest to each, for the did-you-mean of a port:
+#: "-mixed" is autocast with float32 weights, as distfn's "bf16"/"16"; "-true" casts the whole model, which
+#: distfn's precision never does (the weights stay float32).
+_FABRIC_PRECISIONS: Final[dict[str, Precision]] = {
+    "bf16-mixed": "bf16", "16-mixed": "16", "32-true": "32", "bf16-true": "bf16", "16-true": "16",
+}
 
 #: The environment variable that overrides ``nprocs=`` (read by `requested_nprocs` only: under an external
 #: launcher the launcher's world size wins, and one-process modes name it in their error).
@@ -297,8 +303,16 @@ def check_precision(value: Any) -> Precision:
     for known in PRECISIONS:
         if name == known:
             return known
-    raise ConfigError(f"precision={value!r} is not valid; use one of {', '.join(map(repr, PRECISIONS))} "
-                      "(full float32, bfloat16 autocast, float16 autocast with a GradScaler)"
+    choices = f"use one of {', '.join(map(repr, PRECISIONS))} (full float32, bfloat16 autocast, float16 autocast " \
+              "with a GradScaler)"
+    fabric = _FABRIC_PRECISIONS.get(value.strip().casefold()) if isinstance(value, str) else None
+    if fabric is not None:
+        note = ("" if not value.strip().casefold().endswith("-true") or fabric == "32" else
+                f". distfn's {fabric!r} is autocast with float32 weights; for weights in that dtype too, convert "
+                "the model yourself (model.to(dtype))")
+        raise ConfigError(f"precision={value!r} is a Lightning Fabric name, not distfn's; {choices} "
+                          f"(did you mean precision={fabric!r}?){note}")
+    raise ConfigError(f"precision={value!r} is not valid; {choices}"
                       + _did_you_mean("precision", value, (*PRECISIONS, *map(str, _PRECISION_ALIASES))))
 
 

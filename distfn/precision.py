@@ -12,10 +12,13 @@ calling one on some ranks only cannot hang the job.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
+import torch.distributed as dist
+from loguru import logger
 from torch import nn
 
 from .errors import ConfigError
@@ -52,6 +55,32 @@ class LoopState:
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     accumulator: Window | None = None
     _scaler: Any = attrs.field(default=None, init=False)
+    _told_cpu_autocast: bool = attrs.field(default=False, init=False)
+    _modules: list[weakref.ref[nn.Module]] = attrs.field(factory=list, init=False, repr=False)
+
+    def track(self, module: nn.Module) -> None:
+        """Remember ``module`` (``ctx.wrap`` and ``ctx.accumulate`` call this) so that ``step`` clips its
+        parameters in the module's order; held weakly, once."""
+        if not any(ref() is module for ref in self._modules):
+            self._modules.append(weakref.ref(module))
+
+    def clip_order(self, optimizers: tuple[Optimizer, ...]) -> list[nn.Parameter]:
+        """The parameters of ``optimizers`` in the order ``step`` clips them: those of the tracked modules in
+        ``module.parameters()`` order, then any others in the optimizers' order.
+
+        The order is part of the result: ``clip_grad_norm_`` stacks the per-tensor norms and reduces them, and
+        float addition is not associative. The hand-written idiom is ``clip_grad_norm_(model.parameters())``,
+        while an optimizer with two param groups (decay / no decay, as nanoGPT's) lists them in another order;
+        following the module's order makes ``ctx.step(max_grad_norm=)`` bit-identical to the idiom.
+        """
+        in_opt = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        ordered: dict[int, nn.Parameter] = {}
+        for ref in self._modules:
+            module = ref()
+            if module is not None:
+                ordered.update((id(p), p) for p in module.parameters() if id(p) in in_opt)
+        ordered.update((key, p) for key, p in in_opt.items() if key not in ordered)
+        return list(ordered.values())
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -74,7 +103,22 @@ def autocast(state: LoopState, *, enabled: bool | None = None, dtype: torch.dtyp
         return contextlib.nullcontext()
     if dtype is None:
         dtype = torch.float16 if state.precision == "16" else torch.bfloat16
+    if state.device.type == "cpu" and state.precision != "32" and not state._told_cpu_autocast:
+        _tell_cpu_autocast(state, dtype)
     return torch.autocast(device_type=state.device.type, dtype=dtype)
+
+
+def _tell_cpu_autocast(state: LoopState, dtype: torch.dtype) -> None:
+    """One line on rank 0, at the first ``ctx.autocast()`` of the job: autocast on a CPU is easy to miss (a port
+    that maps a script's ``dtype`` to ``precision`` runs its CPU tests in half precision and silently diverges
+    from the original's float32 there)."""
+    state._told_cpu_autocast = True
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16" if dtype == torch.float16 else str(dtype)
+    logger.info("precision={!r}: autocast runs matmuls and convolutions on the CPU in {} (weights and gradients "
+                "stay float32), so losses and weights differ from a float32 run in the 3rd-4th significant digit; "
+                "use precision='32' to compare against a float32 original", state.precision, name)
 
 
 def backward(state: LoopState, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -102,7 +146,8 @@ def step(
     """Step ``optimizers`` unless an accumulation window is still open; returns whether it stepped.
 
     With fp16 the GradScaler unscales, skips steps whose gradients overflowed and updates its scale once
-    for all optimizers. ``max_grad_norm`` clips the (unscaled) gradients of all their parameters first.
+    for all optimizers. ``max_grad_norm`` clips the (unscaled) gradients of all their parameters first, as
+    ``clip_grad_norm_(model.parameters(), max_grad_norm)`` does for the tracked model(s) (`LoopState.clip_order`).
     ``zero_grad`` sets the gradients to ``None`` afterwards.
     """
     if not optimizers:
@@ -115,8 +160,7 @@ def step(
         if scaler is not None:
             for opt in optimizers:
                 scaler.unscale_(opt)
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        nn.utils.clip_grad_norm_(params, max_grad_norm)
+        nn.utils.clip_grad_norm_(state.clip_order(optimizers), max_grad_norm)
     for opt in optimizers:
         if scaler is not None:
             scaler.step(opt)

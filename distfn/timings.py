@@ -1,7 +1,8 @@
 """Where each rank's step time goes: data wait, compute and communication, always on (``ctx.timings()``).
 
 What is measured, per step and per rank (a step runs from one training forward of the model ``ctx.wrap``
-returned to the next):
+returned to the next; under ``ctx.accumulate`` from the forward that opens one window to the next: one optimizer
+step, however many micro-batches):
 
 * **data**: the time spent inside the ``next()`` of ``ctx.dataloader``'s iterator (host time: what the input
   pipeline made this rank wait). A hand-built ``DataLoader`` is not seen; its wait counts as compute.
@@ -39,6 +40,7 @@ import json
 import os
 import socket
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
@@ -282,6 +284,20 @@ class Recorder:
                 self.on_step(self.steps)
 
 
+#: Models inside a ``with acc:`` micro-batch that does not open its accumulation window (`continue_step`): their
+#: training forward continues the open step instead of starting one, so a step is an optimizer step.
+_MID_WINDOW: Final[weakref.WeakSet[nn.Module]] = weakref.WeakSet()
+
+
+def continue_step(model: nn.Module, mid_window: bool) -> None:
+    """``ctx.accumulate``'s micro-batches: while ``mid_window``, a forward of ``model`` is no step boundary (the
+    step runs from the forward opening one window to the next, one optimizer step, not one micro-batch)."""
+    if mid_window:
+        _MID_WINDOW.add(model)
+    else:
+        _MID_WINDOW.discard(model)
+
+
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:
     """A tensor of a forward's output that backward will go through (the output itself, usually)."""
     if isinstance(output, torch.Tensor):
@@ -325,7 +341,8 @@ class _ModelHooks:
             self.recorder.comm_end()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled() and not capturing():  # an evaluation forward is no step
+        # an evaluation forward is no step, nor one inside an accumulation window it did not open
+        if module.training and torch.is_grad_enabled() and not capturing() and module not in _MID_WINDOW:
             self.recorder.boundary()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -123,3 +124,26 @@ def test_accumulate_without_ddp_and_grad_clipping() -> None:
 def test_accumulator_argument_checks() -> None:
     with pytest.raises(ConfigError, match="positive int"):
         Accumulator(nn.Linear(1, 1), 0)
+
+
+def test_timings_count_optimizer_steps_not_micro_batches() -> None:
+    """12 micro-batches accumulated 3 by 3 are 4 steps in ``ctx.timings()``; the same loop without ``with acc:``
+    is 12 (issue 43: the table said 121 steps for 61 iterations of 2 micro-batches)."""
+    from distfn.timings import HostClock, Timings
+
+    def steps(every: int | None) -> int:
+        run = Timings(enabled=True, window=1000)
+        model = nn.Linear(2, 1)
+        run.watch(model, torch.device("cpu"))
+        recorder = run.recorder or run.start(0, 1, None, HostClock())
+        acc = Accumulator(model, every) if every else None
+        for _ in range(12):
+            with acc if acc is not None else contextlib.nullcontext():
+                model(torch.ones(1, 2)).sum().backward()
+        with torch.no_grad():
+            model(torch.ones(1, 2))  # an evaluation forward is no step either
+        recorder.close()
+        recorder.drain(block=True)
+        return recorder.steps
+
+    assert steps(3) == 4 and steps(2) == 6 and steps(None) == 12

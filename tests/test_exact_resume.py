@@ -137,6 +137,39 @@ def test_a_global_batch_that_does_not_divide_refuses_or_continues() -> None:
         _loaders(10, 1, 2, global_batch_change="sometimes")
 
 
+def test_a_resume_on_another_world_size_says_its_global_batch_in_one_line() -> None:
+    """Saved on 2 ranks x 16 (global batch 32), resumed on 4 ranks built with 16 per rank: one line, by rank 0, at
+    the first iteration, with the figures the loader really uses (not "global batch 64", then "keeps 32")."""
+    from loguru import logger
+
+    first = _loaders(96, 2, 16)
+    _steps(first, upto=1)
+    state = first[0].state_dict()
+    lines: list[str] = []
+    sink = logger.add(lines.append, filter=lambda r: "global batch" in r["message"], format="{message}")
+    logger.enable("distfn")  # quiet outside a job
+    try:
+        resumed = _loaders(96, 4, 16)
+        for loader in resumed:
+            loader.load_state_dict(state)
+        _steps(resumed)
+        _steps(resumed)  # a second epoch: nothing more
+        late = _loaders(96, 4, 16)  # iterated before the resume: a second line supersedes the first, consistently
+        _steps(late, upto=1)
+        for loader in late:
+            loader.load_state_dict(state)
+    finally:
+        logger.disable("distfn")
+        logger.remove(sink)
+    assert lines[0] == ("dataloader: batch_size 8 per rank x 4 rank(s) = global batch 32; 3 batches per epoch per "
+                        "rank (96 samples); resumed from 2 rank(s): 8 per rank instead of the 16 asked keeps the "
+                        "saved global batch 32\n")
+    assert lines[1].startswith("dataloader: batch_size 16 per rank x 4 rank(s) = global batch 64; 2 batches")
+    assert lines[2] == ("dataloader resumed from 2 rank(s): batch_size 8 per rank x 4 rank(s) = global batch 32 as "
+                        "saved, instead of the 16 per rank asked\n")
+    assert len(lines) == 3
+
+
 def test_workers_peeks_set_epoch_and_gather_positions_in_a_resumed_epoch() -> None:
     first = _loaders(31, 2, 3, num_workers=2)
     _steps(first)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distfn import ConfigError, distributed
-from distfn.precision import LoopState, reduce_loss, step
+from distfn.accumulation import Accumulator
+from distfn.precision import LoopState, autocast, backward, reduce_loss, step
 
 
 def _micro_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +43,17 @@ def _bf16(ctx) -> dict:
 
 @distributed(nprocs=2, seed=0, precision="bf16")
 def _bf16_job(cfg, ctx):
-    return ctx.gather_object({"precision": ctx.precision, "bf16": _bf16(ctx)})
+    from loguru import logger
+
+    told: list[str] = []
+    sink = logger.add(told.append, filter=lambda r: "autocast runs" in r["message"], format="{message}")
+    try:
+        bf16 = _bf16(ctx)
+        with ctx.autocast():  # a second autocast block: the line is not repeated
+            pass
+    finally:
+        logger.remove(sink)
+    return ctx.gather_object({"precision": ctx.precision, "bf16": bf16, "told": told})
 
 
 def test_bf16_autocast_on_two_ranks() -> None:
@@ -56,6 +67,28 @@ def test_bf16_autocast_on_two_ranks() -> None:
         assert b["changed"] and b["zeroed"]
     assert r0["bf16"]["weights"] == r1["bf16"]["weights"]
     assert r0["bf16"]["mean_loss"] == r1["bf16"]["mean_loss"]
+    # autocast on a CPU is said once, by rank 0 only, with what it means for the numbers.
+    assert len(r0["told"]) == 1 and r1["told"] == []
+    assert "precision='bf16': autocast runs matmuls and convolutions on the CPU in bfloat16" in r0["told"][0]
+    assert "use precision='32'" in r0["told"][0]
+
+
+def test_cpu_autocast_is_told_once_per_run_and_not_for_float32() -> None:
+    from loguru import logger
+
+    told: list[str] = []
+    sink = logger.add(told.append, filter=lambda r: "autocast runs" in r["message"], format="{message}")
+    logger.enable("distfn")  # distfn is quiet outside a job
+    try:
+        for precision in ("16", "32"):
+            state = LoopState(precision=precision)
+            for _ in range(3):
+                with autocast(state):
+                    pass
+    finally:
+        logger.disable("distfn")
+        logger.remove(sink)
+    assert len(told) == 1 and "precision='16': autocast runs matmuls and convolutions on the CPU in float16" in told[0]
 
 
 def test_fp16_uses_a_grad_scaler_and_skips_overflowing_steps() -> None:
@@ -171,3 +204,87 @@ def test_fp16_resume_is_bit_exact_with_the_scaler_in_the_state(tmp_path) -> None
     assert straight_scale < 65536.0  # overflows happened: the scale is part of what must resume
     assert resumed_scale == straight_scale
     assert all(torch.equal(a, b) for a, b in zip(resumed, straight, strict=True))
+
+
+def _two_group_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """nanoGPT's optimizer shape: weight-decayed matrices in one param group, biases and norms in another, so the
+    optimizer lists the parameters in another order than ``model.parameters()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 1))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    plain = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}], lr=1e-2)
+    return model, opt
+
+
+def _clipped_run(how: str, precision: str) -> torch.Tensor:
+    """8 steps clipped at 0.5 (the norms are ~10-100, so every step clips), by hand or through ``step``."""
+    model, opt = _two_group_model()
+    state = LoopState(precision=precision)
+    hand_scaler = torch.amp.GradScaler("cpu") if precision == "16" else None
+    if how == "tracked":
+        state.track(model)
+    elif how == "accumulate":
+        acc = Accumulator(model, 1, state)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        loss = (model(torch.randn(32, 16, generator=g) * 10) ** 2).mean()
+        if how == "hand":  # the idiom of every tutorial (and nanoGPT's fp16 path)
+            (hand_scaler.scale(loss) if hand_scaler is not None else loss).backward()
+            if hand_scaler is not None:
+                hand_scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if hand_scaler is not None:
+                hand_scaler.step(opt)
+                hand_scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        elif how == "accumulate":
+            with acc:
+                backward(state, loss)
+                assert step(state, opt, max_grad_norm=0.5)
+        else:
+            backward(state, loss)
+            assert step(state, opt, max_grad_norm=0.5)
+    if precision == "16":
+        assert state.scaler is not None and state.scaler.get_scale() == 65536.0  # no step was skipped
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("precision", ["32", "16"])
+def test_max_grad_norm_is_bit_identical_to_clip_grad_norm_of_the_model(precision: str) -> None:
+    hand = _clipped_run("hand", precision)
+    # The model ctx.wrap / ctx.accumulate saw sets the order: the same computation as the idiom, bit for bit
+    # (fp16: unscaled first, by step itself).
+    assert torch.equal(_clipped_run("tracked", precision), hand)
+    assert torch.equal(_clipped_run("accumulate", precision), hand)
+    # Without a known model the optimizers' order is used: the same clipping up to rounding.
+    untracked = _clipped_run("untracked", precision)
+    assert torch.allclose(untracked, hand, atol=1e-5)
+
+
+def test_clip_order_follows_the_tracked_model_and_keeps_the_rest() -> None:
+    model, opt = _two_group_model()
+    extra = nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [extra]})
+    state = LoopState()
+    assert state.clip_order((opt,)) == [p for group in opt.param_groups for p in group["params"]]
+    state.track(model)
+    state.track(model)  # once
+    assert state.clip_order((opt,)) == [*model.parameters(), extra]
+
+
+@distributed(mode="single", seed=0)
+def _clip_through_ctx(cfg, ctx):
+    model, opt = _two_group_model()
+    model = ctx.wrap(model)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        ctx.backward((model(torch.randn(32, 16, generator=g) * 10) ** 2).mean())
+        ctx.step(opt, max_grad_norm=0.5)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_ctx_step_clips_in_the_order_of_the_wrapped_model() -> None:
+    assert torch.equal(_clip_through_ctx(), _clipped_run("hand", "32"))

@@ -225,7 +225,7 @@ def _wandb_run(path: Path) -> dict[str, Any]:
     for record in _wandb_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            out["id"] = record.run.run_id
+            out["id"], out["name"] = record.run.run_id, record.run.display_name
         elif kind == "history":
             out["steps"].append(record.history.step.num)
         elif kind == "config":
@@ -243,7 +243,9 @@ WANDB_JOB = textwrap.dedent('''
 
     ckpt, stop = sys.argv[1], int(sys.argv[2])
 
-    @distributed(mode="ddp", nprocs=2, track="wandb")
+    from distfn.tracking import WandB
+
+    @distributed(mode="ddp", nprocs=2, track=WandB(run_name="gpt2-124M"))
     def train(cfg, ctx):
         state = {"w": torch.zeros(2), "step": 0}
         start = ctx.resume(state, ckpt)
@@ -270,6 +272,7 @@ def test_wandb_offline_one_run_continued_by_a_resumed_rerun(tmp_path: Path) -> N
     assert len(files) == 2, files
     first, second = (_wandb_run(f) for f in files)
     assert first["id"] == second["id"]  # one W&B run id (resume="allow"), continued
+    assert first["name"] == second["name"] == "gpt2-124M"  # WandB(run_name=) labels it
     assert first["steps"] + second["steps"] == list(range(1, 21))
     assert first["config"]["lr"] == "0.5"
     assert second["summary"]["distfn_status"] == "FINISHED"
@@ -1161,3 +1164,26 @@ def test_damaged_run_files_and_refused_parameters_never_hold_the_metrics_back(tm
     session.close("FINISHED")
     assert [x for x in backend.log if isinstance(x, int)] == [1, 2]
     assert len([m for m in warnings_seen if "fake could not send its parameters" in m]) == 1
+
+
+def test_wandb_takes_a_run_name_and_keeps_the_key_as_the_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``WandB(run_name=)`` reaches ``wandb.init(name=)``; the id (what every attempt continues) stays the key. A
+    stand-in ``wandb`` module records the call, so this needs neither the extra nor W&B's service process."""
+    import types
+
+    from distfn.tracking import WandB
+    from distfn.tracking.base import RunInfo
+
+    calls: list[dict[str, Any]] = []
+
+    def init(**kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return types.SimpleNamespace(resumed=False, step=0, id=kwargs["id"], project=kwargs["project"])
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Settings=lambda **kw: kw))
+    info = RunInfo(key="job-1a2b", name="job-1a2b")
+    WandB(run_name="gpt2-124M").open(info)
+    WandB().open(info)
+    assert [(c["name"], c["id"]) for c in calls] == [("gpt2-124M", "job-1a2b"), ("job-1a2b", "job-1a2b")]
+    with pytest.raises(ConfigError, match=r"WandB\(run_name=3\)"):
+        WandB(run_name=3)  # type: ignore[arg-type]

@@ -28,11 +28,15 @@ class WandB(Settings):
         project: the project; ``None``: ``WANDB_PROJECT`` or ``distfn``.
         entity: the team or user; ``None``: W&B's default.
         dir: where W&B writes its local files; ``None``: ``WANDB_DIR`` or the working directory.
+        run_name: the run's display name in the W&B UI (nanoGPT's ``wandb_run_name``); ``None``: the job key.
+            It only labels the run: every attempt of the job still continues the one run whose id is the key.
+            (``run_name``, not ``name``: a backend's ``name`` is ``"wandb"``, the name ``track=`` knows it by.)
     """
 
     project: str | None = attrs.field(default=None, validator=is_text)
     entity: str | None = attrs.field(default=None, validator=is_text)
     dir: str | None = attrs.field(default=None, converter=dir_setting)
+    run_name: str | None = attrs.field(default=None, validator=is_text)
     name: ClassVar[str] = "wandb"
 
     def check(self) -> None:
@@ -53,7 +57,7 @@ class WandbRun:
 
         self._run: Any = wandb.init(
             project=settings.project or os.environ.get("WANDB_PROJECT") or "distfn", entity=settings.entity,
-            dir=settings.dir, id=run.key, name=run.name, resume="allow",
+            dir=settings.dir, id=run.key, name=settings.run_name or run.name, resume="allow",
             tags=[f"{k}:{v}" for k, v in sorted(run.tags.items()) if k != "distfn.key"],
             config={"distfn": dict(run.tags)},
             settings=wandb.Settings(console="off", x_disable_stats=True))
