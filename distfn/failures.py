@@ -395,8 +395,12 @@ def _hang_notes(first: Failure, kind: str, timeout_s: float, dumps: dict[int, st
         notes.append(f"Rank {first.rank} was aborted (SIGABRT) after the `timeout` of @distributed had passed: "
                      "NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING) ends a rank whose collective did not "
                      "finish in time; its own stderr above has NCCL's message.")
-    notes.append(f"A collective or the rendezvous timed out after {timeout_s:g} s (the `timeout` of "
-                 "@distributed, 30 min by default).")
+    if first.exc_type.rsplit(".", 1)[-1] == "CheckInTimeout":
+        # a checkpoint call's own, shorter wait (its message says how long and how to wait longer), not `timeout`
+        notes.append("A checkpoint call waited past its check-in deadline for the ranks that did not arrive.")
+    else:
+        notes.append(f"A collective or the rendezvous timed out after {timeout_s:g} s (the `timeout` of "
+                     "@distributed, 30 min by default).")
     away = away_ranks(first, dumps)
     if away:
         where = "; ".join(f"rank {r} was in {w}" for r, w in away.items())

@@ -322,8 +322,11 @@ def test_a_failing_rank_raises_worker_error_with_rank_host_and_traceback(ray_clu
 def _hanging_job(ray_cluster: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, list[int]]]:
     """``ray_job.py`` with every rank hanging: yields the driver and the ranks' actor pids once both started; the
     driver is killed on the way out if it still runs."""
+    # the driver gets SIGINT's default disposition, as a program started from a terminal has, whatever this runner
+    # inherited (one started in the background of a non-interactive shell has SIGINT ignored, and so would its child)
     proc = subprocess.Popen([sys.executable, str(JOB)], env=job_env(ray_cluster, tmp_path, DISTFN_TEST_HANG="1"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + JOB_TIMEOUT
         started = [tmp_path / f"started{r}" for r in range(2)]

@@ -96,7 +96,9 @@ def test_rank0_only_save_with_rng_fails_fast_naming_rng(tmp_path: pathlib.Path) 
     proc = run_python([str(script), str(tmp_path / "ckpt-2.safetensors")], env=env, timeout=150)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, proc.stdout
-    assert "CheckpointError" in proc.stderr and "rng=True" in proc.stderr, proc.stderr[-3000:]
+    # a CheckInTimeout (a CheckpointError) naming rng=True, and no word of the 30-minute collective timeout
+    assert "failed with CheckInTimeout" in proc.stderr and "rng=True" in proc.stderr, proc.stderr[-3000:]
+    assert "1800 s" not in proc.stderr and "check-in deadline" in proc.stderr, proc.stderr[-3000:]
     assert "if ctx.is_main:" in proc.stderr
     assert elapsed < 90, f"took {elapsed:.0f} s"
     assert not (tmp_path / "ckpt-2.safetensors").exists()
