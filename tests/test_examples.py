@@ -173,7 +173,9 @@ def test_train_loop(tmp_path: Path) -> None:
     assert last["test_samples"] == 1001 and last["test_accuracy"] > 0.8  # every test sample exactly once
     assert last["train_loss"] < result["history"][0]["train_loss"]
     # One loss per epoch, the mean over the ranks (the bar used to add rank 0's own running mean).
-    loss_lines = [line for line in out.splitlines() if "loss" in line and not line.startswith(("{", "done:"))]
+    # (the one-line note that bf16 autocast on a CPU changes the numbers, "losses and weights differ", is no loss)
+    loss_lines = [line for line in out.splitlines() if "loss" in line and not line.startswith(("{", "done:"))
+                  and "autocast runs" not in line]
     assert [re.sub(r"loss [\d.]+", "loss L", line.split(", test")[0]) for line in loss_lines] == [
         "epoch 0: train loss L (mean over 2 ranks)", "epoch 1: train loss L (mean over 2 ranks)"], out[-3000:]
     if importlib.util.find_spec("tensorboard") is not None:
