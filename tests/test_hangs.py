@@ -183,7 +183,9 @@ def test_an_fsdp_save_waiting_for_a_sleeping_rank_ends_with_the_report_within_th
     assert done.returncode == 1, done.stderr[-3000:]
     text = done.stderr
     save_line = next(i for i, line in enumerate(JOB.read_text().splitlines(), 1) if "HANG-SAVE-LINE" in line)
-    assert f"timed out after {timeout:g} s" in text and "CheckInTimeout" in text, text[-4000:]
+    # the check-in's own wait, cut to the job's timeout, is what the diagnosis names (not a collective's timeout)
+    assert f"waited {timeout:g} s in ctx.save" in text and "CheckInTimeout" in text, text[-4000:]
+    assert "waited past its check-in deadline" in text, text[-4000:]
     assert f"rank 1 was in sleepy ({JOB}:{SLEEP_LINE})" in text
     assert f"Collectives: rank 0 is in ctx.save #2 (hang_job.py:{save_line})" in text
     assert "raise @distributed(timeout=...)" in text  # the wait to raise is the job's deadline, not save_timeout
