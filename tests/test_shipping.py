@@ -200,15 +200,22 @@ if __name__ == "__main__":
 """
 
 
-def test_server_and_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
-    """... and the server's socket (TMPDIR/pymp-*/listener-*) goes with it (issue 25 item 10)."""
-    script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
+def _launch_with_own_tmpdir(tmp_path: Path, name: str, source: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """Run ``source`` as ``tmp_path/name`` (its argument: ``tmp_path``) with ``TMPDIR`` a fresh ``tmp_path/tmp``,
+    where multiprocessing makes its ``pymp-*`` directory; the process and that directory."""
+    script = tmp_path / name
+    script.write_text(source)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)],
                             env=clean_env(OMP_NUM_THREADS="2", TMPDIR=str(tmp)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return proc, tmp
+
+
+def test_server_and_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """... and the server's socket (TMPDIR/pymp-*/listener-*) goes with it (issue 25 item 10)."""
+    proc, tmp = _launch_with_own_tmpdir(tmp_path, "sleeper.py", SLEEPER)
     try:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
@@ -373,13 +380,7 @@ def test_a_killed_launchers_multiprocessing_directory_goes_with_what_its_ranks_l
     """``pymp-*`` directories were left when the launcher was SIGKILLed: its ranks inherit its multiprocessing
     directory, and a socket a rank or its helper (a DataLoader worker) had in it kept the server from removing
     it. The server, which outlives the launcher, removes it whole once they had time to end."""
-    script = tmp_path / "listeners.py"
-    script.write_text(LISTENERS)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                            env=clean_env(OMP_NUM_THREADS="2", TMPDIR=str(tmp)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc, tmp = _launch_with_own_tmpdir(tmp_path, "listeners.py", LISTENERS)
     try:
         deadline = time.monotonic() + 120
         while not ((tmp_path / "helper").exists() and (tmp_path / "rank1").exists()) \
