@@ -45,12 +45,12 @@ import pathlib
 import socket
 import threading
 from collections.abc import Mapping
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, TypeGuard
 
 from loguru import logger
 
 from ..errors import CheckpointError
-from . import fs
+from . import fs, urls
 from .names import INDEX
 from .retries import S3_CONFIG, as_checkpoint_error, attempts, explain
 
@@ -102,12 +102,33 @@ class RemotePath(pathlib.PurePosixPath):
 
     @property
     def key(self) -> str:
-        """The path as the fsspec file system names it (``bucket/run/ckpt-7``, or ``/tmp/x`` for ``file://``)."""
+        """The path as the fsspec file system names it (``bucket/run/ckpt-7``, or ``/tmp/x`` for ``file://``).
+
+        Every request distfn sends names its object through this, so this is where the URL rule
+        (`distfn.checkpoint.urls`) holds for derived paths too: a key with a ``..`` segment, a backslash, a control
+        character or a percent-escape is never sent, whatever built it.
+
+        Raises:
+            CheckpointError: the key breaks the rule (naming the URL and why).
+        """
+        key = self._unchecked()
+        problem = urls.key_problem(key)
+        if problem is not None:
+            raise CheckpointError(f"{(self.protocol + '://' + key)!r} cannot be used: its key {problem}")
+        return key
+
+    def _unchecked(self) -> str:
         text = pathlib.PurePosixPath.__str__(self)
         return text if self.root == "/" else text.lstrip("/")
 
+    def __truediv__(self, name: Any) -> RemotePath:
+        # pathlib would start again at an absolute name: a name joined to a directory stays inside it
+        if isinstance(name, str) and name.startswith("/"):
+            raise CheckpointError(f"{self}/{name!r}: an absolute name cannot be joined to a directory")
+        return super().__truediv__(name)
+
     def __str__(self) -> str:
-        return f"{self.protocol}://{self.key}"
+        return f"{self.protocol}://{self._unchecked()}"
 
     def __fspath__(self) -> str:
         return str(self)
@@ -245,6 +266,7 @@ class RemoteFileSystem(fs.FileSystem):
         self.per_process = protocol == "memory"
         self._s3 = protocol in ("s3", "s3a")
         self._leases: dict[pathlib.PurePath, pathlib.PurePath] = {}  # this process's in-place directories -> lease
+        self._ignored: set[tuple[pathlib.PurePath, str]] = set()  # hostile listed names, warned about once
         self._lock = threading.Lock()
 
     # -- paths and small objects ----------------------------------------------------------------------
@@ -349,7 +371,7 @@ class RemoteFileSystem(fs.FileSystem):
         data, data_info = self.path(self._key(path)), info
         named = marker.get("object")
         if isinstance(named, str) and named != path.name:
-            if not (named.startswith(".") and named.endswith(_DATA) and "/" not in named):
+            if not _hidden(named):
                 return None  # only a hidden sibling written by a re-save: a commit object never points elsewhere
             data = self.path(self._key(path.with_name(named)))
             found = self._info(data)
@@ -385,17 +407,32 @@ class RemoteFileSystem(fs.FileSystem):
         return int(info.get("size") or 0)
 
     def listdir(self, directory: pathlib.PurePath) -> list[str]:
+        """The names under ``directory``: only entries the server lists *under* its prefix, each a name the URL
+        rule accepts (`urls.name_problem`). An object another writer named ``run/../other/x`` is listed by S3 as
+        ``run/..``: it is skipped (with one warning), so `latest` and ``distfn ls`` never read outside."""
         key = self._key(directory)
+        under = key.rstrip("/") + "/"
 
         def call() -> list[str]:
             self._fs.invalidate_cache(key)
             try:
-                return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in self._fs.ls(key, detail=False)]
+                return [str(entry).rstrip("/") for entry in self._fs.ls(key, detail=False)]
             except (FileNotFoundError, NotADirectoryError):
                 return []
 
         with as_checkpoint_error():
-            return attempts("listing", directory, call)
+            entries = attempts("listing", directory, call)
+        names = []
+        for entry in entries:
+            name = entry[len(under):]
+            problem = urls.name_problem(name) if entry.startswith(under) else "is not under the prefix listed"
+            if problem is None:
+                names.append(name)
+            elif entry != key.rstrip("/") and (directory, entry) not in self._ignored:  # a file lists itself
+                self._ignored.add((directory, entry))
+                logger.warning("ignoring the object {!r} listed in {}: its name {} (distfn never writes such a name; "
+                               "another writer put it there)", entry, directory, problem)
+        return names
 
     def make_dirs(self, directory: pathlib.PurePath) -> None:
         if self._local:
@@ -419,7 +456,7 @@ class RemoteFileSystem(fs.FileSystem):
             if isinstance(before, dict):
                 upload = self.path(self._key(path.with_name(path.name.rsplit(".", 1)[0] + _DATA)))
                 named = before.get("object")
-                if isinstance(named, str) and named.endswith(_DATA) and named.startswith(".") and "/" not in named:
+                if _hidden(named):
                     previous = self.path(self._key(target.with_name(named)))
             self._put_small(lease, {_LEASE_KEY: target.name, "data": upload.name, "host": socket.gethostname(),
                                     "pid": os.getpid()}, shown=target)
@@ -528,7 +565,7 @@ class RemoteFileSystem(fs.FileSystem):
         """Clean what the (dead) writer of the lease ``path`` left: its unfinished upload, or the directory it was
         writing in place when its index was never committed. A committed checkpoint is never touched."""
         name = str(lease[_LEASE_KEY])
-        if name and "/" not in name and not name.startswith(".") and name not in (".", ".."):
+        if urls.name_problem(name) is None and not name.startswith("."):
             target = path.with_name(name)
             # a committed checkpoint is never touched: not a committed file (a lease of either kind may name one, a
             # dead writer's or a hand-made one), not a directory whose index is committed
@@ -537,8 +574,7 @@ class RemoteFileSystem(fs.FileSystem):
             elif not lease.get("dir"):
                 self._abort_uploads(target)
                 data = lease.get("data")
-                if isinstance(data, str) and data != name and data.startswith(".") and data.endswith(_DATA) \
-                        and "/" not in data:
+                if _hidden(data) and data != name:
                     hidden = path.with_name(data)
                     self._abort_uploads(hidden)
                     info = self._info(target)
@@ -605,6 +641,12 @@ class RemoteFileSystem(fs.FileSystem):
         self.commit_stream(stream)
 
 
+def _hidden(name: object) -> TypeGuard[str]:
+    """Whether ``name`` (read from a commit object or a lease: untrusted) is a re-save's hidden sibling upload."""
+    return (isinstance(name, str) and name.startswith(".") and name.endswith(_DATA)
+            and urls.name_problem(name) is None)
+
+
 def _protocols(target: Any) -> tuple[str, ...]:
     proto = getattr(target, "protocol", ())
     return (proto,) if isinstance(proto, str) else tuple(proto)
@@ -631,15 +673,19 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
     """The file system and path a URL names (``s3://bucket/run/ckpt-7``).
 
     Args:
-        url: any fsspec URL.
+        url: any fsspec URL, taken in its canonical form (`distfn.checkpoint.urls.parse`: ``S3://b//run/`` is
+            ``s3://b/run``).
         storage_options: passed to the fsspec file system (``endpoint_url``, ``key``, ``secret``, ...), for this
             call only. ``None``: fsspec's configuration alone.
 
     Raises:
-        CheckpointError: fsspec (or the protocol's library) is not installed, naming the extra to install.
+        CheckpointError: fsspec (or the protocol's library) is not installed, naming the extra to install; the
+            URL breaks `distfn.checkpoint.urls`' rule (a ``..`` segment, a backslash, a control character, a
+            percent-escape, no bucket), naming the URL and the fix.
     """
+    parsed = urls.parse(url)  # the one rule: a canonical URL or a CheckpointError, before fsspec sees anything
     fsspec = _fsspec(url)
-    protocol = url.partition("://")[0].lower()
+    protocol = parsed.scheme
     if protocol in ("http", "https"):  # fsspec's HTTP file system reads only, and lists nothing: no checkpoints
         raise CheckpointError(f"cannot use {url}: checkpoints need a store that can be written and listed (s3://, "
                               "gs://, az://, file://, ...), not plain HTTP")
@@ -667,5 +713,6 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[
         store = _STORES.get(token)
         if store is None:
             store = _STORES[token] = RemoteFileSystem(target, protocol)
-    key = target._strip_protocol(url)
-    return store, store.path(str(key))
+    where = store.path(str(target._strip_protocol(parsed.text)))
+    _ = where.key  # checked now: what fsspec made of the canonical URL is refused here, not at the first request
+    return store, where

@@ -86,6 +86,8 @@ def attempts(what: str, url: object, call: Callable[[], T]) -> T:
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return call()
+        except CheckpointError:  # distfn's own refusal (a key `urls` refuses): the user's news as it is
+            raise
         except Exception as exc:  # the storage libraries raise many types: all are explained
             if attempt == ATTEMPTS or not transient(exc) or time.monotonic() - start > RETRY_WINDOW_S:
                 raise explain(exc, url) from exc
