@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 from collections.abc import Mapping
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import attrs
 from loguru import logger
 
 from ..errors import CheckpointError
 from ..options import Mode, shards_state
-from . import fs, remote
+from . import fs, remote, urls
 from .names import INDEX, STEP_DIR, STEP_FILE, SUFFIX
 
 __all__ = [
@@ -38,8 +37,6 @@ __all__ = [
     "step_of_path",
     "wants_sharded",
 ]
-
-_URL: Final = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 #: What a location holds: one file, a sharded checkpoint directory, another directory, nothing, or something
 #: that is not a checkpoint at all (a device, a socket).
@@ -110,7 +107,7 @@ def resolve(path: str | os.PathLike[str] | Location, storage_options: Mapping[st
     if "\0" in text:  # no file system names such a file; os calls would raise a bare ValueError
         raise CheckpointError(f"the checkpoint path {text!r} holds a NUL byte: pass the path without it")
     trailing = text.endswith(("/", os.sep)) and text.strip("/" + os.sep) != ""
-    if _URL.match(text):
+    if urls.is_url(text):  # the scheme test is the URL rule's own (`checkpoint/urls`)
         store, where = remote.locate(text, storage_options)
         return Location(store, where, text, trailing)
     if storage_options is not None:

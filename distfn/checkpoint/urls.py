@@ -34,7 +34,7 @@ import attrs
 
 from ..errors import CheckpointError
 
-__all__ = ["MAX_KEY", "Url", "key_problem", "name_problem", "parse"]
+__all__ = ["MAX_KEY", "Url", "is_url", "key_problem", "name_problem", "parse"]
 
 #: The longest key (in UTF-8 bytes, bucket included) an object store takes: S3's and GCS's limit.
 MAX_KEY: Final = 1024
@@ -42,6 +42,18 @@ _URL: Final = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 _ESCAPE: Final = re.compile(r"%[0-9A-Fa-f]{2}")
 #: Protocols whose keys are paths from a root ("/tmp/x"), not "bucket/key": no bucket to name.
 _ROOTED: Final = ("file", "local", "memory")
+
+
+def is_url(text: str) -> bool:
+    """Whether ``text`` is written as a URL (``scheme://...``): the remote backend's, where a local path is not."""
+    return _URL.match(text) is not None
+
+
+def _segment_problem(segment: str) -> str | None:
+    # one segment of a URL's path or of a key: the same rule for what a user writes and what distfn derives
+    if segment == "..":
+        return "is '..': it would climb out of its prefix on a server that resolves it: write the key without it"
+    return _character_problem(segment)
 
 
 def _character_problem(text: str) -> str | None:
@@ -76,11 +88,9 @@ def key_problem(key: str) -> str | None:
     segment, a refused character, or more than `MAX_KEY` bytes. (``.`` and empty segments cannot occur: the
     paths keys are made from drop them.)"""
     for segment in key.split("/"):
-        if segment == "..":
-            return "has a '..' segment (it would climb out of its prefix on a server that resolves it)"
-        problem = _character_problem(segment)
+        problem = _segment_problem(segment)
         if problem is not None:
-            return problem
+            return f"segment {segment!r} {problem}"
     if not key.startswith("/") and len(key.encode()) > MAX_KEY:  # rooted keys are local paths: the OS decides
         return f"is longer than {MAX_KEY} bytes (the object stores' limit)"
     return None
@@ -120,8 +130,7 @@ def parse(url: str) -> Url:
     scheme, rest = found.group(1).lower(), found.group(2)
     parts = tuple(p for p in rest.split("/") if p not in ("", "."))
     for part in parts:
-        problem = ("climbs out of its prefix (on a server that resolves it): write the key without it"
-                   if part == ".." else _character_problem(part))
+        problem = _segment_problem(part)
         if problem is not None:
             raise CheckpointError(f"the checkpoint URL {url!r} cannot be used: its segment {part!r} {problem}")
     if scheme == "file" and not rest.startswith("/"):
