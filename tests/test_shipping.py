@@ -373,9 +373,6 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow  # a launch, then the server's wait for the sockets' owners (forkserver.LINGER_S)
-@pytest.mark.xfail(strict=False, reason="issue 41 item 21, open: in about 3 runs of 4 the fork server never removes "
-                   "the directory (it stays for 16 s and more with only rank 1's socket in it, no process holding "
-                   "it), as if the server ended with the launcher before its clean-up; the cause is not found yet")
 def test_a_killed_launchers_multiprocessing_directory_goes_with_what_its_ranks_left_in_it(tmp_path: Path) -> None:
     """``pymp-*`` directories were left when the launcher was SIGKILLed: its ranks inherit its multiprocessing
     directory, and a socket a rank or its helper (a DataLoader worker) had in it kept the server from removing
@@ -399,3 +396,11 @@ def test_a_killed_launchers_multiprocessing_directory_goes_with_what_its_ranks_l
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+def test_the_fork_server_tells_a_live_launcher_from_a_dead_or_dying_one() -> None:
+    """The server's clean-up after a killed launcher hinges on this answer (`forkserver._launcher_gone`): a live
+    parent that closed the pipe on purpose keeps its directory; another parent (reparented) or a dying one
+    (``PF_EXITING``: files already closed, children not yet reparented) means the launcher is gone."""
+    assert not forkserver._launcher_gone(os.getppid())  # pytest's parent: alive, not exiting
+    assert forkserver._launcher_gone(os.getppid() + 1_000_000)  # not our parent: reparented

@@ -133,8 +133,38 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: 
         gc.freeze()  # and what the preparation made
         forkserver.main(listener_fd, alive_r, [])  # preload nothing more: done above
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _remove_socket(address, orphaned=os.getppid() != parent_pid)
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except SystemExit:
+            # The alive pipe's EOF ended the loop and the SIGTERM came a moment later, here (the kernel closes a
+            # dying process's files before it sends the death signal): `parent_died` set SIG_IGN itself. Without
+            # this catch its SystemExit left the clean-up below unrun and the ``pymp-*`` directory behind.
+            pass
+        _remove_socket(address, orphaned=_launcher_gone(parent_pid))
+
+
+#: ``PF_EXITING`` in ``/proc/PID/stat``'s flags: the process is inside the kernel's exit (include/linux/sched.h).
+_PF_EXITING: Final = 0x4
+
+
+def _launcher_gone(parent_pid: int) -> bool:
+    """Whether the launching process is dead or dying, as opposed to alive and closing the alive pipe on purpose.
+
+    The server's loop ends at the alive pipe's EOF, and the kernel closes a dying process's files *before* it
+    reparents its children: a server that asked ``getppid()`` alone saw its killed launcher as alive (it was still
+    tearing down its memory), took the clean-up of a live launcher, and left the ``pymp-*`` directory with a dead
+    rank's socket in it (3 runs of 4 in tests/test_shipping.py). A launcher in its exit is flagged ``PF_EXITING``
+    from the start of the exit, before its files close.
+    """
+    if os.getppid() != parent_pid:
+        return True
+    try:
+        with open(f"/proc/{parent_pid}/stat", "rb") as f:
+            stat = f.read()
+        flags = int(stat[stat.rindex(b")") + 2:].split()[6])  # field 9; the name before ")" may hold spaces
+    except (OSError, ValueError, IndexError):
+        return False  # no /proc (not Linux): the launcher's own exit removes its directory
+    return bool(flags & _PF_EXITING)
 
 
 #: How long a server whose launching process died waits for the rest of that process's multiprocessing
