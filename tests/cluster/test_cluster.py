@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -351,26 +352,33 @@ def test_mpirun_on_two_nodes_without_a_rendezvous_fails_fast(out_dir: Path, tmp_
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_torchrun_two_agents_four_ranks(out_dir: Path) -> None:
+def test_torchrun_two_agents_four_ranks(out_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     env = launch_env(out_dir)
-    agents = []
+    agents, logs = [], []
     for node_rank in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
                "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPT)]
-        agents.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, start_new_session=True))
-    outputs = []
+        # Each agent's output to a file, read whole at the end: an agent whose ranks failed exits at once while its
+        # peer agent waits in torchrun's exit barrier (300 s), and its output is the one that says why.
+        logs.append(tmp_path / f"agent{node_rank}.log")
+        with logs[-1].open("w") as log:
+            agents.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                           start_new_session=True))
+    deadline = time.monotonic() + SRUN_TIMEOUT
     try:
-        for agent in agents:
-            outputs.append(agent.communicate(timeout=SRUN_TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"torchrun agents did not finish in {SRUN_TIMEOUT} s")
+        while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+            if any(a.returncode not in (None, 0) for a in agents):  # the other waits for it in vain
+                deadline = min(deadline, time.monotonic() + 5)
+            time.sleep(0.2)
     finally:
         for agent in agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
+    outputs = [log.read_text(errors="replace") for log in logs]
+    for node_rank, agent in enumerate(agents):
+        assert agent.returncode == 0, (f"torchrun agent {node_rank} ended with {agent.returncode} (-9: killed "
+                                       f"after the wait); the agents' output:\n" +
+                                       "\n".join(f"--- agent {i}\n{o[-5000:]}" for i, o in enumerate(outputs)))
     check_job(out_dir, world=4, nodes=2, launcher="torchrun", context="\n".join(outputs))
