@@ -18,7 +18,8 @@ from hypothesis import strategies as st  # noqa: E402
 pytestmark = pytest.mark.quick
 
 SEGMENTS = st.sampled_from(["run", "ckpt-1", "", ".", "..", "%2e%2e", "%2F", "a\\b", "x\x00y", "\x7f", "\ud800",
-                            "last.safetensors", "é", " ", "~"])
+                            "last.safetensors", "é", " ", "~", "a?versionId=1", "x#y", "\u202egpj",
+                            "user:pw@b", "b:9000"])
 
 
 @pytest.mark.parametrize(("url", "canonical"), [
@@ -34,6 +35,8 @@ def test_equal_urls_have_one_canonical_form(url: str, canonical: str) -> None:
 @pytest.mark.parametrize("url", [
     "s3://bucket/run/../other", "s3://bucket/%2e%2e/x", "s3://bucket/a%2Fb", "s3://bucket/a\\b",
     "s3://bucket/a\x01b", "s3://", "file://tmp/x", "s3://bucket/" + "k" * 2000, "not a url",
+    "s3:///run", "s3://./run", "s3://b/run?versionId=1/x", "s3://b/run#x", "gs://b/\u202ecod.exe",
+    "s3://user:pw@b/run", "s3://b:9000/run", "s3://b?x=1/run",
 ])
 def test_a_url_that_could_leave_its_prefix_is_refused_naming_it(url: str) -> None:
     with pytest.raises(CheckpointError) as caught:
@@ -56,6 +59,9 @@ def test_any_url_is_canonical_and_inside_or_a_checkpoint_error(scheme: str, segm
     assert all(part not in ("", ".", "..") for part in parsed.parts)
     assert all(urls.name_problem(part) is None for part in parsed.parts)
     assert urls.parse(parsed.text) == parsed  # canonical: parsing the canonical form changes nothing
+    assert not any(set(part) & set("?#\u202e") for part in parsed.parts)  # nothing a layer below reads otherwise
+    if not parsed.rooted:  # the bucket is the first segment written, never a key moved up into its place
+        assert parsed.parts[0] == url.split("://", 1)[1].split("/")[0]
 
 
 @settings(max_examples=300, deadline=None)

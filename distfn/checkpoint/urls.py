@@ -15,9 +15,11 @@ a commit object or lease holds (`name_problem`):
 - the scheme is case-insensitive (``S3://`` is ``s3://``);
 - empty segments (``a//b``, a trailing ``/``) and ``.`` segments are dropped: the canonical form has none, so
   ``s3://b//run/./ckpt-1`` and ``s3://b/run/ckpt-1`` are the same checkpoint (as they are on a local disk);
-- ``..``, a backslash, control characters (C0, DEL, C1), lone surrogates and percent-escapes (``%2e``, ``%2F``,
-  any ``%XX``: distfn never decodes them) are refused;
-- an object store's URL names a bucket, ``file://`` an absolute path (``file:///tmp/x``; fsspec reads
+- ``..``, a backslash, control characters (C0, DEL, C1), lone surrogates, percent-escapes (``%2e``, ``%2F``,
+  any ``%XX``: distfn never decodes them), ``?`` and ``#`` (s3fs cuts a key at ``?versionId=``, HTTP at ``#``) and
+  bidirectional controls (a log would show another name) are refused;
+- an object store's URL names a bucket first (``s3:///run`` is no bucket, not the bucket ``run``; on S3 and GCS
+  the bucket holds no credentials, port or query), ``file://`` an absolute path (``file:///tmp/x``; fsspec reads
   ``file://tmp/x`` as ``./tmp/x``), and a key holds at most `MAX_KEY` bytes (S3's and GCS's limit).
 
 No key that passes has a segment that could climb out of its prefix, so a path joined from a checked directory and
@@ -40,6 +42,13 @@ __all__ = ["MAX_KEY", "Url", "is_url", "key_problem", "name_problem", "parse"]
 MAX_KEY: Final = 1024
 _URL: Final = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 _ESCAPE: Final = re.compile(r"%[0-9A-Fa-f]{2}")
+#: Characters an HTTP layer or s3fs reads as the end of the key ('?versionId=', '#fragment').
+_QUERY: Final = frozenset("?#")
+#: Unicode's bidirectional controls (embeddings, overrides, isolates, marks): shown, they reorder a name.
+_BIDI: Final = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+#: What a bucket's name holds on S3 and GCS (other protocols, e.g. abfs's ``container@account``, are not checked).
+_BUCKET: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_BUCKETED: Final = ("s3", "s3a", "gs", "gcs")
 #: Protocols whose keys are paths from a root ("/tmp/x"), not "bucket/key": no bucket to name.
 _ROOTED: Final = ("file", "local", "memory")
 
@@ -63,6 +72,13 @@ def _character_problem(text: str) -> str | None:
         if unicodedata.category(ch) in ("Cc", "Cs"):
             what = "a lone surrogate" if unicodedata.category(ch) == "Cs" else "a control character"
             return f"holds {what} (U+{ord(ch):04X}): no object store sends it as written"
+    for ch in text:
+        if ch in _QUERY:
+            return (f"holds {ch!r}: s3fs reads '?versionId=' as a version query and an HTTP layer reads '#' as a "
+                    "fragment, so the request would name another key: leave it out")
+        if ch in _BIDI:
+            return (f"holds the bidirectional control U+{ord(ch):04X}, which makes a log show another name than "
+                    "the one written: leave it out")
     escape = _ESCAPE.search(text)
     if escape is not None:
         return (f"holds the percent-escape '{escape.group()}': distfn never decodes them (a server that does would "
@@ -136,8 +152,13 @@ def parse(url: str) -> Url:
     if scheme == "file" and not rest.startswith("/"):
         raise CheckpointError(f"the checkpoint URL {url!r} cannot be used: file:// needs an absolute path, "
                               f"file:///{'/'.join(parts) or 'path/to/dir'} (fsspec reads file://x as ./x)")
-    if not parts and scheme not in _ROOTED:
+    if scheme not in _ROOTED and (not parts or rest.split("/")[0] in ("", ".")):
+        # s3:///run must not read as the bucket "run": the bucket is the first thing written after '//'
         raise CheckpointError(f"the checkpoint URL {url!r} names no bucket: write {scheme}://bucket/path")
+    if scheme in _BUCKETED and _BUCKET.match(parts[0]) is None:
+        raise CheckpointError(f"the checkpoint URL {url!r} cannot be used: {parts[0]!r} is not a bucket name "
+                              "(letters, digits, '.', '-' and '_'; no credentials, port or query): write "
+                              f"{scheme}://bucket/path and pass the endpoint or keys in storage_options")
     parsed = Url(scheme, parts)
     if not parsed.rooted and len("/".join(parts).encode()) > MAX_KEY:
         raise CheckpointError(f"the checkpoint URL {url!r} cannot be used: its key is longer than {MAX_KEY} bytes "
