@@ -132,3 +132,20 @@ def warnings_seen():
     yield seen
     logger.disable("distfn")
     logger.remove(handle)
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documentation site, built once per session with ``mkdocs build --strict`` (any warning fails it): the
+    file checks of tests/test_docs.py and the browser check of tests/test_docs_browser.py read the same build."""
+    import shutil
+
+    if any(shutil.which(m) is None and importlib.util.find_spec(m) is None for m in ("mkdocs", "mkdocstrings")):
+        pytest.skip("needs mkdocs and mkdocstrings, from the 'docs' extra: pip install -e '.[docs]'")
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out

@@ -221,19 +221,6 @@ def test_every_page_has_runnable_snippets_and_markers_are_well_formed() -> None:
     assert len(_blocks()) >= 20
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The documentation site, built once with ``mkdocs build --strict`` (any warning fails it)."""
-    if _missing("mkdocs") or _missing("mkdocstrings"):
-        pytest.skip("needs mkdocs and mkdocstrings, from the 'docs' extra: pip install -e '.[docs]'")
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
 def _page(site: Path, name: str) -> str:
     return (site / name / "index.html").read_text() if name else (site / "index.html").read_text()
 
