@@ -419,6 +419,10 @@ class Timings:
         latest: rank 0's table of the newest window every rank has reported (``None`` elsewhere, or before).
         channel: where the rows travel: the run's (``run.channel.child("timings")``, set when the run opens);
             ``None``: the process group's store, if any, when the first model is watched.
+        history: rank 0's record of every window so far (bounded; `distfn.timings_plot.History`), what
+            ``ctx.timings(plot=...)`` draws; ``None`` before the first window and on the other ranks.
+        on_table: called on rank 0 with each window's table as it completes (the run hands it to the trackers,
+            `distfn.timings_plot.metrics`); an exception there is logged once and never reaches training.
     """
 
     enabled: bool = attrs.field(factory=enabled_by_env)
@@ -426,6 +430,8 @@ class Timings:
     display: Callable[[str], None] = _display
     latest: TimingTable | None = None
     channel: Channel | None = None
+    history: Any = None
+    on_table: Callable[[TimingTable], None] | None = None
     _recorder: Recorder | None = None
     _exchange: _Rows | None = None
     _host: str = attrs.field(factory=socket.gethostname)
@@ -536,9 +542,33 @@ class Timings:
             self._unread.popleft()
             straggler = stragglers.find_straggler(rows)
             self.latest = TimingTable(tuple(rows), steps=mine.steps, window=number, straggler=straggler)
+            self._record(self.latest)
             warn = self._detector.observe(straggler)
             if warn is not None:
                 self.display(warn.message)
+
+    def _record(self, table: TimingTable) -> None:
+        """Rank 0: keep the window for the picture and hand it to `on_table` (never failing the step)."""
+        if self.history is None:
+            from .timings_plot import History  # deferred: only rank 0, at its first window
+
+            self.history = History()
+        self.history.add(table)
+        if self.on_table is not None:
+            try:
+                self.on_table(table)
+            except Exception as exc:  # noqa: BLE001 - the trackers' copy must never fail a training step
+                logger.warning("timings: the window's numbers could not be handed to the trackers ({}: {}); "
+                               "they are not sent again", type(exc).__name__, exc)
+                self.on_table = None
+
+    def plot(self, path: str | os.PathLike[str]) -> Any:
+        """Rank 0: write the picture of every window so far to ``path`` (`distfn.timings_plot.write`); the path
+        written, or ``None`` before the first window."""
+        from .timings_plot import check, write
+
+        check(path)  # a wrong suffix fails on every rank, from the first call
+        return None if self.history is None else write(self.history.points, path)
 
     # -- the whole run ----------------------------------------------------------------------------------------
     def whole_run(self, *, wait: float = FINAL_WAIT_S) -> TimingTable | None:

@@ -384,15 +384,69 @@ _IMAGE = re.compile(r"!\[(?P<alt>[^\]]*)\]\((?P<src>[^)\s]+)\)|<img\b[^>]*\bsrc=
 _SVG = "{http://www.w3.org/2000/svg}"
 
 
+# A file a page includes (pymdownx.snippets, relative to docs/): its images are the including page's.
+_INCLUDE = re.compile(r'^--8<-- "(?P<path>[^"]+)"', re.M)
+
+
 def _images() -> list[tuple[Path, str, Path]]:
-    """Every image the README and the pages show: (page, alt text, the file it names)."""
+    """Every image the README and the pages show, those of the files they include too (the benchmark results):
+    (page, alt text, the file it names)."""
     found = []
     for page in PAGES:
-        for m in _IMAGE.finditer(page.read_text()):
+        text = page.read_text()
+        for m in _INCLUDE.finditer(text):
+            text += "\n" + (REPO / "docs" / m.group("path")).read_text()
+        for m in _IMAGE.finditer(text):
             src = m.group("src") or m.group("html")
             assert "://" not in src, f"{page.name} shows a remote image ({src}): the docs build offline"
             found.append((page, m.group("alt") or "", (page.parent / src).resolve()))
     return found
+
+
+def _render(svg: Path) -> tuple[int, int, float] | None:
+    """``svg`` drawn by librsvg into a cairo image at its own size (no browser here: this is the renderer GNOME and
+    ImageMagick use): (width, height, the share of pixels that are not background). ``None`` without librsvg."""
+    import ctypes
+    import ctypes.util
+
+    names = [ctypes.util.find_library(n) for n in ("rsvg-2", "cairo")]
+    if not all(names):
+        return None
+    rsvg, cairo = (ctypes.CDLL(n) for n in names)  # type: ignore[arg-type]
+
+    class Rect(ctypes.Structure):
+        _fields_ = [("x", ctypes.c_double), ("y", ctypes.c_double), ("w", ctypes.c_double), ("h", ctypes.c_double)]
+
+    rsvg.rsvg_handle_new_from_data.restype = ctypes.c_void_p
+    rsvg.rsvg_handle_new_from_data.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p]
+    rsvg.rsvg_handle_render_document.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(Rect),
+                                                 ctypes.c_void_p]
+    rsvg.g_object_unref = getattr(rsvg, "g_object_unref", None)
+    for fn, res in (("cairo_image_surface_create", ctypes.c_void_p), ("cairo_create", ctypes.c_void_p),
+                    ("cairo_image_surface_get_data", ctypes.POINTER(ctypes.c_uint8))):
+        getattr(cairo, fn).restype = res
+    for fn in ("cairo_create", "cairo_image_surface_get_data", "cairo_surface_flush", "cairo_destroy",
+               "cairo_surface_destroy"):
+        getattr(cairo, fn).argtypes = [ctypes.c_void_p]
+    import xml.etree.ElementTree as ET
+
+    _, _, w, h = (float(v) for v in ET.fromstring(svg.read_bytes()).attrib["viewBox"].split())
+    data = svg.read_bytes()
+    handle = rsvg.rsvg_handle_new_from_data(data, len(data), None)
+    assert handle, f"librsvg cannot read {svg.name}"
+    width, height = round(w), round(h)
+    surface = cairo.cairo_image_surface_create(0, width, height)  # ARGB32, transparent
+    cr = cairo.cairo_create(surface)
+    try:
+        assert rsvg.rsvg_handle_render_document(handle, cr, ctypes.byref(Rect(0, 0, w, h)), None), svg.name
+        cairo.cairo_surface_flush(surface)
+        pixels = ctypes.string_at(cairo.cairo_image_surface_get_data(surface), width * height * 4)
+    finally:
+        cairo.cairo_destroy(cr)
+        cairo.cairo_surface_destroy(surface)
+    # BGRA words; the background is opaque white: count the pixels that are neither white nor transparent
+    inked = sum(1 for i in range(0, len(pixels), 4 * 7) if pixels[i + 3] and pixels[i:i + 3] != b"\xff\xff\xff")
+    return width, height, inked / (len(pixels) / (4 * 7))
 
 
 def test_every_image_of_the_docs_exists_and_is_a_real_picture() -> None:
@@ -404,7 +458,8 @@ def test_every_image_of_the_docs_exists_and_is_a_real_picture() -> None:
     images = _images()
     shown = {(page.name, file.name) for page, _, file in images}
     for where in (("concepts.md", "how-a-call-runs.svg"), ("architecture.md", "how-a-call-runs.svg"),
-                  ("launching.md", "how-a-call-runs.svg"), ("checkpoints.md", "checkpoint-layout.svg")):
+                  ("launching.md", "how-a-call-runs.svg"), ("checkpoints.md", "checkpoint-layout.svg"),
+                  ("loop.md", "timings.svg")):
         assert where in shown, f"{where[0]} does not show {where[1]}"
     for page, alt, file in images:
         assert file.is_file() and REPO / "docs" in file.parents, f"{page.name}: {file} is not a file under docs/"
@@ -426,6 +481,21 @@ def test_every_image_of_the_docs_exists_and_is_a_real_picture() -> None:
             assert w >= 300 and h >= 200, f"{file.name} is {w}x{h}"
 
 
+def test_every_svg_of_the_docs_renders_at_its_size_with_ink_on_it() -> None:
+    """Issue 44 item 1: no browser on this machine, so each SVG is drawn by librsvg (GNOME's renderer) at its own
+    size, the size the site shows it at in a 1280 px window (a 760 px content column): it renders, is no wider than
+    that column, and is neither blank nor a solid block."""
+    svgs = sorted({file for _, _, file in _images() if file.suffix == ".svg"})
+    assert svgs
+    for file in svgs:
+        found = _render(file)
+        if found is None:
+            pytest.skip("librsvg and cairo are not installed (apt-get install librsvg2-2)")
+        width, height, inked = found
+        assert 300 <= width <= 800 and 200 <= height <= 2000, (file.name, width, height)
+        assert 0.02 < inked < 0.8, f"{file.name}: {inked:.0%} of it inked"
+
+
 def test_the_pictures_are_drawn_from_the_code_and_committed_as_drawn() -> None:
     """Issue 44 item 1: docs/pictures.py redraws the committed SVGs byte for byte (a renamed checkpoint file, a new
     launcher kind or a moved module shows as a difference here), and what they show comes from distfn's constants."""
@@ -442,7 +512,7 @@ def test_the_pictures_are_drawn_from_the_code_and_committed_as_drawn() -> None:
     pictures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pictures)
     drawn = pictures.render()
-    assert set(drawn) == {"how-a-call-runs.svg", "checkpoint-layout.svg"}
+    assert set(drawn) == {"how-a-call-runs.svg", "checkpoint-layout.svg", "timings.svg"}
     for name, text in drawn.items():
         committed = (REPO / "docs" / "assets" / name).read_bytes()
         assert committed == text.encode(), f"docs/assets/{name} is stale: run python docs/pictures.py"
@@ -451,6 +521,8 @@ def test_the_pictures_are_drawn_from_the_code_and_committed_as_drawn() -> None:
     assert " → ".join(d.name for d in topology.DETECTORS) in call
     for name in (INDEX, shard_file(0), shard_file(1), f".ckpt-1200{SUFFIX}{COMMIT_SUFFIX}", PARTIAL):
         assert name in ckpt, name
+    # the timings picture is ctx.timings(plot=...)'s own drawing of a recorded run: rank 3 named, in red
+    assert "4 rank(s); straggler: rank 3 (vm), data</text>" in drawn["timings.svg"]
 
 
 @pytest.mark.slow
@@ -459,8 +531,14 @@ def test_the_built_pages_show_the_pictures(site: Path) -> None:
     """Issue 44 item 1: in the strict build the pictures are copied into the site and the pages' images point at
     them (a relative path that resolves inside the site)."""
     for page, name in (("concepts", "how-a-call-runs.svg"), ("architecture", "how-a-call-runs.svg"),
-                       ("launching", "how-a-call-runs.svg"), ("checkpoints", "checkpoint-layout.svg")):
+                       ("launching", "how-a-call-runs.svg"), ("checkpoints", "checkpoint-layout.svg"),
+                       ("loop", "timings.svg")):
         srcs = re.findall(r'<img\b[^>]*\bsrc="([^"]+)"', _page(site, page))
         targets = {(site / page / src).resolve() for src in srcs}
         assert (site / "assets" / name).resolve() in targets, (page, srcs)
         assert (site / "assets" / name).read_bytes() == (REPO / "docs" / "assets" / name).read_bytes()
+    # every image of every built page (the included benchmark results too) is a file of the site
+    for html in site.rglob("*.html"):
+        for src in re.findall(r'<img\b[^>]*\bsrc="([^"]+)"', html.read_text()):
+            if "://" not in src and not src.startswith("data:"):
+                assert (html.parent / src).resolve().is_file(), (html.relative_to(site), src)
