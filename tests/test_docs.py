@@ -459,13 +459,16 @@ def test_every_image_of_the_docs_exists_and_is_a_real_picture() -> None:
     shown = {(page.name, file.name) for page, _, file in images}
     for where in (("concepts.md", "how-a-call-runs.svg"), ("architecture.md", "how-a-call-runs.svg"),
                   ("launching.md", "how-a-call-runs.svg"), ("checkpoints.md", "checkpoint-layout.svg"),
-                  ("loop.md", "timings.svg")):
+                  ("loop.md", "timings.svg"), ("benchmarks.md", "bench-ratios.svg"),
+                  ("benchmarks.md", "bench-scaling.svg")):
         assert where in shown, f"{where[0]} does not show {where[1]}"
     for page, alt, file in images:
         assert file.is_file() and REPO / "docs" in file.parents, f"{page.name}: {file} is not a file under docs/"
         assert len(alt.split()) >= 3, f"{page.name}: {file.name} needs an alt text saying what it shows"
         data = file.read_bytes()
-        assert len(data) < 30_000, f"{file.name} is {len(data)} bytes: keep pictures small"
+        # the benchmark charts are matplotlib's (bench/charts.py: 60 targets, 4 curves), the others drawn by hand
+        limit = 120_000 if file.name.startswith("bench-") else 30_000
+        assert len(data) < limit, f"{file.name} is {len(data)} bytes: keep pictures small"
         if file.suffix == ".svg":
             root = ET.fromstring(data)  # well-formed XML, or this raises
             assert root.tag == f"{_SVG}svg", f"{file.name} is not SVG"
@@ -485,14 +488,21 @@ def test_every_svg_of_the_docs_renders_at_its_size_with_ink_on_it() -> None:
     """Issue 44 item 1: no browser on this machine, so each SVG is drawn by librsvg (GNOME's renderer) at its own
     size, the size the site shows it at in a 1280 px window (a 760 px content column): it renders, is no wider than
     that column, and is neither blank nor a solid block."""
+    import xml.etree.ElementTree as ET
+
     svgs = sorted({file for _, _, file in _images() if file.suffix == ".svg"})
-    assert svgs
+    assert {f.name for f in svgs} >= {"how-a-call-runs.svg", "checkpoint-layout.svg", "timings.svg",
+                                      "bench-ratios.svg", "bench-scaling.svg"}
     for file in svgs:
         found = _render(file)
         if found is None:
             pytest.skip("librsvg and cairo are not installed (apt-get install librsvg2-2)")
         width, height, inked = found
         assert 300 <= width <= 800 and 200 <= height <= 2000, (file.name, width, height)
+        # the size a browser gives it: matplotlib's are in pt (4/3 px each); wider than the column, it shrinks
+        attr = ET.fromstring(file.read_bytes()).attrib.get("width", str(width))
+        shown = float(attr.removesuffix("pt")) * 4 / 3 if attr.endswith("pt") else float(attr.removesuffix("px"))
+        assert shown <= 770, f"{file.name} is {shown:.0f} px wide: the content column at 1280 px is about 750"
         assert 0.02 < inked < 0.8, f"{file.name}: {inked:.0%} of it inked"
 
 
