@@ -43,7 +43,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import torch
@@ -56,6 +56,11 @@ from .errors import ConfigError
 from .rankstore import Channel, default_store
 from .stragglers import Detector, RankTimes, TimingTable
 from .tree import tree_leaves
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .timings_plot import History
 
 #: Steps per window (what ``ctx.timings()`` covers and how often ranks write to the store).
 WINDOW: Final = 50
@@ -430,7 +435,7 @@ class Timings:
     display: Callable[[str], None] = _display
     latest: TimingTable | None = None
     channel: Channel | None = None
-    history: Any = None
+    history: History | None = None
     on_table: Callable[[TimingTable], None] | None = None
     _recorder: Recorder | None = None
     _exchange: _Rows | None = None
@@ -562,7 +567,7 @@ class Timings:
                                "they are not sent again", type(exc).__name__, exc)
                 self.on_table = None
 
-    def plot(self, path: str | os.PathLike[str]) -> Any:
+    def plot(self, path: str | os.PathLike[str]) -> Path | None:
         """Rank 0: write the picture of every window so far to ``path`` (`distfn.timings_plot.write`); the path
         written, or ``None`` before the first window."""
         from .timings_plot import check, write
