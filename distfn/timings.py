@@ -554,11 +554,14 @@ class Timings:
 
     def _record(self, table: TimingTable) -> None:
         """Rank 0: keep the window for the picture and hand it to `on_table` (never failing the step)."""
-        if self.history is None:
-            from .timings_plot import History  # deferred: only rank 0, at its first window
+        try:
+            if self.history is None:
+                from .timings_plot import History  # deferred: only rank 0, at its first window
 
-            self.history = History()
-        self.history.add(table)
+                self.history = History()
+            self.history.add(table)
+        except Exception as exc:  # noqa: BLE001 - the picture's record must never fail a training step
+            logger.debug("timings: window {} not recorded for the picture: {}", table.window, exc)
         if self.on_table is not None:
             try:
                 self.on_table(table)
