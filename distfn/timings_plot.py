@@ -239,18 +239,22 @@ def _head(s: _Summary, title: str, add: Callable[[str], None]) -> int:
     return y + 26
 
 
+def _shown(s: _Summary) -> tuple[list[int], str]:
+    """The ranks drawn one by one: all, or the `MAX_BARS` busiest (the straggler among them), and a note saying so."""
+    shown = sorted(s.means)
+    if len(shown) <= MAX_BARS:
+        return shown, ""
+    busiest = sorted(shown, key=lambda r: -(s.means[r][1] + s.means[r][2]))[:MAX_BARS]
+    if s.marked is not None and s.marked not in busiest:
+        busiest[-1] = s.marked
+    return sorted(busiest), f"the {MAX_BARS} busiest of {len(shown)} ranks"
+
+
 def _bars(s: _Summary, y: int, add: Callable[[str], None]) -> int:
     """Each rank's mean step as one bar split into data / compute / comm (at most `MAX_BARS`)."""
     label_w = 190
     add(f'<text x="{_X0}" y="{y}" font-size="14" font-weight="bold">Mean step per rank (ms)</text>')
-    shown = sorted(s.means)
-    note = ""
-    if len(shown) > MAX_BARS:
-        busiest = sorted(shown, key=lambda r: -(s.means[r][1] + s.means[r][2]))[:MAX_BARS]
-        if s.marked is not None and s.marked not in busiest:
-            busiest[-1] = s.marked
-        note = f"the {MAX_BARS} busiest of {len(shown)} ranks"
-        shown = sorted(busiest)
+    shown, note = _shown(s)
     top = max((sum(s.means[r][1:]) for r in shown), default=0.0) or 1.0
     bar_w = _WIDTH - _X0 - label_w - 60
     y += 8
@@ -366,7 +370,7 @@ def png(points: Sequence[Point], path: Path, *, title: str = "Where each rank's 
         raise ConfigError(f"ctx.timings(plot={str(path)!r}): a .png needs matplotlib (pip install matplotlib); a "
                           ".svg path needs nothing") from None
     s = _summary(points)
-    ranks = sorted(s.means)[:MAX_BARS]
+    ranks, _ = _shown(s)
     fig, axes = plt.subplots(4, 1, figsize=(7.6, 2 + 0.25 * len(ranks) + 4.5),
                              gridspec_kw={"height_ratios": [max(1.0, 0.25 * len(ranks)), 1, 1, 1]})
     left = [0.0] * len(ranks)
@@ -381,7 +385,7 @@ def png(points: Sequence[Point], path: Path, *, title: str = "Where each rank's 
     xs = [_mid(p) for p in s.points]
     for k, part in enumerate(PARTS):
         ax = axes[1 + k]
-        for rank in sorted(s.means):
+        for rank in ranks:  # the busiest ranks (the straggler among them), as the bars
             ys = [next((_value(r[2 + k]) for r in p.ranks if r[0] == rank), None) for p in s.points]
             pairs = [(x, 1000 * v) for x, v in zip(xs, ys, strict=True) if v is not None and x is not None]
             if pairs:

@@ -106,6 +106,11 @@ def test_a_png_through_matplotlib(tmp_path: Path) -> None:
     path = write([timings_plot.point_of(_table(w)) for w in range(4)], tmp_path / "t.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[16:20], "big") >= 600  # width in pixels
+    # hostile numbers and names, 512 ranks: drawn all the same (the 32 busiest ranks' lines, not 512)
+    ranks = tuple((r, "h<&>\x00", math.nan if r == 5 else 0.001 * r, math.inf if r == 7 else 0.01, -1.0)
+                  for r in range(512))
+    path = write([Point(50 * i, 50, ranks, (300, "data")) for i in range(20)], tmp_path / "hostile.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_windows_reach_the_history_and_the_trackers_at_the_users_step(tmp_path: Path) -> None:
