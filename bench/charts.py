@@ -21,8 +21,8 @@ ORANGE, GREY, RED, INK = "#d9480f", "#868e96", "#c92a2a", "#1b1b1b"
 #: A scaling row: "<variant>, <N> <unit>".
 POINT = re.compile(r"^(?P<name>.+), (?P<n>\d+(?:\.\d+)?) (?P<unit>workers?|ranks?|MiB|GiB)$")
 NAMES = ("bench-ratios.svg", "bench-scaling.svg")
-#: The longest label of the ratio chart (characters at 7.5 pt in its left 42 %).
-LABEL = 58
+#: The longest label of the ratio chart (characters at 8 pt in its left 45 %).
+LABEL = 50
 
 
 def _ours(variant: str) -> bool:
@@ -78,9 +78,9 @@ def _setup() -> Any:
     return plt
 
 
-#: Inches wide: 7.8 in is 562 pt, shown at 750 px, the width of the docs' content column in a 1280 px window, so
-#: the charts are shown at their own size and their 7.5-9 pt text at 10-12 px.
-WIDTH = 7.8
+#: Inches wide: 7.2 in is 518 pt, shown at 691 px, the width of the docs' content column in a 1280 px window
+#: (measured in Chromium), so the charts are shown at their own size and their 8-9 pt text at 11-12 px.
+WIDTH = 7.2
 
 
 def _save(plt: Any, fig: Any, path: Path, title: str) -> None:
@@ -103,9 +103,9 @@ def draw_ratios(results: list[dict[str, Any]], path: Path, subtitle: str) -> boo
     if not targets:
         return False
     plt = _setup()
-    height = 1.1 + 0.19 * len(targets)
+    height = 1.1 + 0.2 * len(targets)
     fig, ax = plt.subplots(figsize=(WIDTH, height))
-    fig.subplots_adjust(left=0.42, right=0.97, top=1 - 0.55 / height, bottom=0.75 / height)
+    fig.subplots_adjust(left=0.45, right=0.97, top=1 - 0.55 / height, bottom=0.75 / height)
     ys = list(range(len(targets)))[::-1]
     top = max(max(r, lim) for _, r, lim, _ in targets) * 1.12
     for y, (_, ratio, limit, met) in zip(ys, targets, strict=True):
@@ -113,10 +113,10 @@ def draw_ratios(results: list[dict[str, Any]], path: Path, subtitle: str) -> boo
         ax.plot([1.0, ratio], [y, y], color=color, linewidth=1.2)
         ax.plot([ratio], [y], "o", color=color, markersize=4)
         ax.plot([limit, limit], [y - 0.35, y + 0.35], color=INK, linewidth=1.2)
-        ax.text(max(ratio, limit, 1.0) + 0.015 * top, y, f"{ratio:.2f}×", ha="left", va="center", fontsize=7.5,
+        ax.text(max(ratio, limit, 1.0) + 0.015 * top, y, f"{ratio:.2f}×", ha="left", va="center", fontsize=8,
                 color=RED if met is False else INK)
     ax.axvline(1.0, color=INK, linestyle="--", linewidth=0.8)
-    ax.set_yticks(ys, [_short(label, LABEL) for label, *_ in targets], fontsize=7.5)
+    ax.set_yticks(ys, [_short(label, LABEL) for label, *_ in targets], fontsize=8)
     ax.set_xlim(0, top)
     ax.set_ylim(-0.8, len(targets) - 0.2)
     ax.set_xlabel("ratio to the floor (dashed: 1.0×, the raw call)\nblack bar: the target's limit; red: missed")
@@ -165,7 +165,7 @@ def draw_scaling(results: list[dict[str, Any]], path: Path, subtitle: str) -> bo
             ax.set_yscale("log")
         ax.set_xlabel(f"{unit}s" if unit in ("worker", "rank") else unit)
         ax.set_ylabel(f"median ({tab['unit']})")
-        ax.set_title(_short(f"{bench}: {tab['title']}", 56), fontsize=8, loc="left")
+        ax.set_title(_short(f"{bench}: {tab['title']}", 50), fontsize=8, loc="left")
         ax.legend(fontsize=7.5, frameon=False)
     for ax in list(axes.flat)[len(tables):]:
         ax.set_visible(False)

@@ -212,7 +212,7 @@ def _summary(points: Sequence[Point]) -> _Summary:
 
 
 _GREY = "#495057"
-_WIDTH: Final = 760
+_WIDTH: Final = 690  # the docs' content column at a 1280 px window (Chromium): shown at its own size
 _X0: Final = 20
 
 
