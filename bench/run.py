@@ -5,13 +5,16 @@ and targets; JSON into ``bench/results/``; the documentation's results page from
     python bench/run.py --rounds 3      # quicker, noisier: rewrites the docs too
     python bench/run.py --only launch,step   # JSON only: the docs keep the results of one whole run
     python bench/run.py --tiny          # one tiny round of each: a smoke test, results not kept in docs/
+    python bench/run.py --redraw        # run nothing: redraw the page and its charts from the committed JSON
 
 Each ``bench/bench_<name>.py`` runs in its own fresh process (so no benchmark inherits another's threads or
 imports), with ``--json PATH`` and ``--tiny``/``--rounds`` (the convention in ``bench/_common.py``); inside
 each, the variants are interleaved over rounds. ``docs/assets/benchmarks.md`` (included by
 docs/benchmarks.md) is rewritten only by a run of every benchmark, so every figure on the page comes from one
-commit, stated at its top: one bar chart per question, drawn as an HTML table (legible at any size, no
-plotting library needed).
+commit, stated at its top. The same run's JSON is kept beside it (``docs/assets/benchmarks.json``), and
+``bench/charts.py`` draws its charts with matplotlib (the ``bench`` extra; without it the page has no charts and
+says nothing false): every ratio target against the floor, and the scaling curves with the floor drawn. Below
+them, one bar chart per question, drawn as an HTML table (legible at any size).
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
+import charts
 
 _common = c
 
@@ -34,6 +39,15 @@ _common = c
 ORDER = ("launch", "import", "step", "checkpoint", "sharded", "collectives", "restart", "accumulation")
 RESULTS = c.BENCH_DIR / "results"
 ASSETS = c.REPO / "docs" / "assets"
+#: The JSON of the run the docs show (committed: ``--redraw`` redraws the page and its charts from it).
+PUBLISHED = ASSETS / "benchmarks.json"
+#: What each chart shows, for its alt text (`bench/charts.py` draws them).
+CHART_ALT = {
+    "bench-ratios.svg": "Every ratio target of this run: distfn's measured ratio against the floor (1.0×) and the "
+                        "target's limit, missed targets in red",
+    "bench-scaling.svg": "Scaling curves: distfn's median against the floor's at each number of workers, ranks or "
+                         "size, with the band its target allows",
+}
 
 
 def discover() -> list[str]:
@@ -112,15 +126,15 @@ def _bar_table(tab: dict[str, Any]) -> str:
         width = max(0.5, 100 * r["median"] / longest)
         name = f"<b>{r['variant']}</b>" if ours else r["variant"]
         out.append(f"<tr><td>{name}</td><td align='right'>{c._fmt(r['median'], tab['unit'])}</td>"
-                   f"<td align='right'>{ratio}</td><td align='right'>{len(r['samples'])}</td>"
+                   f"<td align='right'>{ratio}</td><td align='right'>{r.get('runs', len(r['samples']))}</td>"
                    f"<td><div style='background:{color};width:{width:.1f}%;height:0.9em'></div></td></tr>")
     out.append("</table>")
     return "\n".join(out)
 
 
-def markdown(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
-    """The results page the documentation includes: where and when (one commit), the targets, then one bar
-    chart per question with its table."""
+def markdown(results: list[dict[str, Any]], machine: dict[str, Any], charts: Sequence[str] = ()) -> str:
+    """The results page the documentation includes: where and when (one commit), the targets, the charts drawn
+    (`bench/charts.py`: names under docs/assets/), then one bar chart per question with its table."""
     load = machine.get("load")
     md = [f"All figures below come from one run of `python bench/run.py` at commit `{machine.get('commit', '?')}`, "
           f"{machine.get('when', '?')}, on `{machine.get('host', '?')}`: {machine.get('cpus', '?')} CPUs, no GPU, "
@@ -139,6 +153,8 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
                 verdict = "**missed**" if verdict == "MISSED" else verdict
                 md.append(f"| {res['benchmark']} | {t['variant']} {goal} | {got} | {verdict} |")
     md.append("")
+    for name in charts:
+        md += [f"![{CHART_ALT[name]}](assets/{name})", ""]
     for res in results:
         md.append(f"### {res['benchmark']}\n")
         if res.get("error"):
@@ -152,6 +168,14 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
     return "\n".join(md) + "\n"
 
 
+def publish(combined: dict[str, Any]) -> None:
+    """The docs' results from one whole run: its JSON (`PUBLISHED`), the charts and the page that shows them."""
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    PUBLISHED.write_text(json.dumps(combined, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    drawn = charts.draw(combined["benchmarks"], combined["machine"], ASSETS)
+    (ASSETS / "benchmarks.md").write_text(markdown(combined["benchmarks"], combined["machine"], drawn))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run all distfn benchmarks side by side.")
     p.add_argument("--only", default="", help="comma-separated subset, e.g. launch,step")
@@ -160,13 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
     p.add_argument("--redraw", action="store_true",
-                   help="run nothing: rewrite the docs' results page from bench/results/latest.json")
+                   help="run nothing: redraw the docs' results page and charts from docs/assets/benchmarks.json")
     p.add_argument("--peers-python", default=None,
                    help="interpreter with accelerate / lightning / ignite installed, for the launch and import peers")
     args = p.parse_args(argv)
     if args.redraw:
-        latest = json.loads((args.out / "latest.json").read_text())
-        (ASSETS / "benchmarks.md").write_text(markdown(latest["benchmarks"], latest["machine"]))
+        publish(json.loads(PUBLISHED.read_text(encoding="utf-8")))
         return 0
     names = discover()
     if args.only:
@@ -193,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parts.rmdir() if parts.exists() else None
     c.log(f"results: {out}")
     if args.tiny:
-        (args.out / "tiny-benchmarks.md").write_text(markdown(results, combined["machine"]))
+        drawn = charts.draw(results, combined["machine"], args.out)
+        (args.out / "tiny-benchmarks.md").write_text(markdown(results, combined["machine"], drawn))
     elif not args.only:  # (a benchmark added to bench/ while this ran is not a reason to keep old figures)
         # Only a run of every benchmark rewrites the docs: every figure there then comes from one commit.
         (args.out / "latest.json").write_text(json.dumps(combined, indent=2, default=str) + "\n")
-        ASSETS.mkdir(parents=True, exist_ok=True)
-        (ASSETS / "benchmarks.md").write_text(markdown(results, combined["machine"]))
-        c.log(f"docs: {ASSETS / 'benchmarks.md'}")
+        publish(json.loads(json.dumps(combined, default=str)))
+        c.log(f"docs: {ASSETS / 'benchmarks.md'}, its charts and {PUBLISHED.name}")
     else:
         c.log("--only: the docs keep the results of the last whole run (one commit for every figure)")
     return 1 if any(r.get("error") for r in results) else 0

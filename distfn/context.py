@@ -327,7 +327,7 @@ class Context:
         return progress.Progress(iterable, enabled=self.is_main, desc=desc, total=total, timings=self.run.timings,
                                  **tqdm_kwargs)
 
-    def timings(self, *, whole_run: bool = False) -> TimingTable | None:
+    def timings(self, *, whole_run: bool = False, plot: str | os.PathLike[str] | None = None) -> TimingTable | None:
         """Where each rank's step time goes (data wait / compute / comm, mean and p90), on rank 0.
 
         Returns the table of the newest window of `distfn.timings.WINDOW` steps (``DISTFN_TIMINGS_WINDOW``) that
@@ -338,7 +338,13 @@ class Context:
         Args:
             whole_run: the totals since the start instead (means only). Then **every rank must call it**: each
                 sends its totals and rank 0 waits (at most 10 s) for them; no collective.
+            plot: also write, on rank 0, the picture of every window so far to this path: each rank's mean step
+                split into data / compute / comm, then each part over the steps with the straggler's line in red
+                (``.svg``: no dependency; ``.png``: needs matplotlib). Nothing is written before the first window,
+                nor on the other ranks. A suffix other than ``.svg``/``.png`` is a `ConfigError`.
         """
+        if plot is not None:
+            self.run.timings.plot(plot)  # only rank 0 has the windows; every rank checks the path
         return self.run.timings.whole_run() if whole_run else (self.run.timings.latest if self.is_main else None)
 
     def writer(self, log_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:

@@ -172,6 +172,8 @@ class Run:
             run.register("tracking", fail=lambda exc: session.close(status_of(exc, run.stop.stopped)),
                          close=lambda error: session.close(status_of(error, run.stop.stopped)))
         run.register("timings", close=lambda error: run.timings.finish(failed=error is not None))
+        if run.tracking is not None and run.tracking.active:  # rank 0: each window's per-rank numbers to the trackers
+            run.timings.on_table = _TrackWindows(run.tracking)
         # a failure: the last asynchronous save still lands (this failure is the one reported)
         run.register("saves", fail=lambda _: run.saves.wait(timeout=60))
         return run
@@ -300,6 +302,18 @@ class Run:
                 self.checkin.check_in("ctx.save(..., rng=True)")
             return True
         return False
+
+
+@attrs.frozen
+class _TrackWindows:
+    """Rank 0: each window's per-rank timings to the trackers, at the user's latest step (`Timings.on_table`)."""
+
+    session: Session
+
+    def __call__(self, table: Any) -> None:
+        from .timings_plot import metrics  # already loaded: rank 0's first window loaded it for its history
+
+        self.session.log_beside(metrics(table))
 
 
 def _quietly(step: Callable[..., Any], *args: Any, what: str = "a service", **kwargs: Any) -> None:

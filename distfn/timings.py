@@ -43,7 +43,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import torch
@@ -56,6 +56,11 @@ from .errors import ConfigError
 from .rankstore import Channel, default_store
 from .stragglers import Detector, RankTimes, TimingTable
 from .tree import tree_leaves
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .timings_plot import History
 
 #: Steps per window (what ``ctx.timings()`` covers and how often ranks write to the store).
 WINDOW: Final = 50
@@ -419,6 +424,10 @@ class Timings:
         latest: rank 0's table of the newest window every rank has reported (``None`` elsewhere, or before).
         channel: where the rows travel: the run's (``run.channel.child("timings")``, set when the run opens);
             ``None``: the process group's store, if any, when the first model is watched.
+        history: rank 0's record of every window so far (bounded; `distfn.timings_plot.History`), what
+            ``ctx.timings(plot=...)`` draws; ``None`` before the first window and on the other ranks.
+        on_table: called on rank 0 with each window's table as it completes (the run hands it to the trackers,
+            `distfn.timings_plot.metrics`); an exception there is logged once and never reaches training.
     """
 
     enabled: bool = attrs.field(factory=enabled_by_env)
@@ -426,6 +435,8 @@ class Timings:
     display: Callable[[str], None] = _display
     latest: TimingTable | None = None
     channel: Channel | None = None
+    history: History | None = None
+    on_table: Callable[[TimingTable], None] | None = None
     _recorder: Recorder | None = None
     _exchange: _Rows | None = None
     _host: str = attrs.field(factory=socket.gethostname)
@@ -536,9 +547,36 @@ class Timings:
             self._unread.popleft()
             straggler = stragglers.find_straggler(rows)
             self.latest = TimingTable(tuple(rows), steps=mine.steps, window=number, straggler=straggler)
+            self._record(self.latest)
             warn = self._detector.observe(straggler)
             if warn is not None:
                 self.display(warn.message)
+
+    def _record(self, table: TimingTable) -> None:
+        """Rank 0: keep the window for the picture and hand it to `on_table` (never failing the step)."""
+        try:
+            if self.history is None:
+                from .timings_plot import History  # deferred: only rank 0, at its first window
+
+                self.history = History()
+            self.history.add(table)
+        except Exception as exc:  # noqa: BLE001 - the picture's record must never fail a training step
+            logger.debug("timings: window {} not recorded for the picture: {}", table.window, exc)
+        if self.on_table is not None:
+            try:
+                self.on_table(table)
+            except Exception as exc:  # noqa: BLE001 - the trackers' copy must never fail a training step
+                logger.warning("timings: the window's numbers could not be handed to the trackers ({}: {}); "
+                               "they are not sent again", type(exc).__name__, exc)
+                self.on_table = None
+
+    def plot(self, path: str | os.PathLike[str]) -> Path | None:
+        """Rank 0: write the picture of every window so far to ``path`` (`distfn.timings_plot.write`); the path
+        written, or ``None`` before the first window."""
+        from .timings_plot import check, write
+
+        check(path)  # a wrong suffix fails on every rank, from the first call
+        return None if self.history is None else write(self.history.points, path)
 
     # -- the whole run ----------------------------------------------------------------------------------------
     def whole_run(self, *, wait: float = FINAL_WAIT_S) -> TimingTable | None:

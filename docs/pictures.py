@@ -9,6 +9,10 @@
   `distfn.checkpoint.remote` (``COMMIT_SUFFIX``, ``_DATA``), `distfn.checkpoint.storage` (``TMP_MARK``) and
   `distfn.checkpoint.format` (the header's keys).
 
+- ``assets/timings.svg`` (docs/loop.md): what ``ctx.timings(plot=...)`` draws, by `distfn.timings_plot.svg` itself,
+  from the points a real run's rank 0 kept (``assets/timings-run.json``; ``python docs/pictures.py --timings-run``
+  runs that 4-rank job again, about a minute on 2 cores, and rewrites it).
+
 Plain SVG written by hand (no plotting library: the docs extra installs none). tests/test_docs.py regenerates
 both and compares them byte for byte with the committed files, so a renamed constant, a new launcher kind or a
 moved module fails the test until this script is run again (and, for a new kind, given its caption).
@@ -99,8 +103,9 @@ _KIND_CAPTIONS: dict[str, tuple[str, str, str]] = {
 # The commands each detector recognises (distfn.topology.DETECTORS' names).
 _DETECTOR_COMMANDS = {"torchrun": "torchrun", "mpi": "mpirun", "slurm": "srun / sbatch"}
 
-# The width of the pictures: the content column of the site at a 1280 px wide window (both sidebars shown) is
-# about 750 px, so a picture drawn at 760 is shown at about its own size, its 12 px text readable.
+# The width of the pictures: the content column of the site at a 1280 px wide window (both sidebars shown) measured
+# 689 px in headless Chromium (tests/test_docs.py screenshots it), so these two, drawn at 760, are shown at 91 %,
+# their 12 px text at 11 px; the timings picture (distfn.timings_plot) is drawn at 690, shown at its own size.
 WIDTH = 760
 
 
@@ -267,7 +272,80 @@ def checkpoint_picture() -> str:
     return s.done()
 
 
-PICTURES = {"how-a-call-runs.svg": call_picture, "checkpoint-layout.svg": checkpoint_picture}
+TIMINGS_RUN = ASSETS / "timings-run.json"
+TIMINGS_TITLE = "Where each rank's step time goes: rank 3's input slows at step 60"
+
+
+def timings_picture() -> str:
+    """``ctx.timings(plot=...)``'s picture of the recorded run (`TIMINGS_RUN`), drawn by distfn's own code."""
+    import json
+
+    from distfn.timings_plot import Point, svg
+
+    recorded = json.loads(TIMINGS_RUN.read_text(encoding="utf-8"))["points"]
+    points = [Point(p["start"], p["steps"], tuple(tuple(r) for r in p["ranks"]),
+                    None if p["straggler"] is None else tuple(p["straggler"])) for p in recorded]
+    return svg(points, title=TIMINGS_TITLE)
+
+
+class _SlowFrom:
+    """The recorded run's dataset: on the slow rank, 20 ms an item from the 61st item on (a disk slowing down)."""
+
+    def __init__(self, slow: bool) -> None:
+        self.slow, self.calls = slow, 0
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> tuple[object, object]:
+        import time
+
+        import torch
+
+        self.calls += 1
+        if self.slow and self.calls > 60:
+            time.sleep(0.02)
+        return torch.full((64,), float(i % 7)), torch.ones(4)
+
+
+def _timings_job(cfg: dict[str, str], ctx: object) -> object:
+    import attrs
+    import torch
+    from torch import nn
+
+    model = ctx.wrap(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4)))  # type: ignore[attr-defined]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = ctx.dataloader(_SlowFrom(ctx.rank == 3), batch_size=1)  # type: ignore[attr-defined]
+    for i, (x, y) in enumerate(loader):
+        ctx.backward(nn.functional.mse_loss(model(x), y))  # type: ignore[attr-defined]
+        ctx.step(opt)  # type: ignore[attr-defined]
+        if i + 1 >= 200:
+            break
+    ctx.timings()  # type: ignore[attr-defined]
+    history = ctx.run.timings.history  # type: ignore[attr-defined]
+    return None if history is None else [attrs.asdict(p, recurse=False) for p in history.points]
+
+
+def timings_run() -> None:
+    """Run the recorded job again (4 gloo ranks, 10-step windows) and rewrite `TIMINGS_RUN` from its points."""
+    import json
+    import os
+
+    from distfn import distributed
+
+    os.environ["DISTFN_TIMINGS_WINDOW"] = "10"
+    points = distributed(mode="ddp", nprocs=4, backend="gloo", seed=0)(_timings_job)({})
+    what = ("the points rank 0 kept (distfn.timings_plot.History) in the run of `python docs/pictures.py "
+            "--timings-run`: 4 gloo ranks on a 2-core VM, 200 steps, 10-step windows, rank 3's dataset sleeping "
+            "20 ms an item from its 61st item on; rounded to the microsecond")
+    rows = [json.dumps({**p, "ranks": [[r[0], r[1], *(round(v, 6) for v in r[2:])] for r in p["ranks"]]},
+                       separators=(",", ":")) for p in points]
+    TIMINGS_RUN.write_text('{"what":' + json.dumps(what) + ',"points":[\n' + ",\n".join(rows) + "\n]}\n",
+                           encoding="utf-8")
+
+
+PICTURES = {"how-a-call-runs.svg": call_picture, "checkpoint-layout.svg": checkpoint_picture,
+            "timings.svg": timings_picture}
 
 
 def render() -> dict[str, str]:
@@ -282,4 +360,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--timings-run" in sys.argv[1:]:
+        timings_run()
     main()

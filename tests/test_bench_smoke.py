@@ -330,3 +330,40 @@ def test_soak_bench_smoke(tmp_path: Path) -> None:
                                                       "/dev/shm entries (unused, new)", "TMPDIR entries", "RSS (MiB)"}
     assert all(t["met"] for t in growth["targets"] + across["targets"]), growth["targets"] + across["targets"]
     assert [len(r["samples"]) for r in times["rows"]] == [3, 1]
+
+
+def test_the_results_page_and_its_charts_are_drawn_from_the_committed_json(tmp_path: Path) -> None:
+    """Issue 44 item 1: docs/assets/benchmarks.md and its two charts come from docs/assets/benchmarks.json (what a
+    whole run publishes, ``--redraw`` redraws): the page is exactly what the JSON gives, each chart redraws the same
+    every time and shows what the committed one shows (every ratio target; each scaling table with its floor)."""
+    import xml.etree.ElementTree as ET
+
+    pytest.importorskip("matplotlib", reason="the charts need matplotlib (the bench and docs extras)")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import run  # bench/run.py
+
+        import charts  # bench/charts.py
+    finally:
+        sys.path.remove(str(BENCH))
+    published = json.loads(run.PUBLISHED.read_text(encoding="utf-8"))
+    results, machine = published["benchmarks"], published["machine"]
+    drawn = charts.draw(results, machine, tmp_path)
+    assert drawn == list(charts.NAMES)
+    page = (run.ASSETS / "benchmarks.md").read_text()
+    assert page == run.markdown(results, machine, drawn), "docs/assets/benchmarks.md is stale: bench/run.py --redraw"
+    again = tmp_path / "again"
+    charts.draw(results, machine, again)
+
+    def texts(path: Path) -> list[str]:
+        return ["".join(t.itertext()).strip() for t in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}text")]
+
+    for name in drawn:
+        assert (tmp_path / name).read_bytes() == (again / name).read_bytes(), f"{name} is not deterministic"
+        assert texts(tmp_path / name) == texts(run.ASSETS / name), f"docs/assets/{name} is stale: --redraw"
+    ratios = texts(tmp_path / "bench-ratios.svg")
+    targets = charts.ratio_targets(results)
+    assert len(targets) == sum("max_ratio" in t for r in results for tab in r["tables"] for t in tab["targets"])
+    assert all(f"{ratio:.2f}×" in ratios for _, ratio, _, _ in targets)
+    scaling = texts(tmp_path / "bench-scaling.svg")
+    assert {"floor: raw fork", "floor: dd+fdatasync", "floor: load_file", "floor: DCP FileSystemWriter"} <= set(scaling)

@@ -5,9 +5,11 @@ sleeps is named for "data", one that busy-loops in forward for "compute", identi
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -283,8 +285,9 @@ def test_progress_shows_the_warning_through_the_bar_and_restores_the_log() -> No
 
 
 # -- real jobs (gloo, 2-3 ranks) -----------------------------------------------------------------------------------
-def _job(scenario: str, nprocs: int, steps: int, window: int = 10) -> tuple[dict[str, Any], str]:
-    done = run_python([JOB, scenario, str(nprocs), str(steps)],
+def _job(scenario: str, nprocs: int, steps: int, window: int = 10, out: Path | None = None) \
+        -> tuple[dict[str, Any], str]:
+    done = run_python([JOB, scenario, str(nprocs), str(steps), *([str(out)] if out else [])],
                       env=clean_env(DISTFN_TIMINGS_WINDOW=str(window)), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
@@ -296,8 +299,8 @@ def _shares(row: dict[str, Any]) -> dict[str, float]:
 
 
 @pytest.mark.slow  # 6-11 s: a 2-rank job of 70 steps of 50 ms
-def test_a_rank_with_a_slow_dataset_is_named_for_data() -> None:
-    result, stderr = _job("data", 2, 70)
+def test_a_rank_with_a_slow_dataset_is_named_for_data(tmp_path: Path) -> None:
+    result, stderr = _job("data", 2, 70, out=tmp_path)
     warnings = [w for w in result["warnings"] if "straggler" in w]
     assert len(warnings) == 1 and warnings[0].startswith("rank 1 (") and "data wait" in warnings[0]
     rows = result["table"]["ranks"]
@@ -307,6 +310,22 @@ def test_a_rank_with_a_slow_dataset_is_named_for_data() -> None:
     assert result["others_none"] == [False, True]  # ctx.timings() is None off rank 0
     summary = stderr[stderr.index("timings per rank (whole run"):]
     assert "rank 1 (" in summary.splitlines()[-1] or "is the straggler: data wait" in summary
+    # the same job's picture (ctx.timings(plot=...)): rank 1 named and drawn in red, well-formed
+    picture = ET.parse(tmp_path / "timings.svg").getroot()
+    texts = ["".join(t.itertext()) for t in picture.iter("{http://www.w3.org/2000/svg}text")]
+    heads = ("steps 0–60, 2 rank(s); straggler: rank 1 (", "steps 0–70, 2 rank(s); straggler: rank 1 (")
+    assert any(t.startswith(heads) and t.endswith(", data") for t in texts), texts[:3]  # window 6 may be pending
+    assert any(t.startswith("rank 1 (") for t in texts) and any(t.startswith("rank 0 (") for t in texts)
+    if (tmp_path / "timings.png").exists():
+        assert (tmp_path / "timings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # ... and the trackers': each window's per-rank numbers at the user's step of that moment
+    rows = list(csv.DictReader((next(tmp_path.glob("*/metrics.csv"))).open()))
+    loss_steps = {int(r["step"]) for r in rows if r["name"] == "loss"}
+    data = {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "timings/rank1/data_ms"}
+    fast = {int(r["step"]): float(r["value"]) for r in rows if r["name"] == "timings/rank0/data_ms"}
+    assert 3 <= len(data) <= 7 and set(data) <= loss_steps and set(data) == set(fast), sorted(data)
+    assert all(data[s] > 30 > fast[s] for s in data)  # rank 1's dataset sleeps 50 ms an item
+    assert any(r["name"] == "timings/straggler_rank" and float(r["value"]) == 1.0 for r in rows)
 
 
 @pytest.mark.slow

@@ -248,6 +248,15 @@ class Session:
         self._queue.append(("metrics", (step, values)))
         self._queued += 1
 
+    def log_beside(self, metrics: Mapping[str, float]) -> None:
+        """Queue ``metrics`` (floats) at the latest step the user logged, without moving it: distfn's own numbers
+        (the per-rank timings of each window) beside the user's curves. Nothing is queued before the user's first
+        ``ctx.log_metrics`` (distfn does not open a run by itself, nor choose a step the user's would contradict)."""
+        if not self.backends or self.high is None or self._thread is None:
+            return
+        self._queue.append(("metrics", (self.high, dict(metrics))))
+        self._queued += 1
+
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Queue ``params`` (flattened like the cfg)."""
         if not isinstance(params, Mapping):

@@ -1,13 +1,15 @@
-"""A 2-4 rank DDP job for tests/test_timings.py: ``python timings_job.py SCENARIO NPROCS STEPS``.
+"""A 2-4 rank DDP job for tests/test_timings.py: ``python timings_job.py SCENARIO NPROCS STEPS [OUT]``.
 
 SCENARIO: ``data`` (rank 1's dataset sleeps 50 ms per item), ``compute`` (rank 1 busy-loops 30 ms in forward) or
 ``none`` (identical ranks, with the user's own DDP comm hook). Prints ``RESULT <json>`` with rank 0's view: the
 warnings logged during the loop, the last window's table and ``ctx.timings()`` on every rank. The end-of-run
-summary is logged to stderr.
+summary is logged to stderr. With OUT (a directory), the job also tracks ``track=CSV(root=OUT)`` (the loss at
+each step) and writes ``ctx.timings(plot=OUT/timings.svg)`` (and ``.png`` when matplotlib is installed) at the end.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -18,6 +20,7 @@ from loguru import logger
 from torch import nn
 
 from distfn import distributed
+from distfn.tracking import CSV
 
 SLOW_RANK = 1
 
@@ -61,13 +64,19 @@ def job(cfg: dict, ctx) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = ctx.dataloader(Items(0.05 if slow and scenario == "data" else 0.0), batch_size=1)
     bar = ctx.progress(loader, desc="train", total=steps)
+    out = cfg.get("out")
     for i, (x, y) in enumerate(bar):
-        ctx.backward(nn.functional.mse_loss(model(x), y))
+        loss = nn.functional.mse_loss(model(x), y)
+        ctx.backward(loss)
         ctx.step(opt)
+        if out:
+            ctx.log_metrics({"loss": loss}, step=100 + i)  # the user's steps: not the timings' own count
         if i + 1 >= steps:
             break
     logger.remove(sink)
-    table = ctx.timings()
+    table = ctx.timings(plot=f"{out}/timings.svg" if out else None)
+    if out and importlib.util.find_spec("matplotlib"):
+        ctx.timings(plot=f"{out}/timings.png")
     return {"rank": ctx.rank, "warnings": warnings, "table": None if table is None else attrs.asdict(table),
             "text": None if table is None else table.format(),
             "others_none": ctx.gather_object(table is None)}
@@ -75,6 +84,8 @@ def job(cfg: dict, ctx) -> dict:
 
 if __name__ == "__main__":
     scenario, nprocs, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    result = distributed(mode="ddp", nprocs=nprocs, backend="gloo", seed=0)(job)({"scenario": scenario,
-                                                                                  "steps": steps})
+    out = sys.argv[4] if len(sys.argv) > 4 else None
+    track = {"track": CSV(root=out)} if out else {}
+    result = distributed(mode="ddp", nprocs=nprocs, backend="gloo", seed=0, **track)(job)(
+        {"scenario": scenario, "steps": steps, "out": out})
     print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,192 @@
+"""The per-rank timings as a picture and as tracker metrics (issue 44, item 1): rank 0's bounded history of the
+windows, the hand-drawn SVG (the straggler named and drawn in red; well-formed and bounded whatever the numbers and
+host names: Hypothesis), the PNG through matplotlib, ``ctx.timings(plot=...)``'s path check, and the windows handed
+to the trackers at the user's latest step. The real 2-rank job that draws one and tracks them is in
+tests/test_timings.py (``test_a_rank_with_a_slow_dataset_is_named_for_data``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from distfn import timings_plot
+from distfn.errors import ConfigError
+from distfn.stragglers import Part, RankTimes, TimingTable, find_straggler
+from distfn.timings import HostClock, Timings
+from distfn.timings_plot import History, Point, merge, metrics, svg, write
+from distfn.tracking.session import Session
+
+SVG = "{http://www.w3.org/2000/svg}"
+MS = 0.001
+
+
+def _row(rank: int, data: float, compute: float, comm: float, host: str = "vm") -> RankTimes:
+    step = data + compute + comm
+    return RankTimes(rank, host, 50, Part(data, data, data), Part(compute, compute, compute),
+                     Part(comm, comm, comm), Part(step, step, step))
+
+
+def _table(window: int, world: int = 4, slow: int | None = 3, steps: int = 50) -> TimingTable:
+    rows = [_row(r, (40 if r == slow else 1) * MS, 5 * MS, (2 if r == slow else 41) * MS) for r in range(world)]
+    return TimingTable(tuple(rows), steps=steps, window=window, straggler=find_straggler(rows))
+
+
+def _texts(text: str) -> list[str]:
+    return ["".join(t.itertext()) for t in ET.fromstring(text).iter(f"{SVG}text")]
+
+
+def test_the_history_stays_bounded_and_covers_the_whole_run() -> None:
+    history = History()
+    for w in range(1000):
+        history.add(_table(w, world=2, slow=1 if w >= 500 else None))
+    points = history.points
+    assert timings_plot.MAX_POINTS // 2 <= len(points) <= timings_plot.MAX_POINTS
+    assert points[0].start == 0 and points[-1].start + points[-1].steps == 1000 * 50
+    assert sum(p.steps for p in points) == 1000 * 50  # every step still counted, once
+    assert all(a.start + a.steps == b.start for a, b in itertools.pairwise(points))
+    merged = merge(Point(0, 10, ((0, "a", 1.0, 0.0, 0.0),)), Point(10, 30, ((0, "a", 3.0, 0.0, 0.0),)))
+    assert merged.ranks[0][2] == pytest.approx(2.5)  # weighted by steps
+
+
+def test_the_picture_names_the_straggler_and_draws_it_in_red() -> None:
+    history = History()
+    for w in range(20):
+        history.add(_table(w))
+    text = svg(history.points)
+    texts = _texts(text)
+    assert "steps 0–1000, 4 rank(s); straggler: rank 3 (vm), data" in texts
+    root = ET.fromstring(text)
+    red = [t for t in root.iter(f"{SVG}text") if t.get("fill") == timings_plot.STRAGGLER_COLOR]
+    assert ["".join(t.itertext()) for t in red] == ["rank 3 (vm)"]
+    lines = [p for p in root.iter(f"{SVG}polyline") if p.get("stroke") == timings_plot.STRAGGLER_COLOR]
+    assert len(lines) == 3 and all(len(p.get("points", "").split()) == 20 for p in lines)  # data, compute, comm
+    assert root.get("width") == "690"  # shown at its own size in the docs' 1280 px layout
+
+
+def test_no_straggler_is_said_so_and_nothing_is_red() -> None:
+    text = svg([timings_plot.point_of(_table(w, slow=None)) for w in range(5)])
+    assert any(t.endswith("; no straggler named") for t in _texts(text))
+    red = [e for e in ET.fromstring(text).iter() if timings_plot.STRAGGLER_COLOR in (e.get("fill"), e.get("stroke"))]
+    assert len(red) == 1  # the legend's swatch only
+
+
+def test_many_ranks_show_the_busiest_with_the_straggler_among_them() -> None:
+    text = svg([timings_plot.point_of(_table(w, world=512, slow=300)) for w in range(3)])
+    bars = [t for t in _texts(text) if t.startswith("rank ")]
+    assert len(bars) == timings_plot.MAX_BARS and "rank 300 (vm)" in bars
+    assert "the 32 busiest of 512 ranks" in _texts(text)
+
+
+def test_metrics_for_the_trackers() -> None:
+    found = metrics(_table(0, world=2, slow=1))
+    assert found["timings/rank1/data_ms"] == pytest.approx(40) and found["timings/rank0/comm_ms"] == pytest.approx(41)
+    assert found["timings/rank0/step_ms"] == pytest.approx(47) and found["timings/straggler_rank"] == 1.0
+    assert metrics(_table(0, world=2, slow=None))["timings/straggler_rank"] == -1.0
+
+
+def test_write_checks_the_suffix_and_replaces_the_file_whole(tmp_path: Path) -> None:
+    points = [timings_plot.point_of(_table(0))]
+    with pytest.raises(ConfigError, match=r"\.svg \(no dependency\) or a \.png"):
+        write(points, tmp_path / "timings.jpg")
+    with pytest.raises(ConfigError, match="plot is a file path"):
+        timings_plot.check(42)  # type: ignore[arg-type]
+    target = tmp_path / "t.SVG"
+    target.write_text("old")
+    assert write(points, target) == target and ET.parse(target).getroot().tag == f"{SVG}svg"
+    assert [p.name for p in tmp_path.iterdir()] == ["t.SVG"]  # no temporary file left
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the PNG needs matplotlib")
+def test_a_png_through_matplotlib(tmp_path: Path) -> None:
+    path = write([timings_plot.point_of(_table(w)) for w in range(4)], tmp_path / "t.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[16:20], "big") >= 600  # width in pixels
+    # hostile numbers and names, 512 ranks: drawn all the same (the 32 busiest ranks' lines, not 512)
+    ranks = tuple((r, "h<&>\x00", math.nan if r == 5 else 0.001 * r, math.inf if r == 7 else 0.01, -1.0)
+                  for r in range(512))
+    path = write([Point(50 * i, 50, ranks, (300, "data")) for i in range(20)], tmp_path / "hostile.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_windows_reach_the_history_and_the_trackers_at_the_users_step(tmp_path: Path) -> None:
+    run = Timings(enabled=True, window=4)
+    session = Session([], cfg={}, env={})
+    calls: list[dict[str, float]] = []
+    session.log_beside = calls.append  # type: ignore[method-assign]
+    run.on_table = lambda table: session.log_beside(metrics(table))
+    recorder = run.start(0, 1, None, HostClock())
+    for _ in range(13):
+        recorder.boundary()
+    assert run.history is not None and [p.start for p in run.history.points] == [0, 4, 8]
+    assert len(calls) == 3 and set(calls[0]) >= {"timings/rank0/data_ms", "timings/straggler_rank"}
+    assert run.plot(tmp_path / "t.svg") == tmp_path / "t.svg"
+    with pytest.raises(ConfigError):
+        Timings(enabled=True).plot(tmp_path / "t.txt")  # checked even where nothing is drawn (other ranks)
+    assert Timings(enabled=True).plot(tmp_path / "u.svg") is None and not (tmp_path / "u.svg").exists()
+
+    def broken(table: TimingTable) -> None:
+        raise RuntimeError("tracker down")
+
+    run.on_table = broken
+    for _ in range(4):
+        recorder.boundary()  # never raises into the step; the hand-over is switched off
+    assert run.on_table is None and len(run.history.points) == 4
+
+
+class _Backend:
+    name, on_error, log_cfg = "fake", "buffer", False
+
+
+def test_log_beside_waits_for_the_users_first_step_and_never_moves_it() -> None:
+    session = Session([_Backend()], cfg={}, env={})  # type: ignore[list-item]
+    session.log_beside({"timings/rank0/data_ms": 1.0})
+    assert not session.started and session._queued == 0  # no run opened by distfn's own numbers
+    session._start = lambda: setattr(session, "_thread", object())  # type: ignore[method-assign]
+    session.log_metrics({"loss": 1.0}, step=7)
+    session.log_beside({"timings/rank0/data_ms": 2.0})
+    assert list(session._queue)[-1] == ("metrics", (7, {"timings/rank0/data_ms": 2.0})) and session.high == 7
+    session.log_metrics({"loss": 0.5})  # the user's next step follows, undisturbed
+    assert session.high == 8
+
+
+# -- hostile input: any numbers, any names, any sizes --------------------------------------------------------------
+hypothesis = pytest.importorskip("hypothesis", reason="the property tests need hypothesis (the 'test' extra)")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.just(-1.0), st.just(0.0),
+                     st.floats(min_value=0, max_value=10))
+_names = st.text(max_size=200)  # any code point: control characters, lone surrogates, <&>"'
+_rank = st.tuples(st.integers(0, 10_000), _names, _numbers, _numbers, _numbers)
+_points = st.lists(st.builds(Point, st.integers(0, 10**30), st.integers(0, 10**30),
+                             st.lists(_rank, max_size=6).map(tuple),
+                             st.none() | st.tuples(st.integers(0, 10_000), _names)), max_size=140)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(points=_points, title=_names)
+def test_any_input_draws_well_formed_bounded_svg(points: list[Point], title: str) -> None:
+    text = svg(points, title=title)
+    root = ET.fromstring(text)  # well-formed XML, whatever the names held
+    assert root.tag == f"{SVG}svg" and 0 < float(root.get("height", "0")) < 5000
+    assert len(text.encode()) < 150_000
+    for element in root.iter():
+        for key in ("x", "y", "width", "height"):
+            value = element.get(key)
+            if value is not None:
+                assert math.isfinite(float(value)), (element.tag, key, value)
+
+
+@pytest.mark.parametrize(("world", "windows"), [(1, 0), (1, 1), (2, 700), (512, 3), (512, 130)])
+def test_one_rank_to_512_and_many_windows_stay_bounded(world: int, windows: int) -> None:
+    history = History()
+    for w in range(windows):
+        history.add(_table(w, world=world, slow=world - 1 if world > 1 else None))
+    text = svg(history.points)
+    ET.fromstring(text)
+    assert len(text.encode()) < 150_000 and len(history.points) <= timings_plot.MAX_POINTS
