@@ -208,7 +208,8 @@ def broadcast_object(obj: Any, src: int = 0, *, group: Any = None) -> Any:
 
 
 def gather_rows(
-    leaves: Sequence[torch.Tensor], positions: torch.Tensor | None = None, *, device: torch.device | None = None
+    leaves: Sequence[torch.Tensor], positions: torch.Tensor | None = None, *, device: torch.device | None = None,
+    group: Any = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Every rank's rows of each tensor in ``leaves``, concatenated in rank order, on every rank (the collective
     behind ``gather_for_metrics``, recorded in the ledger under that name).
@@ -216,7 +217,9 @@ def gather_rows(
     Within a rank the tensors share their row count (the first dimension); across ranks it may differ (the last
     batch of an epoch), the other dimensions and the dtypes may not. ``positions`` (int64, one per row: the rows'
     sampler positions) travel with the rows; the gathered positions come back only when every rank sent some.
-    ``device``: where the tensors travel (CUDA for NCCL); the results come back on each input's device.
+    ``device``: where the tensors travel (CUDA for NCCL); the results come back on each input's device. ``group``:
+    the ranks to gather from instead of the world (the data-parallel ranks of a tensor-parallel mesh, whose tp
+    groups hold the same rows).
 
     Tensors only, no pickling: one ``all_gather_single`` of every rank's (row count, has positions), then one
     per tensor of rows padded to the longest count, which is no padding at all when the counts agree (measured
@@ -225,21 +228,22 @@ def gather_rows(
     """
     if not active():
         return list(leaves), positions
-    world = world_size()
+    world = world_size() if group is None else dist.get_world_size(group)
     with LEDGER.entered("gather_for_metrics"):
         mine = torch.tensor([leaves[0].shape[0], positions is not None], dtype=torch.int64, device=device or _CPU)
         counts = mine.new_empty(2 * world)
-        dist.all_gather_single(counts, mine)
+        dist.all_gather_single(counts, mine, group=group)
         sizes, flags = counts[0::2].tolist(), counts[1::2].tolist()
         every = all(flags)
         tensors = [*leaves, positions] if every and positions is not None else list(leaves)
-        gathered = [_gather_padded(t, sizes, device, world) for t in tensors]
+        gathered = [_gather_padded(t, sizes, device, world, group) for t in tensors]
     if every and positions is not None:
         return gathered[:-1], gathered[-1]
     return gathered, None
 
 
-def _gather_padded(t: torch.Tensor, sizes: list[int], device: torch.device | None, world: int) -> torch.Tensor:
+def _gather_padded(t: torch.Tensor, sizes: list[int], device: torch.device | None, world: int,
+                   group: Any = None) -> torch.Tensor:
     """Every rank's rows of ``t`` (row counts ``sizes``) in rank order, via one ``all_gather_single`` of rows
     padded to the longest count, on ``device`` (``None``: where ``t`` is), back on ``t``'s device."""
     home, longest = t.device, max(sizes)
@@ -253,7 +257,7 @@ def _gather_padded(t: torch.Tensor, sizes: list[int], device: torch.device | Non
         padded[: rows.shape[0]] = rows
         rows = padded
     out = rows.new_empty((world * longest, *rows.shape[1:]))
-    dist.all_gather_single(out, rows)
+    dist.all_gather_single(out, rows, group=group)
     if any(n != longest for n in sizes):  # trim each rank's padding
         out = torch.cat([out[r * longest: r * longest + n] for r, n in enumerate(sizes)])
     return out.to(home)
