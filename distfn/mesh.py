@@ -109,8 +109,8 @@ class MeshSpec:
         rest = [name for name, size in self.sizes if size == -1]
         if world_size % fixed or (not rest and fixed != world_size):
             fix = (f"make the sizes multiply to {world_size}, or set one of them to -1" if world_size % fixed == 0
-                   else f"use sizes whose product divides {world_size}, or run a world size that "
-                        f"{self.describe()} divides")
+                   else f"use sizes whose product divides {world_size}, or run on a number of ranks that "
+                        f"{fixed} divides")
             raise ConfigError(f"mesh {self.describe()} does not fit the job's {world_size} ranks (its sizes multiply "
                               f"to {fixed}): {fix}")
         sizes = tuple(world_size // fixed if size == -1 else size for _, size in self.sizes)

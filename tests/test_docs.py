@@ -442,7 +442,7 @@ def test_the_pictures_are_drawn_from_the_code_and_committed_as_drawn() -> None:
     pictures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pictures)
     drawn = pictures.render()
-    assert set(drawn) == {"how-a-call-runs.svg", "checkpoint-layout.svg"}
+    assert set(drawn) == {"how-a-call-runs.svg", "checkpoint-layout.svg", "mesh.svg"}
     for name, text in drawn.items():
         committed = (REPO / "docs" / "assets" / name).read_bytes()
         assert committed == text.encode(), f"docs/assets/{name} is stale: run python docs/pictures.py"
@@ -451,6 +451,8 @@ def test_the_pictures_are_drawn_from_the_code_and_committed_as_drawn() -> None:
     assert " → ".join(d.name for d in topology.DETECTORS) in call
     for name in (INDEX, shard_file(0), shard_file(1), f".ckpt-1200{SUFFIX}{COMMIT_SUFFIX}", PARTIAL):
         assert name in ckpt, name
+    mesh = drawn["mesh.svg"]  # issue 45: every rank, its batch (a tp pair shares one) and its rows
+    assert all(f">rank {r}</text>" in mesh for r in range(8)) and mesh.count(">batch 3</text>") == 2
 
 
 @pytest.mark.slow

@@ -63,6 +63,17 @@ def test_the_environment_overrides_mesh_and_the_plan_checks_it_against_the_world
         plan_call(Options(mode="fsdp", mesh={"dp_shard": 3, "tp": 2}), env, [], lambda: 0, nested=False)
 
 
+def test_distfn_env_shows_the_mesh_as_the_call_would_lay_it_out() -> None:
+    from distfn.envreport import collect, render
+
+    info = collect(env={"DISTFN_MESH": "dp_shard=-1,tp=2", "DISTFN_NPROCS": "4"})
+    assert info["plan"]["mesh"] == ("dp_shard=-1 x tp=2 -> dp_shard=2 x tp=2 (2 data-parallel rank(s), tensor "
+                                    "parallel 2)")
+    assert "mesh (fsdp)" in render(info)
+    bad = collect(env={"DISTFN_MESH": "dp_shard=3", "DISTFN_NPROCS": "4"})
+    assert "does not fit the job's 4 ranks" in bad["plan"]["error"]
+
+
 def test_auto_is_hsdp_over_the_nodes() -> None:
     assert MeshSpec(auto=True).resolve(8, num_nodes=2, local_world_size=4) == Layout(DP_DIMS, (2, 4))
     assert MeshSpec(auto=True).resolve(4, num_nodes=1) == Layout(("dp_shard",), (4,))
@@ -204,3 +215,66 @@ def test_a_2d_checkpoint_reshards_onto_every_mesh_and_one_process(job: tuple[dic
             stored += sum(f.get_tensor(k).numel() * 4 for k in f.keys())
     assert stored == int(index["metadata"]["total_size"])
     assert not list(directory.glob("*.pkl")) and not list(directory.glob("*.distcp"))
+
+
+# -- a 2-D checkpoint's claims, checked before use (docs/threats.md, "2-D meshes") ------------------------------
+def _rewrite_header(path: Path, change) -> None:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_a_2d_checkpoint_whose_pieces_overlap_or_do_not_fit_is_refused(job: tuple[dict, Path],
+                                                                       tmp_path: Path) -> None:
+    import distfn
+    from distfn import CheckpointError
+
+    src = job[1] / "tp-4"  # TP x FSDP: column and row pieces of a 2-D mesh
+    names = {}
+    for shard in sorted(src.glob("shard-*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            names[shard.name] = dict(json.loads(f.metadata()["DCP_SHARDING_INFO"]))
+    file, info = next((f, i) for f, i in names.items() if "model.fc2.weight" in i)
+    assert info["model.fc2.weight"]["saved_offsets"] != [0, 0] or len(names) > 1
+
+    def shift(header: dict) -> None:  # claim another rank's box: two pieces overlap, one box stays empty
+        meta = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+        offsets = meta["model.fc2.weight"]["saved_offsets"]
+        meta["model.fc2.weight"]["saved_offsets"] = [0, 0] if offsets != [0, 0] else [4, 0]
+        header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(meta)
+
+    overlapping = _copy(src, tmp_path / "overlap")
+    _rewrite_header(overlapping / file, shift)
+    with pytest.raises(CheckpointError, match=r"model\.fc2\.weight"):
+        distfn.load(overlapping)
+
+    def outside(header: dict) -> None:  # a piece past the tensor's edge
+        meta = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+        meta["model.fc2.weight"]["saved_offsets"] = [8, 0]
+        header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(meta)
+
+    past = _copy(src, tmp_path / "past")
+    _rewrite_header(past / file, outside)
+    with pytest.raises(CheckpointError, match="does not fit the index"):
+        distfn.load(past)
+
+    wrong = _copy(src, tmp_path / "shape")  # the index claims a shape the pieces do not tile
+    index = json.loads((wrong / "model.safetensors.index.json").read_text())
+    tensors = json.loads(index["metadata"]["distfn.tensors"])
+    tensors["model.fc2.weight"]["shape"] = [8, 64]
+    index["metadata"]["distfn.tensors"] = json.dumps(tensors)
+    (wrong / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"model\.fc2\.weight"):
+        distfn.load(wrong)
