@@ -330,3 +330,17 @@ def test_soak_bench_smoke(tmp_path: Path) -> None:
                                                       "/dev/shm entries (unused, new)", "TMPDIR entries", "RSS (MiB)"}
     assert all(t["met"] for t in growth["targets"] + across["targets"]), growth["targets"] + across["targets"]
     assert [len(r["samples"]) for r in times["rows"]] == [3, 1]
+
+
+@pytest.mark.slow
+def test_mesh_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_mesh.py --tiny (issue 45): the HSDP and TP steps against hand-written torch, the sharded save of
+    2 x 2 state against DCP, and the reshard load against a same-mesh load, each with its samples and targets."""
+    result = _run_module_tiny(tmp_path, "mesh")
+    hsdp, tp, save, load = result["tables"]
+    for table in (hsdp, tp, save, load):
+        assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in table["rows"])
+    assert [t["variant"] for t in (*hsdp["targets"], *tp["targets"], *save["targets"])] == [
+        "distfn ctx.wrap (HSDP)", "distfn ctx.wrap(parallelize=plan)", "distfn sharded save"]
+    assert {r["variant"] for r in load["rows"]} == {"same-mesh load (TP 2 x DP 2)",
+                                                    "reshard load (HSDP 2x2 -> TP 2 x DP 2)"}

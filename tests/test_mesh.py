@@ -278,3 +278,15 @@ def test_a_2d_checkpoint_whose_pieces_overlap_or_do_not_fit_is_refused(job: tupl
     (wrong / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"model\.fc2\.weight"):
         distfn.load(wrong)
+
+
+@pytest.mark.slow
+def test_compile_true_compiles_per_unit_before_sharding_with_clean_keys(tmp_path: Path) -> None:
+    done = run_python([str(SCRIPTS / "mesh_compile_job.py"), str(tmp_path)], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    compiled, eager = result["compiled"], result["eager"]
+    assert compiled["keys"] == eager["keys"] and not any("_orig_mod" in k for k in compiled["keys"])
+    assert torch.allclose(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), atol=1e-6)
+    with safe_open(str(next((tmp_path / "ckpt-1").glob("shard-*.safetensors"))), "pt") as f:
+        assert not any("_orig_mod" in k for k in f.keys())
