@@ -83,7 +83,7 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
     return backend
 
 
-def _mesh(opts: Options, topology: Topology, device: torch.device) -> mesh.Mesh:
+def _mesh(opts: Options, topology: Topology, device: torch.device, life: Run) -> mesh.Mesh:
     """The run's named mesh (``mesh=``, else one ``dp_shard`` dimension over every rank), built by every rank at
     the same point of start-up: a multi-dimensional mesh makes process groups. Sizes that do not fit the world are
     the same `ConfigError` on every rank, before any group is made (the plan checked them already where it knew the
@@ -92,6 +92,8 @@ def _mesh(opts: Options, topology: Topology, device: torch.device) -> mesh.Mesh:
     layout = spec.resolve(topology.world_size, num_nodes=topology.num_nodes,
                           local_world_size=topology.local_world_size)
     built = mesh.build(layout, device.type, topology.rank)
+    if layout.tp_size > 1:  # a tp group waits for its slowest member inside forward: not a straggler of itself
+        life.timings.groups = tuple(tuple(g) for g in layout.groups(("tp",)))
     if opts.mesh is not None and topology.rank == 0:
         logger.info("mesh: {} ({} data-parallel rank(s), tensor parallel {})", layout.describe(), layout.dp_size,
                     layout.tp_size)
@@ -155,7 +157,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         if opts.multi_rank:
             backend = _join_group(opts, topology, device, store)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
-            life.mesh = _mesh(opts, topology, device)
+            life.mesh = _mesh(opts, topology, device, life)
         _log_start(log, topology, device, backend, threads)
         ctx = _context(topology, device=device, backend=backend, opts=opts, log=log, run=life)
         result = fn(cfg, ctx)

@@ -290,3 +290,18 @@ def test_compile_true_compiles_per_unit_before_sharding_with_clean_keys(tmp_path
     assert torch.allclose(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), atol=1e-6)
     with safe_open(str(next((tmp_path / "ckpt-1").glob("shard-*.safetensors"))), "pt") as f:
         assert not any("_orig_mod" in k for k in f.keys())
+
+
+def test_a_tensor_parallel_group_is_not_a_straggler_of_itself() -> None:
+    from distfn.stragglers import find_straggler, summarise
+
+    def row(rank: int, compute: float) -> object:
+        # (data, compute, comm, step) per step
+        return summarise([(0.001, compute, 0.01, compute + 0.011)] * 5, rank=rank, host="h")
+
+    # rank 2 computes slowly; rank 3, its tp peer, waits for it inside every forward (counted as compute too)
+    rows = [row(0, 0.05), row(1, 0.05), row(2, 0.12), row(3, 0.11)]
+    found = find_straggler(rows, [[0, 1], [2, 3]])  # compared with the other tp group only: still the straggler
+    assert found is not None and found.rank == 2 and found.median == pytest.approx(0.05)
+    assert find_straggler(rows) is not None  # without the groups too
+    assert find_straggler(rows, [[0, 1, 2, 3]]) is None  # one tp group: nobody outside it to be slower than

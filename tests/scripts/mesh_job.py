@@ -1,5 +1,6 @@
 """2-D parallelism jobs for tests/test_mesh.py: ``python mesh_job.py OUT`` runs every case on 4 CPU ranks (gloo) and
-writes OUT/result.json. One launch per mesh, each checking several facts:
+writes OUT/result.json (``DISTFN_BACKEND=nccl`` on 4 GPUs: the same on CUDA, bench/gpu_check.sh). One launch per
+mesh, each checking several facts:
 
 1. HSDP 2 x 2 (``mesh={"dp_replicate": 2, "dp_shard": 2}``) against a hand-written FSDP2 HSDP of the same model
    trained on the same batches in the same job (weights equal after STEPS steps); the sampler's shares; a sharded save.
@@ -54,7 +55,7 @@ def train_steps(ctx, model, loader) -> list[float]:
     for step, (x, y) in enumerate(loader):
         if step == STEPS:
             break
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss(model(x.to(ctx.device)), y.to(ctx.device))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -76,7 +77,7 @@ def hsdp(out: str, ctx):
     indices = list(iter(loader.sampler))
     losses = train_steps(ctx, model, loader)
     # hand-written FSDP2 HSDP of the same model on the same batches: the sampler's order, sliced by dp rank
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("r", "s"))
+    mesh = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("r", "s"))
     fully_shard(reference, mesh=mesh)
     data = dataset()
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -84,7 +85,7 @@ def hsdp(out: str, ctx):
     for step in range(STEPS):
         rows = [dp + 4 * (step * BATCH + i) for i in range(BATCH)]  # DistributedSampler(shuffle=False): rank::4
         x, y = data[rows]
-        loss = nn.functional.mse_loss(reference(x), y)
+        loss = nn.functional.mse_loss(reference(x.to(ctx.device)), y.to(ctx.device))
         opt.zero_grad()
         loss.backward()
         opt.step()
