@@ -27,6 +27,7 @@ from .accumulation import Accumulator
 from .checkpoint.background import Saves
 from .data import DistributedLoader
 from .devices import collective_device
+from .errors import ConfigError
 from .modules import unwrap_module
 from .options import Mode, Precision, runs_one_process
 from .progress import Progress
@@ -427,19 +428,27 @@ class Context:
         with self.run.collective("barrier"):
             collectives.barrier(self.device)
 
-    def all_reduce(self, value: Any, op: str = "mean") -> Any:
-        """`value` reduced over all ranks (a collective: call it on every rank).
+    def all_reduce(self, value: Any, op: str = "mean", *, over: Literal["dp", "world"] = "dp") -> Any:
+        """`value` reduced over the ranks (a collective: call it on every rank).
 
         Args:
             value: a tensor, a Python number, or a dict of Python numbers (reduced in one collective); a number
                 comes back as a number (`float` for `"mean"`), a dict as a new dict of numbers.
             op: `"mean"`, `"sum"`, `"max"` or `"min"`.
+            over: `"dp"` (default): the data-parallel ranks, which is every rank unless ``mesh=`` has a ``tp``
+                dimension; then the ranks of one tensor-parallel group, which hold the same batch and the same
+                loss, count once (a `"sum"` of correct predictions is not multiplied by the tp size).
+                `"world"`: every rank.
         """
         device = self._group_device
+        mesh = self.run.mesh
+        group = mesh.dp_group if over == "dp" and mesh is not None else None
+        if over not in ("dp", "world"):
+            raise ConfigError(f"ctx.all_reduce(over={over!r}): use 'dp' (the data-parallel ranks) or 'world'")
         with self.run.collective("all_reduce"):
             if isinstance(value, torch.Tensor) and device is not None and value.device.type != device.type:
-                return collectives.all_reduce(value.to(device), op).to(value.device)
-            return collectives.all_reduce(value, op, device=device)
+                return collectives.all_reduce(value.to(device), op, group=group).to(value.device)
+            return collectives.all_reduce(value, op, device=device, group=group)
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, as a list indexed by rank, on every rank (a collective).

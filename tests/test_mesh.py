@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from s3server import S3Server, needs_s3, s3, s3_module
 from safetensors import safe_open
 from torch import nn
 
@@ -20,6 +21,8 @@ from distfn.plan import plan_call
 from distfn.tensor_parallel import check_plan, resolve
 
 from conftest import SCRIPTS, run_python
+
+__all__ = ["s3", "s3_module"]  # the fixtures, imported from tests/s3server.py
 
 
 # -- the option, at decoration -------------------------------------------------------------------------------
@@ -192,6 +195,8 @@ def test_tp2_dp2_equals_one_process_training_and_tp_pairs_share_batches(job: tup
     assert [r["dp"] for r in ranks] == [[0, 2], [0, 2], [1, 2], [1, 2]]
     assert ranks[0]["indices"] == ranks[1]["indices"] and ranks[2]["indices"] == ranks[3]["indices"]
     assert sorted(ranks[0]["indices"] + ranks[2]["indices"]) == list(range(64))
+    # all_reduce over the data-parallel ranks by default (a tp pair counts once), over="world" over every rank
+    assert [r["sums"] for r in ranks] == [[2, 4, 2], [2, 4, 3], [2, 4, 2], [2, 4, 3]]
     # gather_for_metrics over the data-parallel ranks only: each row once, in the sampler's order
     assert all(r["gathered"] == list(range(2 * 4)) for r in ranks)
 
@@ -201,11 +206,18 @@ def test_a_2d_checkpoint_reshards_onto_every_mesh_and_one_process(job: tuple[dic
     result, out = job
     saved = result["hsdp"][0]["weights"]
     assert all(r["rest"] == {"step": 4} for r in result["tp"])
+    # HSDP's mid-run checkpoint (weights, momentum, loader) resumed on TP 2 x DP 2 continues the same run: the
+    # saved global batch of 16 becomes 8 per data-parallel rank, the same samples, the same losses
+    hsdp_losses = result["hsdp"][0]["losses"]
+    for r in result["tp"]:
+        assert r["start"] == 2 and r["per_rank_batch"] == 8
+        assert torch.allclose(torch.tensor(r["continued"]), torch.tensor(hsdp_losses[2:]), atol=1e-5)
     for case in ("tp", "fsdp4", "hsdp14"):
         assert all(_close(r["loaded"], saved, 0.0) for r in result[case]), case
     assert result["fsdp4"][0]["mesh"] == ["dp_shard"] and result["hsdp14"][0]["shape"] == [1, 4]
     assert all(_close(r["loaded"], result["tp"][0]["weights"], 0.0) for r in result["from_tp"])  # TP -> HSDP
     assert _close(result["one"], saved, 0.0) and _close(result["consolidated"], saved, 0.0)
+    assert _close(result["async"], saved, 0.0)  # blocking=False writes the same 2-D checkpoint
     # replicated pieces are written once: the shards hold exactly the model's bytes
     directory = out / "hsdp-4"
     index = json.loads((directory / "model.safetensors.index.json").read_text())
@@ -305,3 +317,19 @@ def test_a_tensor_parallel_group_is_not_a_straggler_of_itself() -> None:
     assert found is not None and found.rank == 2 and found.median == pytest.approx(0.05)
     assert find_straggler(rows) is not None  # without the groups too
     assert find_straggler(rows, [[0, 1, 2, 3]]) is None  # one tp group: nobody outside it to be slower than
+
+
+# -- s3://, in the background ------------------------------------------------------------------------------------
+@needs_s3
+@pytest.mark.slow
+def test_a_2d_checkpoint_goes_to_s3_in_the_background_and_reshards_back(s3: S3Server) -> None:
+    import distfn
+
+    url = s3.url("mesh", "hsdp-1")
+    done = run_python([str(SCRIPTS / "mesh_s3_job.py"), url], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["saved_on"] == ["dp_replicate", "dp_shard"] and result["loaded_on"] == ["dp_shard", "tp"]
+    assert _close(result["loaded"], result["saved"], 0.0)
+    one = {k.removeprefix("model."): v.tolist() for k, v in distfn.load(url).items()}
+    assert _close(one, result["saved"], 0.0)

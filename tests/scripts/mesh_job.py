@@ -49,10 +49,10 @@ def weights(model: nn.Module) -> dict[str, list]:
     return {k: full(v.detach()).tolist() for k, v in model.state_dict().items()}
 
 
-def train_steps(ctx, model, loader) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train_steps(ctx, model, loader, *, first: int = 0, save_to: str | None = None, opt=None) -> list[float]:
+    opt = opt if opt is not None else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
-    for step, (x, y) in enumerate(loader):
+    for step, (x, y) in enumerate(loader, start=first):
         if step == STEPS:
             break
         loss = nn.functional.mse_loss(model(x.to(ctx.device)), y.to(ctx.device))
@@ -60,6 +60,9 @@ def train_steps(ctx, model, loader) -> list[float]:
         loss.backward()
         opt.step()
         losses.append(ctx.all_reduce(loss.detach()).item())
+        if save_to is not None and step + 1 == STEPS // 2:  # mid-run: model, momentum, loader position
+            ctx.save({"model": model, "optimizer": opt, "loader": loader, "step": step + 1},
+                     f"{save_to}/ckpt-{step + 1}")
     return losses
 
 
@@ -75,12 +78,12 @@ def hsdp(out: str, ctx):
     model = ctx.wrap(bare)
     loader = ctx.dataloader(dataset(), BATCH, shuffle=False)
     indices = list(iter(loader.sampler))
-    losses = train_steps(ctx, model, loader)
+    losses = train_steps(ctx, model, loader, save_to=f"{out}/mid")
     # hand-written FSDP2 HSDP of the same model on the same batches: the sampler's order, sliced by dp rank
     mesh = init_device_mesh(ctx.device.type, (2, 2), mesh_dim_names=("r", "s"))
     fully_shard(reference, mesh=mesh)
     data = dataset()
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     dp = mesh.get_local_rank("r") * 2 + mesh.get_local_rank("s")
     for step in range(STEPS):
         rows = [dp + 4 * (step * BATCH + i) for i in range(BATCH)]  # DistributedSampler(shuffle=False): rank::4
@@ -90,6 +93,8 @@ def hsdp(out: str, ctx):
         loss.backward()
         opt.step()
     ctx.save({"model": model, "step": STEPS}, f"{out}/hsdp-{STEPS}")
+    ctx.save({"model": model, "step": STEPS}, f"{out}/async-{STEPS}", blocking=False)  # the same, in the background
+    ctx.saves.wait()
     placements = {k: [str(p) for p in v.placements] for k, v in model.state_dict().items()}
     return ctx.gather_object({
         "rank": ctx.rank, "mesh": list(ctx.mesh.mesh_dim_names), "shape": list(ctx.mesh.shape),
@@ -115,7 +120,7 @@ def tp(out: str, ctx):
     indices = list(iter(loader.sampler))
     losses = train_steps(ctx, model, loader)
     # the same model in one process on the global batch (BATCH x dp_size rows a step, in the samplers' order)
-    data, opt = dataset(), torch.optim.SGD(single.parameters(), lr=0.1)
+    data, opt = dataset(), torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
     single_losses = []
     for step in range(STEPS):
         x, y = data[list(range(step * BATCH * 2, (step + 1) * BATCH * 2))]
@@ -129,11 +134,21 @@ def tp(out: str, ctx):
     rest = ctx.load(f"{out}/hsdp-{STEPS}", {"model": resumed, "step": 0})
     placements = {k: [str(p) for p in v.placements] for k, v in model.state_dict().items()}
     ctx.save({"model": model}, f"{out}/tp-{STEPS}")
+    # the HSDP run's mid-run checkpoint resumed on this mesh: the rest of its steps, on the same samples
+    torch.manual_seed(5)
+    again = ctx.wrap(Net(), parallelize=tp_plan())
+    opt_again = torch.optim.SGD(again.parameters(), lr=0.1, momentum=0.9)
+    loader_again = ctx.dataloader(dataset(), BATCH, shuffle=False)
+    state = {"model": again, "optimizer": opt_again, "loader": loader_again, "step": 0}
+    start = ctx.resume(state, f"{out}/mid")
+    continued = train_steps(ctx, again, loader_again, first=start, opt=opt_again)
     return ctx.gather_object({
         "rank": ctx.rank, "mesh": list(ctx.mesh.mesh_dim_names), "dp": [ctx.dp_rank, ctx.dp_size],
         "indices": indices, "losses": losses, "single_losses": single_losses, "weights": weights(model),
         "single": weights(single), "placements": placements, "gathered": gathered.tolist(),
-        "loaded": weights(resumed), "rest": rest})
+        "loaded": weights(resumed), "rest": rest, "start": start, "continued": continued,
+        "per_rank_batch": loader_again.batch_size,
+        "sums": [ctx.all_reduce(1, "sum"), ctx.all_reduce(1, "sum", over="world"), ctx.all_reduce(ctx.rank, "max")]})
 
 
 @distributed(mode="fsdp", nprocs=4, seed=0, backend="gloo")
@@ -152,6 +167,7 @@ def main(out: Path) -> None:
     result["hsdp14"] = reload.options(mesh={"dp_replicate": 1, "dp_shard": 4})(str(out / f"hsdp-{STEPS}"))
     result["from_tp"] = reload.options(mesh={"dp_replicate": 2, "dp_shard": -1})(str(out / f"tp-{STEPS}"))
     result["one"] = {k.removeprefix("model."): v.tolist() for k, v in distfn.load(out / f"hsdp-{STEPS}").items()}
+    result["async"] = {k.removeprefix("model."): v.tolist() for k, v in distfn.load(out / f"async-{STEPS}").items()}
     distfn.checkpoint.consolidate(out / f"hsdp-{STEPS}", out / "consolidated.safetensors")
     result["consolidated"] = {k.removeprefix("model."): v.tolist()
                               for k, v in distfn.load(out / "consolidated.safetensors").items()}
