@@ -219,7 +219,8 @@ class Context:
         loader = loader if loader is not None else self.run.loaders.current()
         with self.run.collective("gather_for_metrics"):
             group = self.run.mesh.dp_group if self.run.mesh is not None else None
-            return data.gather_for_metrics(value, loader, device=self._group_device, group=group)
+            side = {"group": group} if group is not None else {}
+            return data.gather_for_metrics(value, loader, device=self._group_device, **side)
 
     # -- models -------------------------------------------------------------------------------------------
     def wrap(
@@ -445,10 +446,11 @@ class Context:
         group = mesh.dp_group if over == "dp" and mesh is not None else None
         if over not in ("dp", "world"):
             raise ConfigError(f"ctx.all_reduce(over={over!r}): use 'dp' (the data-parallel ranks) or 'world'")
+        side = {"group": group} if group is not None else {}  # the world: the call as it always was
         with self.run.collective("all_reduce"):
             if isinstance(value, torch.Tensor) and device is not None and value.device.type != device.type:
-                return collectives.all_reduce(value.to(device), op, group=group).to(value.device)
-            return collectives.all_reduce(value, op, device=device, group=group)
+                return collectives.all_reduce(value.to(device), op, **side).to(value.device)
+            return collectives.all_reduce(value, op, device=device, **side)
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, as a list indexed by rank, on every rank (a collective).
