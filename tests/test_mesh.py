@@ -214,6 +214,7 @@ def test_a_2d_checkpoint_reshards_onto_every_mesh_and_one_process(job: tuple[dic
         assert torch.allclose(torch.tensor(r["continued"]), torch.tensor(hsdp_losses[2:]), atol=1e-5)
     for case in ("tp", "fsdp4", "hsdp14"):
         assert all(_close(r["loaded"], saved, 0.0) for r in result[case]), case
+    assert all(_close(r["from_file"], saved, 0.0) for r in result["tp"])  # a one-file save of 2-D state too
     assert result["fsdp4"][0]["mesh"] == ["dp_shard"] and result["hsdp14"][0]["shape"] == [1, 4]
     assert all(_close(r["loaded"], result["tp"][0]["weights"], 0.0) for r in result["from_tp"])  # TP -> HSDP
     assert _close(result["one"], saved, 0.0) and _close(result["consolidated"], saved, 0.0)

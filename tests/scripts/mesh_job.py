@@ -93,6 +93,7 @@ def hsdp(out: str, ctx):
         loss.backward()
         opt.step()
     ctx.save({"model": model, "step": STEPS}, f"{out}/hsdp-{STEPS}")
+    ctx.save({"model": model, "step": STEPS}, f"{out}/hsdp-{STEPS}.safetensors")  # one file: gathered to rank 0
     ctx.save({"model": model, "step": STEPS}, f"{out}/async-{STEPS}", blocking=False)  # the same, in the background
     ctx.saves.wait()
     placements = {k: [str(p) for p in v.placements] for k, v in model.state_dict().items()}
@@ -132,6 +133,8 @@ def tp(out: str, ctx):
     gathered = ctx.gather_for_metrics(torch.tensor(indices[:BATCH]), loader)
     resumed = ctx.wrap(loaded, parallelize=tp_plan())
     rest = ctx.load(f"{out}/hsdp-{STEPS}", {"model": resumed, "step": 0})
+    from_file = ctx.wrap(Net(), parallelize=tp_plan())
+    ctx.load(f"{out}/hsdp-{STEPS}.safetensors", {"model": from_file})  # one file, scattered onto this mesh
     placements = {k: [str(p) for p in v.placements] for k, v in model.state_dict().items()}
     ctx.save({"model": model}, f"{out}/tp-{STEPS}")
     # the HSDP run's mid-run checkpoint resumed on this mesh: the rest of its steps, on the same samples
@@ -146,7 +149,8 @@ def tp(out: str, ctx):
         "rank": ctx.rank, "mesh": list(ctx.mesh.mesh_dim_names), "dp": [ctx.dp_rank, ctx.dp_size],
         "indices": indices, "losses": losses, "single_losses": single_losses, "weights": weights(model),
         "single": weights(single), "placements": placements, "gathered": gathered.tolist(),
-        "loaded": weights(resumed), "rest": rest, "start": start, "continued": continued,
+        "loaded": weights(resumed), "from_file": weights(from_file), "rest": rest, "start": start,
+        "continued": continued,
         "per_rank_batch": loader_again.batch_size,
         "sums": [ctx.all_reduce(1, "sum"), ctx.all_reduce(1, "sum", over="world"), ctx.all_reduce(ctx.rank, "max")]})
 
