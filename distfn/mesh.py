@@ -215,8 +215,8 @@ class Mesh:
     dp_group: Any = None
 
     def dp_mesh(self) -> Any:
-        """The sub-mesh FSDP shards over: ``(dp_replicate, dp_shard)`` for HSDP, ``dp_shard`` alone, or ``None``
-        when the mesh has no data-parallel dimension of more than one rank and no dp dimension at all."""
+        """The sub-mesh FSDP shards over: ``(dp_replicate, dp_shard)`` for HSDP, the one data-parallel dimension
+        the mesh has, or ``None`` when it has none (``mesh={"tp": 4}``: tensor parallel alone, no FSDP)."""
         names = self.layout.dp_names
         if not names:
             return None
@@ -227,7 +227,7 @@ class Mesh:
         return self.device_mesh["tp"] if "tp" in self.layout.names else None
 
 
-def build(layout: Layout, device_type: str, rank: int) -> Mesh:
+def build(layout: Layout, device_type: str) -> Mesh:
     """The ``DeviceMesh`` of ``layout`` (every rank calls this at the same point: it makes process groups), and
     the data-parallel group when a ``tp`` dimension splits the world."""
     import torch.distributed as dist

@@ -91,7 +91,7 @@ def _mesh(opts: Options, topology: Topology, device: torch.device, life: Run) ->
     spec = opts.mesh if opts.mesh is not None else mesh.MeshSpec(sizes=(("dp_shard", -1),))
     layout = spec.resolve(topology.world_size, num_nodes=topology.num_nodes,
                           local_world_size=topology.local_world_size)
-    built = mesh.build(layout, device.type, topology.rank)
+    built = mesh.build(layout, device.type)
     if layout.tp_size > 1:  # a tp group waits for its slowest member inside forward: not a straggler of itself
         life.timings.groups = tuple(tuple(g) for g in layout.groups(("tp",)))
     if opts.mesh is not None and topology.rank == 0:
