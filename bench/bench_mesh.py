@@ -5,7 +5,8 @@ on TP 2 x DP 2) vs a load onto the mesh it was saved on.
 Two ``mode="fsdp"`` launches of 4 CPU ranks (gloo), each interleaving its variants round by round (rotated order):
 
 * HSDP launch, ``mesh={"dp_replicate": 2, "dp_shard": 2}``: ``distfn ctx.wrap (HSDP)`` vs ``hand-written
-  fully_shard(mesh=2x2)`` (an ``init_device_mesh`` of its own), ``--steps`` forward / backward / Adam steps of an
+  fully_shard(mesh=2x2)`` (an ``init_device_mesh`` of its own; each layer its own unit, then the root, as distfn's
+  plan does: a comparison of the same FSDP units), ``--steps`` forward / backward / Adam steps of an
   MLP of ``--layers`` x ``Linear(--width)``, a sample = rank 0's time per step between barriers; then
   ``distfn sharded save`` (``ctx.save(state, dir)``) vs ``DCP FileSystemWriter`` (``dcp.save`` of the same model and
   Adam state dicts), a sample = barrier to barrier around one save.
@@ -45,6 +46,17 @@ def _plan(layers: int) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(layers)}
+
+
+def _recipe(model: Any, mesh: Any, cfg: dict[str, Any]) -> None:
+    """FSDP2's recipe by hand: each layer its own ``fully_shard`` unit, then the root, as distfn's plan does for
+    these layers (each holds >= ``min_params``, 1,000,000 by default, at ``--width`` 1024)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if cfg["width"] * cfg["width"] >= 1_000_000:
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _steps(ctx: Any, model: Any, opt: Any, cfg: dict[str, Any]) -> float:
@@ -88,11 +100,11 @@ def hsdp_job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     ours = ctx.wrap(_model(cfg["width"], cfg["layers"]))
     theirs = _model(cfg["width"], cfg["layers"])
-    fully_shard(theirs, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    _recipe(theirs, mesh, cfg)
     opt_ours, opt_theirs = torch.optim.Adam(ours.parameters()), torch.optim.Adam(theirs.parameters())
     steps = _rotate({"distfn ctx.wrap (HSDP)": lambda: _steps(ctx, ours, opt_ours, cfg),
                      "hand-written fully_shard(mesh=2x2)": lambda: _steps(ctx, theirs, opt_theirs, cfg)},
@@ -116,13 +128,12 @@ def hsdp_job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
 def tp_job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     ours = ctx.wrap(_model(cfg["width"], cfg["layers"]), parallelize=_plan(cfg["layers"]))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     theirs = parallelize_module(_model(cfg["width"], cfg["layers"]), mesh["tp"], _plan(cfg["layers"]))
-    fully_shard(theirs, mesh=mesh["dp"])
+    _recipe(theirs, mesh["dp"], cfg)
     opt_ours, opt_theirs = torch.optim.Adam(ours.parameters()), torch.optim.Adam(theirs.parameters())
     steps = _rotate({"distfn ctx.wrap(parallelize=plan)": lambda: _steps(ctx, ours, opt_ours, cfg),
                      "hand-written parallelize_module + fully_shard": lambda: _steps(ctx, theirs, opt_theirs, cfg)},
