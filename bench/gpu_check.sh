@@ -17,7 +17,9 @@
 #      ctx.save of it blocks (bench/bench_gpu.py --only save -> gpu-save.json).
 #   With 2 or more GPUs, also (their limits add 155 s): 5. bench-step, the step benchmark over NCCL;
 #   6. gpu-launch, a whole `python script.py` of a distfn NCCL job vs the torch.multiprocessing floor. On one GPU
-#   both would be world-1 figures that compare nothing, so they are left out.
+#   both would be world-1 figures that compare nothing, so they are left out. With 4 or more GPUs (issue 45, 150 s):
+#   7. gpu-mesh, the 2-D mesh tests on CUDA and NCCL (HSDP 2x2 vs hand-written FSDP2 HSDP, TP 2 x DP 2 vs one
+#   process, the checkpoint reshard matrix: tests/test_mesh.py's 4-rank job with DISTFN_BACKEND=nccl).
 # Results go to $OUT (a folder the caller collects) or bench/results/gpu-<time>/: summary.json (every figure and
 # every step, written last), summary.txt, steps.txt, one log per step, the benchmarks' JSON, nvidia-smi.txt,
 # env.txt. Exit status: 0 when every step passed. Usage, from the repository root with the venv active:
@@ -60,6 +62,10 @@ if [ "$gpus" -ge 2 ]; then
     step bench-step 100 python bench/bench_step.py --gpu --rounds 2 --steps 60 --warmup 15 --json "$out/step.json"
     step gpu-launch 55 python bench/bench_gpu.py --gpu --only launch --rounds 3 --budget 25 \
         --json "$out/gpu-launch.json"
+fi
+if [ "$gpus" -ge 4 ]; then
+    step gpu-mesh 150 env DISTFN_BACKEND=nccl python -m pytest tests/test_mesh.py -q -rA -p no:cacheprovider \
+        -k "hsdp_2x2 or tp2_dp2 or reshards_onto"
 fi
 
 timeout 15 python bench/bench_gpu.py --summary "$out" || failed=1

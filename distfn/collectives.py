@@ -80,7 +80,7 @@ def _reduce_op(op: str) -> Any:
         raise ConfigError(f"all_reduce op={op!r} is not supported; use one of {', '.join(REDUCE_OPS)}") from None
 
 
-def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None) -> T:
+def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None, group: Any = None) -> T:
     """Reduce ``value`` over all ranks and return the result; the input is not modified.
 
     ``value`` is a tensor (any shape; integer tensors are promoted to float for ``"mean"``), a Python
@@ -88,13 +88,14 @@ def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None
     Python numbers (what a loop logs: ``{"loss": 0.31, "acc": 0.9}``), reduced key by key in **one** collective
     and returned as a new dict with each value typed as above. Every rank passes the same keys in the same order
     (the same code builds the dict): the values travel as one tensor, matched by position.
-    ``device`` is where Python numbers travel (must be a CUDA device for NCCL); defaults to CPU.
+    ``device`` is where Python numbers travel (must be a CUDA device for NCCL); defaults to CPU. ``group``: a
+    process group to reduce over instead of the world (the data-parallel ranks of a tensor-parallel mesh).
     """
     torch_op = _reduce_op(op)
     if isinstance(value, torch.Tensor):
-        return _reduce_tensor(value, op, torch_op)  # type: ignore[return-value]
+        return _reduce_tensor(value, op, torch_op, group)  # type: ignore[return-value]
     if isinstance(value, (bool, int, float)):
-        return _reduce_number(value, op, torch_op, device)  # type: ignore[return-value]
+        return _reduce_number(value, op, torch_op, device, group)  # type: ignore[return-value]
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(item, (bool, int, float)):
@@ -102,22 +103,27 @@ def all_reduce(value: T, op: str = "mean", *, device: torch.device | None = None
                     f"all_reduce of a dict takes Python numbers as values, got {type(item).__name__} for key "
                     f"{key!r}; pass a number (e.g. loss.item()) or reduce that tensor in a call of its own"
                 )
-        return dict(zip(value, _reduce_numbers(tuple(value.values()), op, torch_op, device), strict=True))  # type: ignore[return-value]
+        return dict(zip(value, _reduce_numbers(tuple(value.values()), op, torch_op, device, group),
+                        strict=True))  # type: ignore[return-value]
     raise ConfigError(
         f"all_reduce takes a tensor, a Python number or a dict of Python numbers, got {type(value).__name__}; "
         "for arbitrary objects use gather_object"
     )
 
 
-def _reduce_tensor(value: torch.Tensor, op: str, torch_op: Any) -> torch.Tensor:
+def _size(group: Any) -> int:
+    return world_size() if group is None else dist.get_world_size(group)
+
+
+def _reduce_tensor(value: torch.Tensor, op: str, torch_op: Any, group: Any = None) -> torch.Tensor:
     out = value.detach().clone()
     if op == "mean" and not (out.is_floating_point() or out.is_complex()):
         out = out.to(torch.float64)
     if active():
         with LEDGER.entered("all_reduce"):
-            dist.all_reduce(out, op=torch_op)
+            dist.all_reduce(out, op=torch_op, group=group)
         if op == "mean":
-            out /= world_size()
+            out /= _size(group)
     return out
 
 
@@ -126,7 +132,7 @@ def _typed(value: Number, reduced: float, op: str) -> Number:
     return reduced if op == "mean" else type(value)(reduced)
 
 
-def _reduce_number(value: Number, op: str, torch_op: Any, device: torch.device | None) -> Number:
+def _reduce_number(value: Number, op: str, torch_op: Any, device: torch.device | None, group: Any = None) -> Number:
     """One Python number: `_reduce_numbers` of one value, in a 0-d tensor read back with ``.item()`` (the raw
     round trip a number needs, without the 1-element list and the list back: measured 1 µs less per call)."""
     if not active():
@@ -134,14 +140,15 @@ def _reduce_number(value: Number, op: str, torch_op: Any, device: torch.device |
     # scalar_tensor, not tensor: it skips the nested-sequence parsing (measured 1.7 vs 3.8 µs a call)
     t = torch.scalar_tensor(float(value), dtype=torch.float64, device=device or _CPU)
     with LEDGER.entered("all_reduce"):  # .item() included: under NCCL that is where the rank waits
-        dist.all_reduce(t, op=torch_op)
+        dist.all_reduce(t, op=torch_op, group=group)
         reduced = t.item()
     if op == "mean":
-        reduced /= world_size()
+        reduced /= _size(group)
     return _typed(value, reduced, op)
 
 
-def _reduce_numbers(values: tuple[Number, ...], op: str, torch_op: Any, device: torch.device | None) -> list[Number]:
+def _reduce_numbers(values: tuple[Number, ...], op: str, torch_op: Any, device: torch.device | None,
+                    group: Any = None) -> list[Number]:
     """``values`` reduced over all ranks in one collective of a float64 tensor, each typed as `all_reduce` says.
 
     The numbers travel in a tensor this function made, so it is reduced in place (no copy), and the mean is
@@ -151,10 +158,10 @@ def _reduce_numbers(values: tuple[Number, ...], op: str, torch_op: Any, device: 
         return [_typed(v, float(v), op) for v in values]
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device or _CPU)
     with LEDGER.entered("all_reduce"):  # .tolist() included: under NCCL that is where the rank waits
-        dist.all_reduce(t, op=torch_op)
+        dist.all_reduce(t, op=torch_op, group=group)
         reduced = t.tolist()
     if op == "mean":
-        world = world_size()
+        world = _size(group)
         return [r / world for r in reduced]
     return [_typed(v, r, op) for v, r in zip(values, reduced, strict=True)]
 
@@ -208,7 +215,8 @@ def broadcast_object(obj: Any, src: int = 0, *, group: Any = None) -> Any:
 
 
 def gather_rows(
-    leaves: Sequence[torch.Tensor], positions: torch.Tensor | None = None, *, device: torch.device | None = None
+    leaves: Sequence[torch.Tensor], positions: torch.Tensor | None = None, *, device: torch.device | None = None,
+    group: Any = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Every rank's rows of each tensor in ``leaves``, concatenated in rank order, on every rank (the collective
     behind ``gather_for_metrics``, recorded in the ledger under that name).
@@ -216,7 +224,9 @@ def gather_rows(
     Within a rank the tensors share their row count (the first dimension); across ranks it may differ (the last
     batch of an epoch), the other dimensions and the dtypes may not. ``positions`` (int64, one per row: the rows'
     sampler positions) travel with the rows; the gathered positions come back only when every rank sent some.
-    ``device``: where the tensors travel (CUDA for NCCL); the results come back on each input's device.
+    ``device``: where the tensors travel (CUDA for NCCL); the results come back on each input's device. ``group``:
+    the ranks to gather from instead of the world (the data-parallel ranks of a tensor-parallel mesh, whose tp
+    groups hold the same rows).
 
     Tensors only, no pickling: one ``all_gather_single`` of every rank's (row count, has positions), then one
     per tensor of rows padded to the longest count, which is no padding at all when the counts agree (measured
@@ -225,21 +235,22 @@ def gather_rows(
     """
     if not active():
         return list(leaves), positions
-    world = world_size()
+    world = world_size() if group is None else dist.get_world_size(group)
     with LEDGER.entered("gather_for_metrics"):
         mine = torch.tensor([leaves[0].shape[0], positions is not None], dtype=torch.int64, device=device or _CPU)
         counts = mine.new_empty(2 * world)
-        dist.all_gather_single(counts, mine)
+        dist.all_gather_single(counts, mine, group=group)
         sizes, flags = counts[0::2].tolist(), counts[1::2].tolist()
         every = all(flags)
         tensors = [*leaves, positions] if every and positions is not None else list(leaves)
-        gathered = [_gather_padded(t, sizes, device, world) for t in tensors]
+        gathered = [_gather_padded(t, sizes, device, world, group) for t in tensors]
     if every and positions is not None:
         return gathered[:-1], gathered[-1]
     return gathered, None
 
 
-def _gather_padded(t: torch.Tensor, sizes: list[int], device: torch.device | None, world: int) -> torch.Tensor:
+def _gather_padded(t: torch.Tensor, sizes: list[int], device: torch.device | None, world: int,
+                   group: Any = None) -> torch.Tensor:
     """Every rank's rows of ``t`` (row counts ``sizes``) in rank order, via one ``all_gather_single`` of rows
     padded to the longest count, on ``device`` (``None``: where ``t`` is), back on ``t``'s device."""
     home, longest = t.device, max(sizes)
@@ -253,7 +264,7 @@ def _gather_padded(t: torch.Tensor, sizes: list[int], device: torch.device | Non
         padded[: rows.shape[0]] = rows
         rows = padded
     out = rows.new_empty((world * longest, *rows.shape[1:]))
-    dist.all_gather_single(out, rows)
+    dist.all_gather_single(out, rows, group=group)
     if any(n != longest for n in sizes):  # trim each rank's padding
         out = torch.cat([out[r * longest: r * longest + n] for r, n in enumerate(sizes)])
     return out.to(home)

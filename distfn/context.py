@@ -27,6 +27,7 @@ from .accumulation import Accumulator
 from .checkpoint.background import Saves
 from .data import DistributedLoader
 from .devices import collective_device
+from .errors import ConfigError
 from .modules import unwrap_module
 from .options import Mode, Precision, runs_one_process
 from .progress import Progress
@@ -89,6 +90,35 @@ class Context:
         return self.run.saves
 
     @property
+    def mesh(self) -> Any:
+        """The run's named ``torch.distributed.DeviceMesh`` (``@distributed(mesh=...)``: dimensions among
+        ``dp_replicate``, ``dp_shard``, ``tp``, outermost first; without ``mesh=``, one ``dp_shard`` dimension over
+        every rank), ``None`` in one process. ``ctx.mesh["tp"]`` is this rank's tensor-parallel sub-mesh,
+        ``ctx.mesh.get_local_rank("tp")`` its place in it; ``ctx.rank`` and ``ctx.world_size`` stay global."""
+        return self.run.mesh.device_mesh if self.run.mesh is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (the ranks of one tensor-parallel group share it, and
+        get the same batches); ``ctx.rank`` without a ``tp`` dimension."""
+        return self._data_ranks()[1]
+
+    @property
+    def dp_size(self) -> int:
+        """How many different batches one step sees: the product of the mesh's ``dp_replicate`` and ``dp_shard``
+        (``ctx.world_size`` without a ``tp`` dimension)."""
+        return self._data_ranks()[0]
+
+    def _data_ranks(self) -> tuple[int, int]:
+        """``(data-parallel ranks, this rank's index among them)``: what the sampler shards over."""
+        if runs_one_process(self.mode):
+            return 1, 0
+        if self.run.mesh is not None:
+            layout = self.run.mesh.layout
+            return layout.dp_size, layout.dp_rank(self.rank)
+        return self.world_size, self.rank
+
+    @property
     def is_main(self) -> bool:
         """True on rank 0, the rank that saves, prints and logs INFO."""
         return self.rank == 0
@@ -128,6 +158,9 @@ class Context:
     ) -> DistributedSampler:
         """A `DistributedSampler` giving this rank its share of `dataset` (works with a world of one).
 
+        The share is over the data-parallel ranks (`ctx.dp_size`, `ctx.dp_rank`): with a ``tp`` dimension in
+        ``mesh=``, the ranks of one tensor-parallel group get the same share.
+
         Call `sampler.set_epoch(epoch)` each epoch to reshuffle (`ctx.dataloader` does it for you).
 
         Args:
@@ -136,7 +169,7 @@ class Context:
             seed: the shuffle seed; defaults to the run's seed (or 0).
             drop_last: drop the tail that does not divide evenly instead of padding it with duplicates.
         """
-        replicas, rank = (self.world_size, self.rank) if not runs_one_process(self.mode) else (1, 0)
+        replicas, rank = self._data_ranks()
         return DistributedSampler(
             dataset,
             num_replicas=replicas,
@@ -151,12 +184,13 @@ class Context:
     ) -> DistributedLoader:
         """A `DataLoader` over this rank's share of `dataset` that reshuffles every epoch by itself.
 
-        One step sees `batch_size * world_size` samples (logged once, on rank 0). Each `for batch in loader`
-        starts a new epoch of the `DistributedSampler` (no `set_epoch` to forget), while a peek such as
-        `next(iter(loader))` does not use one up; `loader.set_epoch(e)` makes the next one epoch `e`. The loader
-        is state: in `ctx.save({..., "loader": loader})` / `ctx.resume` it continues at the next batch, also on
-        another number of ranks (docs/data.md, "Exact resume"). DataLoader workers are seeded per rank, per
-        worker and per epoch.
+        One step sees `batch_size * ctx.dp_size` samples (logged once, on rank 0): `ctx.dp_size` is
+        `world_size` unless a ``tp`` mesh dimension gives each tensor-parallel group one batch. Each
+        `for batch in loader` starts a new epoch of the `DistributedSampler` (no `set_epoch` to forget), while a
+        peek such as `next(iter(loader))` does not use one up; `loader.set_epoch(e)` makes the next one epoch `e`.
+        The loader is state: in `ctx.save({..., "loader": loader})` / `ctx.resume` it continues at the next batch,
+        also on another number of ranks (docs/data.md, "Exact resume"). DataLoader workers are seeded per rank,
+        per worker and per epoch.
 
         Args:
             dataset: a map-style dataset (an `IterableDataset` must shard itself and is refused).
@@ -168,7 +202,7 @@ class Context:
                 `global_batch_change="continue"` lets a resume on a number of ranks the saved global batch
                 does not divide over go on with this per-rank batch (the default `"refuse"` raises).
         """
-        return data.dataloader(dataset, batch_size, self.sampler, rank=self.rank, seed=self.seed, device=self.device,
+        return data.dataloader(dataset, batch_size, self.sampler, rank=self.dp_rank, seed=self.seed, device=self.device,
                                shuffle=shuffle, drop_last=drop_last, tracker=self.run.loaders,
                                timer=self.run.timings.timed_batches, **kwargs)
 
@@ -184,7 +218,9 @@ class Context:
         """
         loader = loader if loader is not None else self.run.loaders.current()
         with self.run.collective("gather_for_metrics"):
-            return data.gather_for_metrics(value, loader, device=self._group_device)
+            group = self.run.mesh.dp_group if self.run.mesh is not None else None
+            side = {"group": group} if group is not None else {}
+            return data.gather_for_metrics(value, loader, device=self._group_device, **side)
 
     # -- models -------------------------------------------------------------------------------------------
     def wrap(
@@ -193,6 +229,8 @@ class Context:
         *,
         sync_batchnorm: bool = False,
         init: Callable[[nn.Module], None] | None = None,
+        parallelize: Any = None,
+        compile: bool = False,
         **ddp_kwargs: Any,
     ) -> nn.Module:
         """Move `model` to `ctx.device` and wrap it for the mode.
@@ -212,12 +250,20 @@ class Context:
                 SyncBatchNorm cannot train, it warns and keeps BatchNorm).
             init: fsdp mode, meta-device model only: `init(model)` initialises the materialised shards in place
                 (under `torch.no_grad()`) instead of the submodules' `reset_parameters()`.
+            parallelize: fsdp mode with a ``tp`` dimension in ``mesh=``: tensor parallelism applied first, either
+                torch's plan (``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}``, module paths to
+                ``ParallelStyle`` s, applied on ``ctx.mesh["tp"]``) or a function ``fn(model, mesh) -> model``
+                given the whole mesh; FSDP then shards over the data-parallel dimensions (docs/mesh.md).
+            compile: ``torch.compile`` the forward in place before wrapping; in fsdp mode each FSDP unit's
+                forward, before sharding, so FSDP's hooks stay outside the compiled code and the checkpoint keys
+                stay the bare module's (no ``_orig_mod.``).
             ddp_kwargs: in ddp mode, `DistributedDataParallel` options (`find_unused_parameters`, ...); in fsdp
                 mode, overrides of the `fsdp={...}` options for this model (e.g. `module_classes=[Block]`).
         """
         self.run.agree(model)  # every rank got the same cfg and built the same model (distfn.fingerprint)
         wrapped = wrapping.wrap(model, mode=self.mode, device=self.device, is_main=self.is_main,
-                                sync_batchnorm=sync_batchnorm, init=init, run=self.run, **ddp_kwargs)
+                                sync_batchnorm=sync_batchnorm, init=init, run=self.run, parallelize=parallelize,
+                                compile=compile, **ddp_kwargs)
         self._loop_state().track(wrapped)  # ctx.step(max_grad_norm=) clips in this model's parameter order
         return wrapped
 
@@ -389,19 +435,28 @@ class Context:
         with self.run.collective("barrier"):
             collectives.barrier(self.device)
 
-    def all_reduce(self, value: Any, op: str = "mean") -> Any:
-        """`value` reduced over all ranks (a collective: call it on every rank).
+    def all_reduce(self, value: Any, op: str = "mean", *, over: Literal["dp", "world"] = "dp") -> Any:
+        """`value` reduced over the ranks (a collective: call it on every rank).
 
         Args:
             value: a tensor, a Python number, or a dict of Python numbers (reduced in one collective); a number
                 comes back as a number (`float` for `"mean"`), a dict as a new dict of numbers.
             op: `"mean"`, `"sum"`, `"max"` or `"min"`.
+            over: `"dp"` (default): the data-parallel ranks, which is every rank unless ``mesh=`` has a ``tp``
+                dimension; then the ranks of one tensor-parallel group, which hold the same batch and the same
+                loss, count once (a `"sum"` of correct predictions is not multiplied by the tp size).
+                `"world"`: every rank.
         """
         device = self._group_device
+        mesh = self.run.mesh
+        group = mesh.dp_group if over == "dp" and mesh is not None else None
+        if over not in ("dp", "world"):
+            raise ConfigError(f"ctx.all_reduce(over={over!r}): use 'dp' (the data-parallel ranks) or 'world'")
+        side = {"group": group} if group is not None else {}  # the world: the call as it always was
         with self.run.collective("all_reduce"):
             if isinstance(value, torch.Tensor) and device is not None and value.device.type != device.type:
-                return collectives.all_reduce(value.to(device), op).to(value.device)
-            return collectives.all_reduce(value, op, device=device)
+                return collectives.all_reduce(value.to(device), op, **side).to(value.device)
+            return collectives.all_reduce(value, op, device=device, **side)
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, as a list indexed by rank, on every rank (a collective).

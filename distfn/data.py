@@ -394,6 +394,7 @@ def gather_for_metrics(
     loader: DistributedLoader | None = None,
     *,
     device: torch.device | None = None,
+    group: Any = None,
 ) -> Any:
     """Per-sample ``value`` from every rank, concatenated, without the sampler's padding duplicates.
 
@@ -405,6 +406,8 @@ def gather_for_metrics(
     and the rest are put in the sampler's order, so with ``shuffle=False`` row ``i`` of the epoch's result is
     ``dataset[i]``. Without a distfn loader the ranks' rows are concatenated in rank order, unfiltered.
     ``device``: where tensors travel for the collective (CUDA for NCCL); results come back on the input's device.
+    ``group``: the data-parallel ranks when a tensor-parallel mesh gives a tp group's ranks the same rows (they are
+    gathered once, from the group of this rank's tp index); ``None``: the world.
     """
     leaves = _tensor_leaves(value)
     if not leaves:
@@ -424,7 +427,7 @@ def gather_for_metrics(
             positions = positions[keep]
             leaves = [leaf[keep.to(leaf.device)] for leaf in leaves]
     if collectives.active():
-        leaves, everyone = collectives.gather_rows(leaves, positions, device=device)
+        leaves, everyone = collectives.gather_rows(leaves, positions, device=device, group=group)
         if everyone is not None:
             order = torch.argsort(everyone)
             leaves = [g[order.to(g.device)] for g in leaves]

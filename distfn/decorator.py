@@ -160,6 +160,7 @@ def distributed(
     max_restarts: int = 0,
     requeue: bool = False,
     track: str | Any | Sequence[str | Any] | None = None,
+    mesh: Mapping[str, int] | str | None = None,
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -210,6 +211,11 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             ``max_restarts``, ``requeue`` and a re-run that ``ctx.resume``-s; the cfg is logged as its parameters.
             A missing extra is a `ConfigError` naming it (``pip install 'distfn[mlflow]'``). See
             docs/tracking.md.
+        mesh: ``mode="fsdp"`` only: the ranks as a named mesh for 2-D parallelism, a mapping of
+            ``dp_replicate`` (whole replicas), ``dp_shard`` (FSDP's sharding) and ``tp`` (tensor parallel) to
+            sizes, one of them ``-1`` for the ranks left over, e.g. ``{"dp_replicate": 2, "dp_shard": -1}``
+            (HSDP) or ``{"dp_shard": -1, "tp": 2}`` (FSDP x TP); ``"auto"``: replicate across nodes, shard
+            within one. ``ctx.mesh`` is the ``DeviceMesh``. See docs/mesh.md.
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take
@@ -223,7 +229,7 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     (checked the same way), e.g. ``train.options(precision="16" if cfg.use_amp else "32")(cfg)``; and the
     environment overrides them at each call: ``DISTFN_NPROCS``, ``DISTFN_PRECISION``, ``DISTFN_BACKEND``,
     ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), ``DISTFN_MAX_RESTARTS``, ``DISTFN_REQUEUE`` (1/0),
-    ``DISTFN_LAUNCHER``, over
+    ``DISTFN_LAUNCHER``, ``DISTFN_MESH`` (``dp_replicate=2,dp_shard=-1`` or ``auto``), over
     both the decorator and ``fn.options``.
     """
     opts = make_options(options)

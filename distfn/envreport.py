@@ -216,6 +216,8 @@ def _plan(plan: CallPlan | None, error: str | None, cuda: Mapping[str, Any],
                    rendezvous=f"{plan.layout.master_addr}:{plan.layout.master_port}")
     if plan.launches:
         out["start_method"], out["start_method_reason"] = start_method
+    if plan.opts.mesh is not None:
+        out["mesh"] = _mesh(plan)
     mapping = {m["index"]: m["physical"] for m in cuda["mapping"]}
     out["ranks"], out["devices"] = [], []
     for rank, local_rank in plan.local_ranks():
@@ -224,6 +226,19 @@ def _plan(plan: CallPlan | None, error: str | None, cuda: Mapping[str, Any],
         out["devices"].append({"local_rank": local_rank, "device": str(where),
                                "physical_gpu": mapping.get(where.index) if where.index is not None else None})
     return out
+
+
+def _mesh(plan: CallPlan) -> str:
+    """``DISTFN_MESH`` as the call would lay it out: the spec, and the sizes on the plan's world when known."""
+    spec = plan.opts.mesh
+    world = plan.world_size
+    if spec is None or world is None:
+        return spec.describe() if spec is not None else ""
+    where = plan.layout if plan.layout is not None else plan.topology
+    layout = spec.resolve(world, num_nodes=where.num_nodes if where is not None else 1,
+                          local_world_size=where.local_world_size if where is not None else None)
+    return (f"{spec.describe()} -> {layout.describe()} ({layout.dp_size} data-parallel rank(s), "
+            f"tensor parallel {layout.tp_size})")
 
 
 def _call_plan(opts: Options, env: Mapping[str, str], argv: Sequence[str],
@@ -261,7 +276,9 @@ def collect(env: Mapping[str, str] | None = None, argv: Sequence[str] | None = N
     detected = describe(env, argv, opts.launcher)
     start_method = _start_method()
     cuda = _cuda(env)
-    plan, error = _call_plan(make_options({"launcher": launcher}), env, argv, cuda["device_count"])
+    # DISTFN_MESH applies to mode="fsdp" only: with it set, the plan shown is an fsdp call's (a ddp call refuses it)
+    planned = {"launcher": launcher, **({"mode": "fsdp"} if env.get("DISTFN_MESH", "").strip() else {})}
+    plan, error = _call_plan(make_options(planned), env, argv, cuda["device_count"])
     if plan is not None and plan.kind == "one-process":
         # One process runs in place (no worker is started): what the run itself reports as `local`.
         detected = {**detected, "launcher": "local", "reason": plan.reason}
@@ -343,6 +360,8 @@ def render(info: Mapping[str, Any]) -> str:
         where = d["device"] + (f" (physical GPU {d['physical_gpu']})" if d["physical_gpu"] is not None else "")
         out.append(_line(f"local rank {d['local_rank']}", where))
     out.append(_line("backend", f"{plan['backend']} (default for these devices)"))
+    if plan.get("mesh"):
+        out.append(_line("mesh (fsdp)", plan["mesh"]))
     out += ["", "versions"]
     for key in ("python", "platform", "torch", "cuda", "driver", "nccl", "cudnn", "safetensors", "attrs", "loguru",
                 "numpy", "tqdm", "cloudpickle", "ray"):

@@ -31,11 +31,13 @@ import torch.distributed as dist
 from loguru import logger
 from torch import nn
 
+from . import tensor_parallel
 from .devices import collective_device
 from .errors import ConfigError
 from .fsdp_hooks import bracket_final_callback
 from .fsdp_options import FsdpOptions, MixedPrecision, parse_options
 from .fsdp_state import is_sharded, load, save
+from .mesh import Mesh
 
 __all__ = ["FsdpOptions", "MixedPrecision", "bracket_final_callback", "is_meta", "is_sharded", "load", "materialize",
            "parse_options", "plan_units", "required_backend", "save", "wrap"]
@@ -115,6 +117,9 @@ def wrap(
     *,
     init: Callable[[nn.Module], None] | None = None,
     on_forward: Callable[[], None] | None = None,
+    mesh: Mesh | None = None,
+    parallelize: tensor_parallel.Parallelize | None = None,
+    compile: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard``: the planned units, then the root.
 
@@ -130,6 +135,11 @@ def wrap(
         init: for a meta model, initialises the materialised shards in place (called as ``init(model)`` under
             ``torch.no_grad()``); by default every submodule's ``reset_parameters()``. An error otherwise.
         on_forward: called before every forward of the model (the run's sync point, `distfn.run.Run.sync_point`).
+        mesh: the run's named mesh (`distfn.mesh.Mesh`): FSDP shards over its data-parallel dimensions (both:
+            HSDP, replicated over ``dp_replicate``, sharded over ``dp_shard``); ``None``: every rank, 1-D.
+        parallelize: tensor parallelism applied first on the mesh's ``tp`` dimension (`distfn.tensor_parallel`).
+        compile: ``torch.compile`` each unit's ``forward`` (the root's too) before sharding, in place: FSDP's
+            hooks stay outside the compiled code and the state dict's keys stay those of the bare module.
 
     Returns:
         The same module object, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
@@ -142,11 +152,19 @@ def wrap(
                           "(under `with torch.device('meta'):`); this model already holds its values: drop init=")
     if meta and init is None:
         _check_resettable(model)
+    model = _tensor_parallel(model, mesh, parallelize, meta)
     kwargs = options.fully_shard_kwargs(device)
+    dp_mesh = mesh.dp_mesh() if mesh is not None else None
+    if dp_mesh is not None:
+        kwargs["mesh"] = dp_mesh
     units = plan_units(model, options)
-    for unit in units:
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    if compile:
+        for module in (*units, model):
+            compile_forward(module)
+    if dp_mesh is not None or mesh is None:
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
     if meta:
         materialize(model, device, init=init, offload=options.cpu_offload)
     if on_forward is not None:
@@ -157,6 +175,33 @@ def wrap(
     local = sum(_local(p).numel() for p in model.parameters())
     logger.debug("fsdp: {} unit(s) + root; {} of {} parameters held on this rank", len(units), local, total)
     return model
+
+
+def _tensor_parallel(model: nn.Module, mesh: Mesh | None, parallelize: tensor_parallel.Parallelize | None,
+                     meta: bool) -> nn.Module:
+    """``model`` split over the mesh's ``tp`` dimension by ``parallelize`` (unchanged without one); a ``tp``
+    dimension without a plan, or a plan without one, is a `ConfigError` before any collective."""
+    tp_mesh = mesh.tp_mesh() if mesh is not None else None
+    if parallelize is None:
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            raise ConfigError(f"mesh has a 'tp' dimension of {tp_mesh.size()} ranks, but ctx.wrap got no plan for it: "
+                              "pass ctx.wrap(model, parallelize={'fc1': ColwiseParallel(), 'fc2': RowwiseParallel()}) "
+                              "or a function fn(model, mesh) -> model, or drop 'tp' from mesh=")
+        return model
+    if tp_mesh is None or mesh is None:
+        raise ConfigError("ctx.wrap(model, parallelize=...) splits layers over the mesh's 'tp' dimension, but the run "
+                          "has none: add it, e.g. @distributed(mode='fsdp', mesh={'dp_shard': -1, 'tp': 2})")
+    if meta:
+        raise ConfigError("ctx.wrap(model, parallelize=...) needs a model with its values (torch's parallelize_module "
+                          "scatters them from the tp group's first rank); build it on the CPU, or materialise it first")
+    return tensor_parallel.apply(model, parallelize, mesh.device_mesh, tp_mesh)
+
+
+def compile_forward(module: nn.Module) -> None:
+    """``torch.compile`` ``module.forward`` in place (an attribute of the instance): the module's hooks, FSDP's
+    all-gathers among them, run eagerly around the compiled code, and no ``_orig_mod.`` wrapper enters the module
+    tree, so checkpoint keys stay the bare module's."""
+    module.forward = torch.compile(module.forward)
 
 
 def _forward_hook(note: Callable[[], None]) -> Callable[[nn.Module, Any], None]:

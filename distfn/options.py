@@ -22,6 +22,7 @@ import attrs
 import torch.distributed as dist
 
 from .errors import ConfigError
+from .mesh import MeshSpec, parse_text
 
 if TYPE_CHECKING:
     from .tracking.base import Backend
@@ -84,6 +85,7 @@ ENV_OVERRIDES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "DISTFN_MAX_RESTARTS": ("max_restarts", int),
     "DISTFN_REQUEUE": ("requeue", lambda text: parse_flag(text)),
     "DISTFN_LAUNCHER": ("launcher", str.strip),
+    "DISTFN_MESH": ("mesh", parse_text),
 }
 
 #: Set by distfn's launcher in the environment of its workers: which attempt of the job they run (see
@@ -325,6 +327,11 @@ def check_fsdp(value: Any) -> Any:
     return parse_options(value)
 
 
+def check_mesh(value: Any) -> MeshSpec | None:
+    """``mesh=`` -> `distfn.mesh.MeshSpec` (``None``: plain FSDP over every rank)."""
+    return MeshSpec.parse(value)
+
+
 def check_track(value: Any) -> tuple[Backend, ...]:
     """``track=`` -> the backends' settings (`distfn.tracking.spec.parse_track`); ``None``: no tracking."""
     if value is None:
@@ -356,6 +363,7 @@ class Options:
     max_restarts: int = attrs.field(default=0, converter=check_max_restarts)
     requeue: bool = attrs.field(default=False, converter=check_requeue)
     track: tuple[Backend, ...] = attrs.field(default=None, converter=check_track)
+    mesh: MeshSpec | None = attrs.field(default=None, converter=check_mesh)
 
     def __attrs_post_init__(self) -> None:
         if self.one_process and self.nprocs not in (None, 1):
@@ -363,6 +371,11 @@ class Options:
                               "use mode='ddp' for several processes")
         if self.fsdp is not None and not self.shards_state:
             raise ConfigError(f"fsdp= options were given but mode={self.mode!r}; use mode='fsdp' or drop fsdp=")
+        if self.mesh is not None and not self.shards_state:
+            raise ConfigError(f"mesh={self.mesh.describe()!r} lays out FSDP's ranks (HSDP, FSDP x TP), but "
+                              f"mode={self.mode!r}; use mode='fsdp' or drop mesh=")
+        if self.mesh is not None and self.nprocs is not None:
+            self.mesh.resolve(self.nprocs)  # a ConfigError now, at decoration, when the sizes cannot fill nprocs
         if self.devices is not None and self.nprocs is not None and self.multi_rank \
                 and self.nprocs > len(self.devices) and (self.backend or "nccl") == "nccl":
             raise ConfigError(f"nprocs={self.nprocs} is more than the {len(self.devices)} GPU(s) in "

@@ -188,6 +188,18 @@ def plan_call(opts: Options, env: Mapping[str, str], argv: Sequence[str], gpus: 
         ConfigError: an environment override that is not valid, or options that cannot run this way.
         LauncherError: launcher variables that are missing or contradict each other (named, with the fix).
     """
+    plan = _plan_call(opts, env, argv, gpus, nested)
+    mesh, world = plan.opts.mesh, plan.world_size
+    if mesh is not None and world is not None and plan.kind != "nested":
+        # the mesh's sizes against the job's ranks, before any process starts (the ranks check again, all alike)
+        where = plan.layout if plan.layout is not None else plan.topology
+        mesh.resolve(world, num_nodes=where.num_nodes if where is not None else 1,
+                     local_world_size=where.local_world_size if where is not None else None)
+    return plan
+
+
+def _plan_call(opts: Options, env: Mapping[str, str], argv: Sequence[str], gpus: Callable[[], int],
+               nested: bool) -> CallPlan:
     opts = with_env(opts, env)  # DISTFN_PRECISION, DISTFN_LAUNCHER & co., as the call sees them
     if nested:
         return CallPlan(kind="nested", opts=opts, nprocs=0, source="", counted_by="nested",

@@ -51,6 +51,7 @@ from .data import LastLoader
 from .fingerprint import Agreement
 from .fsdp_options import FsdpOptions
 from .ledger import LEDGER, Ledger
+from .mesh import Mesh
 from .options import DEFAULT_TIMEOUT, Mode, shards_state
 from .preemption import StopSignals
 from .rankstore import Channel, default_store
@@ -136,6 +137,8 @@ class Run:
         timings: this rank's step accounting (data wait / compute / comm, `distfn.timings`): ``ctx.wrap`` and
             ``ctx.dataloader`` feed it, ``ctx.timings()`` reads it, `close` logs its summary on rank 0.
         ledger: the ledger of this process's main-thread collectives (`distfn.ledger`), which the hang report reads.
+        mesh: the run's named device mesh (`distfn.mesh.Mesh`: ``mesh=``, else one ``dp_shard`` dimension over
+            every rank), made at start-up on every rank of a multi-rank run; ``None`` in one process.
     """
 
     mode: Mode = "single"
@@ -154,6 +157,7 @@ class Run:
     tracking: Session | None = None
     timings: Timings = attrs.field(factory=Timings)
     ledger: Ledger = LEDGER
+    mesh: Mesh | None = None
     _services: list[_Service] = attrs.field(factory=list, init=False)
     _blocks: dict[str, _Collective] = attrs.field(factory=dict, init=False)
     _closed: bool = attrs.field(default=False, init=False)

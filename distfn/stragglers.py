@@ -191,19 +191,27 @@ def totals_row(sums: Sequence[float], steps: int, *, rank: int, host: str) -> Ra
     return RankTimes(rank, host, steps, *parts)
 
 
-def find_straggler(rows: Sequence[RankTimes]) -> Straggler | None:
+def find_straggler(rows: Sequence[RankTimes], groups: Sequence[Sequence[int]] = ()) -> Straggler | None:
     """The rank whose busy time exceeds the others' median beyond the thresholds above, with its cause.
 
     When the comm part was measured, the slow rank must also wait no longer than the others' median there: the
     rank that arrives last at the all-reduce waits least, so a rank that is busy *and* waits is not what holds
     the others up (it is a noisy reading).
+
+    ``groups``: the tensor-parallel groups of a ``mesh=`` with a ``tp`` dimension. The ranks of one group wait for
+    each other inside every forward (their collectives count as compute), so a slow rank makes its whole group
+    look slow: it is compared with the ranks *outside* its group only, and a job that is one group has no
+    straggler (a tensor-parallel group is not a straggler of itself).
     """
     import statistics  # see `summarise`
 
     if len(rows) < 2:
         return None
     slow = max(rows, key=lambda r: r.busy)
-    others = [r for r in rows if r is not slow]
+    peers = next((set(g) for g in groups if slow.rank in g), {slow.rank})
+    others = [r for r in rows if r.rank not in peers]
+    if not others:
+        return None
     busy = statistics.median(r.busy for r in others)
     step = statistics.median(r.step.typical for r in rows)
     excess = slow.busy - busy

@@ -437,6 +437,8 @@ class Timings:
     channel: Channel | None = None
     history: History | None = None
     on_table: Callable[[TimingTable], None] | None = None
+    #: the tensor-parallel groups of the run's mesh (`distfn.stragglers.find_straggler`), empty without ``tp``
+    groups: tuple[tuple[int, ...], ...] = ()
     _recorder: Recorder | None = None
     _exchange: _Rows | None = None
     _host: str = attrs.field(factory=socket.gethostname)
@@ -545,7 +547,7 @@ class Timings:
                 return  # a rank has not written this window yet: try again at the next one
             rows = [mine, *(stragglers.from_payload(p["row"]) for p in payloads)]
             self._unread.popleft()
-            straggler = stragglers.find_straggler(rows)
+            straggler = stragglers.find_straggler(rows, self.groups)
             self.latest = TimingTable(tuple(rows), steps=mine.steps, window=number, straggler=straggler)
             self._record(self.latest)
             warn = self._detector.observe(straggler)
@@ -600,7 +602,7 @@ class Timings:
                 for p in payloads if p.get("steps")]  # a rank that failed sent no steps
         if not rows:
             return None
-        found = stragglers.find_straggler(rows)
+        found = stragglers.find_straggler(rows, self.groups)
         if found is not None and self._windows >= self._detector.windows and not self._detector.warned(found):
             # Over a run long enough for the persistent rule, a straggler it never named is a few slow steps
             # (start-up, a checkpoint save on rank 0) weighing on the means: not the rank the job waited for.

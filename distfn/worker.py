@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from loguru import logger
 
-from . import devices, failures, fsdp, hangs, logs, preemption, rendezvous
+from . import devices, failures, fsdp, hangs, logs, mesh, preemption, rendezvous
 from .context import Context
 from .options import restart_attempt
 from .process import WORKER_NAME as WORKER_NAME
@@ -80,6 +81,23 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
     rendezvous.init_process_group(topology, backend, hangs.group_timeout(opts.timeout, backend), store=store,
                                   init_method=opts.init_method, device=device)
     return backend
+
+
+def _mesh(opts: Options, topology: Topology, device: torch.device, life: Run) -> mesh.Mesh:
+    """The run's named mesh (``mesh=``, else one ``dp_shard`` dimension over every rank), built by every rank at
+    the same point of start-up: a multi-dimensional mesh makes process groups. Sizes that do not fit the world are
+    the same `ConfigError` on every rank, before any group is made (the plan checked them already where it knew the
+    world size)."""
+    spec = opts.mesh if opts.mesh is not None else mesh.MeshSpec(sizes=(("dp_shard", -1),))
+    layout = spec.resolve(topology.world_size, num_nodes=topology.num_nodes,
+                          local_world_size=topology.local_world_size)
+    built = mesh.build(layout, device.type)
+    if layout.tp_size > 1:  # a tp group waits for its slowest member inside forward: not a straggler of itself
+        life.timings.groups = tuple(tuple(g) for g in layout.groups(("tp",)))
+    if opts.mesh is not None and topology.rank == 0:
+        logger.info("mesh: {} ({} data-parallel rank(s), tensor parallel {})", layout.describe(), layout.dp_size,
+                    layout.tp_size)
+    return built
 
 
 def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None:
@@ -139,6 +157,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         if opts.multi_rank:
             backend = _join_group(opts, topology, device, store)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
+            life.mesh = _mesh(opts, topology, device, life)
         _log_start(log, topology, device, backend, threads)
         ctx = _context(topology, device=device, backend=backend, opts=opts, log=log, run=life)
         result = fn(cfg, ctx)

@@ -18,6 +18,7 @@ from . import fsdp
 from .errors import ConfigError
 from .ledger import LEDGER
 from .options import MULTI_RANK_MODES, Mode, shards_state
+from .tensor_parallel import Parallelize
 
 if TYPE_CHECKING:
     from .run import Run
@@ -32,6 +33,8 @@ def wrap(
     sync_batchnorm: bool = False,
     init: Callable[[nn.Module], None] | None = None,
     run: Run | None = None,
+    parallelize: Parallelize | None = None,
+    compile: bool = False,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """`model` on `device`, wrapped for `mode` (see `Context.wrap` for what each mode gets).
@@ -47,23 +50,19 @@ def wrap(
         run: fsdp mode, the run whose `fsdp={...}` options are the defaults, whose sync point every forward
             notes and which remembers the sharded model (`distfn.run.Run`); `None`: the default options alone.
             Every mode: the run's timings watch the returned model's steps (`distfn.timings`).
+        parallelize: fsdp mode with a ``tp`` mesh dimension: the tensor-parallel plan (`distfn.tensor_parallel`).
+        compile: ``torch.compile`` the forward in place before wrapping (fsdp: each unit's, before sharding).
         ddp_kwargs: `DistributedDataParallel` options (ddp), or `fsdp={...}` option overrides (fsdp).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"ctx.wrap expects a torch.nn.Module, got {type(model).__name__}")
     if ddp_kwargs and mode not in MULTI_RANK_MODES:
         raise ConfigError(f"DDP options {sorted(ddp_kwargs)} were given but mode={mode!r}")
+    _check_new_arguments(mode, parallelize, compile)
     if shards_state(mode):
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, device, warn=is_main)
-        # No model.to(device) first: fully_shard moves each unit to the device and shards it, one unit at a time,
-        # so a rank never holds the whole model on its GPU (and cpu_offload keeps the GPU free of it).
-        defaults = run.fsdp if run is not None else fsdp.FsdpOptions()
-        options = fsdp.parse_options(defaults, **ddp_kwargs) or defaults
-        model = fsdp.wrap(model, options, device, init=init, on_forward=run.sync_point if run is not None else None)
-        if run is not None:
-            run.wrapped.add(model)
-        return _timed(model, run, device)
+        return _sharded(model, device, init=init, run=run, parallelize=parallelize, compile=compile, **ddp_kwargs)
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         raise ConfigError(
             f"ctx.wrap got a model built on the meta device (no values), but mode={mode!r} keeps the whole model "
@@ -74,6 +73,8 @@ def wrap(
     if init is not None:
         raise ConfigError(f"ctx.wrap(model, init=...) is for meta-device models in mode='fsdp', not mode={mode!r}")
     model = model.to(device)
+    if compile:
+        fsdp.compile_forward(model)
     if mode == "ddp":
         if sync_batchnorm:
             model = convert_sync_batchnorm(model, device, warn=is_main)
@@ -85,6 +86,30 @@ def wrap(
         return _timed(wrapped, run, device)
     if mode == "dp":
         return _timed(DataParallel(model), run, device)
+    return _timed(model, run, device)
+
+
+def _check_new_arguments(mode: Mode, parallelize: Parallelize | None, compile: Any) -> None:
+    if not isinstance(compile, bool):
+        raise ConfigError(f"ctx.wrap(model, compile=...) takes True or False, got {compile!r}")
+    if parallelize is not None and not shards_state(mode):
+        raise ConfigError(f"ctx.wrap(model, parallelize=...) is tensor parallelism on a mesh of mode='fsdp', not "
+                          f"mode={mode!r}: use @distributed(mode='fsdp', mesh={{'dp_shard': -1, 'tp': 2}})")
+
+
+def _sharded(model: nn.Module, device: torch.device, *, init: Callable[[nn.Module], None] | None, run: Run | None,
+             parallelize: Parallelize | None, compile: bool, **overrides: Any) -> nn.Module:
+    """fsdp mode: ``model`` split by ``parallelize`` over the run's ``tp`` dimension, then sharded over its
+    data-parallel ones. No ``model.to(device)`` first: fully_shard moves each unit to the device and shards it,
+    one unit at a time, so a rank never holds the whole model on its GPU (and cpu_offload keeps the GPU free)."""
+    defaults = run.fsdp if run is not None else fsdp.FsdpOptions()
+    options = fsdp.parse_options(defaults, **overrides) or defaults
+    mesh = run.mesh if run is not None and run.mesh is not None and run.mesh.layout.names != ("dp_shard",) \
+        else None  # a 1-D mesh over every rank is fully_shard's own default
+    model = fsdp.wrap(model, options, device, init=init, on_forward=run.sync_point if run is not None else None,
+                      mesh=mesh, parallelize=parallelize, compile=compile)
+    if run is not None:
+        run.wrapped.add(model)
     return _timed(model, run, device)
 
 

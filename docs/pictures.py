@@ -8,6 +8,7 @@
   ``SUFFIX``, ``STEP_FILE``), `distfn.checkpoint.sharded.spec` (``shard_file``, ``PARTIAL``),
   `distfn.checkpoint.remote` (``COMMIT_SUFFIX``, ``_DATA``), `distfn.checkpoint.storage` (``TMP_MARK``) and
   `distfn.checkpoint.format` (the header's keys).
+- ``assets/mesh.svg`` (docs/mesh.md): which rank holds what on a 2 x 2 x 2 mesh, from `distfn.mesh.Layout`.
 
 - ``assets/timings.svg`` (docs/loop.md): what ``ctx.timings(plot=...)`` draws, by `distfn.timings_plot.svg` itself,
   from the points a real run's rank 0 kept (``assets/timings-run.json``; ``python docs/pictures.py --timings-run``
@@ -344,8 +345,51 @@ def timings_run() -> None:
                            encoding="utf-8")
 
 
+def mesh_picture() -> str:
+    """Which rank holds what on ``mesh={"dp_replicate": 2, "dp_shard": 2, "tp": 2}`` over 8 ranks (2 nodes of 4): the
+    coordinates, the batch and the rows of a column-split weight, all read from `distfn.mesh.Layout`."""
+    from distfn.mesh import DP_DIMS, MeshSpec
+
+    spec = MeshSpec.parse({"dp_replicate": 2, "dp_shard": 2, "tp": 2})
+    assert spec is not None
+    layout = spec.resolve(8, num_nodes=2, local_world_size=4)
+    rows = 8  # fc1.weight's rows: ColwiseParallel splits them over tp, FSDP then each tp half over dp_shard
+    svg = Svg(900, 350, "mesh={'dp_replicate': 2, 'dp_shard': 2, 'tp': 2} on 8 ranks: which rank holds what")
+    svg.text(20, 28, "@distributed(mode=\"fsdp\", mesh={\"dp_replicate\": 2, \"dp_shard\": 2, \"tp\": 2})  on 2 nodes "
+                     "of 4 ranks", mono=True, size=13)
+    tp, shard = layout.size("tp"), layout.size("dp_shard")
+    for node in range(layout.size("dp_replicate")):
+        x0 = 20 + node * 440
+        svg.box(x0, 48, 420, 230, fill=FILL2)
+        svg.text(x0 + 12, 70, f"node {node}  =  dp_replicate {node}: a whole replica", bold=True, size=13)
+        for rank in range(layout.world_size):
+            where = layout.coords(rank)
+            if where["dp_replicate"] != node:
+                continue
+            col = where["dp_shard"] * tp + where["tp"]
+            x, y = x0 + 12 + col * 101, 86
+            svg.box(x, y, 95, 176)
+            svg.text(x + 8, y + 20, f"rank {rank}", bold=True)
+            svg.text(x + 8, y + 42, f"dp_shard {where['dp_shard']}", size=12, mono=True)
+            svg.text(x + 8, y + 58, f"tp {where['tp']}", size=12, mono=True)
+            svg.text(x + 8, y + 84, f"batch {layout.dp_rank(rank)}", size=13)
+            per_tp = rows // tp
+            first = where["tp"] * per_tp + where["dp_shard"] * (per_tp // shard)
+            svg.text(x + 8, y + 110, "fc1.weight", size=12, mono=True, color=MUTED)
+            svg.text(x + 8, y + 126, f"rows {first}-{first + per_tp // shard - 1}", size=12, mono=True)
+            svg.text(x + 8, y + 152, "tp pair:" if where["tp"] == 0 else "", size=11, color=MUTED)
+            svg.text(x + 8, y + 166, "same batch" if where["tp"] == 0 else "", size=11, color=MUTED)
+    dp_groups = layout.groups(DP_DIMS)
+    svg.text(20, 300, f"tp groups {layout.groups(('tp',))}: one batch per group, a layer's columns split in it",
+             size=12)
+    svg.text(20, 318, f"dp groups {dp_groups}: the batches; gradients averaged over them", size=12)
+    svg.text(20, 336, "FSDP all-gathers within a node (dp_shard), replicas all-reduce across nodes (dp_replicate); "
+                      "a checkpoint stores each row once", size=12)
+    return svg.done()
+
+
 PICTURES = {"how-a-call-runs.svg": call_picture, "checkpoint-layout.svg": checkpoint_picture,
-            "timings.svg": timings_picture}
+            "timings.svg": timings_picture, "mesh.svg": mesh_picture}
 
 
 def render() -> dict[str, str]:

@@ -220,7 +220,7 @@ def test_gpu_check_script_fits_in_eight_minutes() -> None:
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     lines = [line.strip() for line in script.read_text().splitlines() if not line.lstrip().startswith("#")]
     steps = {line.split()[1]: int(line.split()[2]) for line in lines if line.startswith("step ")}
-    one_gpu = {name: limit for name, limit in steps.items() if name not in ("bench-step", "gpu-launch")}
+    one_gpu = {name: limit for name, limit in steps.items() if name not in ("bench-step", "gpu-launch", "gpu-mesh")}
     guards = [int(n) for line in lines if not line.startswith("step ") for n in re.findall(r"timeout (\d+)", line)]
     assert set(one_gpu) == {"gpu-tests", "distfn-test-gpu", "gpu-hang", "gpu-save"}
     assert sum(one_gpu.values()) + 10 * len(one_gpu) + sum(guards) < 8 * 60
@@ -367,3 +367,17 @@ def test_the_results_page_and_its_charts_are_drawn_from_the_committed_json(tmp_p
     assert all(f"{ratio:.2f}×" in ratios for _, ratio, _, _ in targets)
     scaling = texts(tmp_path / "bench-scaling.svg")
     assert {"floor: raw fork", "floor: dd+fdatasync", "floor: load_file", "floor: DCP FileSystemWriter"} <= set(scaling)
+
+
+@pytest.mark.slow
+def test_mesh_bench_smoke(tmp_path: Path) -> None:
+    """bench/bench_mesh.py --tiny (issue 45): the HSDP and TP steps against hand-written torch, the sharded save of
+    2 x 2 state against DCP, and the reshard load against a same-mesh load, each with its samples and targets."""
+    result = _run_module_tiny(tmp_path, "mesh")
+    hsdp, tp, save, load = result["tables"]
+    for table in (hsdp, tp, save, load):
+        assert all(len(r["samples"]) == 1 and r["median"] > 0 for r in table["rows"])
+    assert [t["variant"] for t in (*hsdp["targets"], *tp["targets"], *save["targets"])] == [
+        "distfn ctx.wrap (HSDP)", "distfn ctx.wrap(parallelize=plan)", "distfn sharded save"]
+    assert {r["variant"] for r in load["rows"]} == {"same-mesh load (TP 2 x DP 2)",
+                                                    "reshard load (HSDP 2x2 -> TP 2 x DP 2)"}

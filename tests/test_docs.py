@@ -509,7 +509,7 @@ def test_the_pictures_are_drawn_from_the_code_and_committed_as_drawn() -> None:
     pictures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pictures)
     drawn = pictures.render()
-    assert set(drawn) == {"how-a-call-runs.svg", "checkpoint-layout.svg", "timings.svg"}
+    assert set(drawn) == {"how-a-call-runs.svg", "checkpoint-layout.svg", "timings.svg", "mesh.svg"}
     for name, text in drawn.items():
         committed = (REPO / "docs" / "assets" / name).read_bytes()
         assert committed == text.encode(), f"docs/assets/{name} is stale: run python docs/pictures.py"
@@ -520,6 +520,8 @@ def test_the_pictures_are_drawn_from_the_code_and_committed_as_drawn() -> None:
         assert name in ckpt, name
     # the timings picture is ctx.timings(plot=...)'s own drawing of a recorded run: rank 3 named, in red
     assert "4 rank(s); straggler: rank 3 (vm), data</text>" in drawn["timings.svg"]
+    mesh = drawn["mesh.svg"]  # issue 45: every rank, its batch (a tp pair shares one) and its rows
+    assert all(f">rank {r}</text>" in mesh for r in range(8)) and mesh.count(">batch 3</text>") == 2
 
 
 @pytest.mark.slow

@@ -202,3 +202,14 @@ def test_what_the_examples_leave_behind_is_ignored_by_git() -> None:
     if done.returncode == 128:
         pytest.skip(f"not a git checkout: {done.stderr.strip()}")
     assert done.stdout.split() == leftovers
+
+
+def test_mesh_example_trains_hsdp_then_resumes_on_tp_x_dp(tmp_path: Path) -> None:
+    """examples/mesh.py: HSDP 2 x 2, then FSDP 2 x TP 2 resuming the HSDP run's sharded checkpoint (weights, AdamW
+    state and loader position resharded onto the other mesh), then the whole model in one process."""
+    out, first = run_example("mesh.py", "hsdp", str(tmp_path / "m"), cwd=tmp_path)
+    assert first is not None and first["mesh"] == ["dp_replicate", "dp_shard"] and first["step"] == 20
+    out, second = run_example("mesh.py", "tp", str(tmp_path / "m"), cwd=tmp_path)
+    assert second is not None and second["mesh"] == ["dp_shard", "tp"] and second["start"] == 20
+    assert second["step"] == 40 and second["loss"] < 1.0
+    assert "one process reads 17409 parameters" in out
