@@ -26,7 +26,7 @@ from . import collectives
 from .errors import CheckpointError
 
 __all__ = ["RNG", "combine_rng_states", "gather_rng_states", "gather_wait", "rng_state", "rng_state_for_rank",
-           "set_rng_state"]
+           "seed_all", "set_rng_state"]
 
 #: Seconds rank 0 waits in ``ctx.save(..., rng=True)`` for the other ranks to arrive before it calls the mistake
 #: an error (``DISTFN_RNG_SAVE_WAIT`` overrides). Ranks leave their last collective together, so a correct
@@ -41,6 +41,13 @@ def gather_wait() -> float:
     return float(os.environ.get("DISTFN_RNG_SAVE_WAIT", DEFAULT_GATHER_WAIT))
 
 _PARTS: Final = ("python", "torch", "numpy", "cuda")
+
+
+def seed_all(seed: int) -> None:
+    """Seed ``random``, NumPy and torch (CPU and every CUDA device, lazily) with ``seed``."""
+    random.seed(seed)
+    _numpy().random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:

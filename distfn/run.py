@@ -45,6 +45,7 @@ from loguru import logger
 from torch import nn
 
 from . import hangs
+from .boundary import Boundaries
 from .checkin import RULES, CheckIn
 from .checkpoint.background import Saves
 from .data import LastLoader
@@ -136,6 +137,10 @@ class Run:
         timings: this rank's step accounting (data wait / compute / comm, `distfn.timings`): ``ctx.wrap`` and
             ``ctx.dataloader`` feed it, ``ctx.timings()`` reads it, `close` logs its summary on rank 0.
         ledger: the ledger of this process's main-thread collectives (`distfn.ledger`), which the hang report reads.
+        boundaries: this rank's generator snapshots at each ``ctx.step`` (`distfn.boundary`), which a save on rank 0
+            alone writes for every rank; the answering thread runs from `connect` to `close`.
+        rank_seed: this rank's own seed under ``@distributed(seed=..., rank_seeds=True)`` (``seed + rank``), else
+            ``None``: what a rank the checkpoint has no stream for starts from.
     """
 
     mode: Mode = "single"
@@ -154,6 +159,8 @@ class Run:
     tracking: Session | None = None
     timings: Timings = attrs.field(factory=Timings)
     ledger: Ledger = LEDGER
+    boundaries: Boundaries = attrs.field(factory=Boundaries)
+    rank_seed: int | None = None
     _services: list[_Service] = attrs.field(factory=list, init=False)
     _blocks: dict[str, _Collective] = attrs.field(factory=dict, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -165,7 +172,9 @@ class Run:
         the services every run has (the background saves, the timings)."""
         run = cls(mode=opts.mode, fsdp=opts.fsdp or FsdpOptions(), stop=stop, timeout_s=opts.timeout.total_seconds(),
                   rank=topology.rank, world_size=topology.world_size,
-                  tracking=open_session(opts.track, cfg, topology.rank))
+                  tracking=open_session(opts.track, cfg, topology.rank),
+                  boundaries=Boundaries(topology.rank, topology.world_size),
+                  rank_seed=None if opts.seed is None or not opts.rank_seeds else opts.seed + topology.rank)
         run.ledger.reset()
         if run.tracking is not None:  # FINISHED / FAILED / KILLED, once; after a failure, before it is reported
             session = run.tracking
@@ -208,6 +217,8 @@ class Run:
         self.register("hang responder", fail=responder.on_failure, close=lambda _: responder.stop())
         self.agreement = Agreement.start(channel.child("fingerprint"), cfg, self.timeout_s)
         self.timings.channel = channel.child("timings")
+        self.boundaries.connect(channel.child("boundary"), wait_s=min(gather_wait(), self.timeout_s))
+        self.register("boundaries", close=lambda _: self.boundaries.close())
 
     def register(self, name: str, *, fail: Callable[[BaseException], None] | None = None,
                  close: Callable[[BaseException | None], None] | None = None) -> None:
