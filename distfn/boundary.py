@@ -3,7 +3,8 @@
 Why: an exact resume needs every rank's generator states, but the universal idiom saves from rank 0 alone
 (``if ctx.is_main: ctx.save(...)``), and a loop that prefetches its next batch has already drawn from the
 generators when it reaches the save. So each rank snapshots its generators (`distfn.rng.rng_state`, in memory, no
-collective, no store) at every ``ctx.step``, the step boundary every rank passes equally often, and keeps the
+collective, no store) at every ``ctx.step`` and ``ctx.resume``, the step boundaries every rank passes equally
+often, and keeps the
 last `RING` snapshots, each numbered by its boundary count (the same number on every rank of an SPMD loop). A
 save on rank 0 at boundary ``n`` asks the others for their snapshot ``n`` on the run's channel
 (`distfn.rankstore`): each rank's responder thread answers from its ring, waiting for its own main thread when it
@@ -35,7 +36,7 @@ from .errors import CheckpointError, ConfigError
 from .rankstore import Channel, poll
 from .rng import combine_rng_states, rng_state
 
-__all__ = ["RING", "Boundaries", "capture_enabled", "decode_tensor", "encode_tensor"]
+__all__ = ["RING", "Boundaries", "capture_enabled", "decode_answer", "decode_tensor", "encode_tensor"]
 
 #: Snapshots each rank keeps: how far another rank may run ahead of a saving rank 0 (in ``ctx.step`` calls).
 RING: Final = 16
@@ -89,16 +90,20 @@ def _encode(n: int, state: Mapping[str, Any], values: Mapping[str, torch.Tensor]
     return json.dumps(out)
 
 
-def _decode(raw: bytes) -> tuple[int, dict[str, Any] | None, dict[str, torch.Tensor] | None, str | None]:
-    """``(n, rng state, values, why missing)`` of one posted answer."""
-    d = json.loads(raw)
-    if "missing" in d:
-        return int(d["n"]), None, None, str(d["missing"])
-    state: dict[str, Any] = {"python": d["python"], "numpy": d["numpy"], "torch": decode_tensor(d["torch"])}
-    if "cuda" in d:
-        state["cuda"] = [decode_tensor(t) for t in d["cuda"]]
-    values = {k: decode_tensor(v) for k, v in d["values"].items()} if "values" in d else None
-    return int(d["n"]), state, values, None
+def decode_answer(raw: bytes) -> tuple[int, dict[str, Any] | None, dict[str, torch.Tensor] | None, str | None]:
+    """``(n, rng state, values, why missing)`` of one posted answer; a `CheckpointError` for anything else."""
+    try:
+        d = json.loads(raw)
+        if "missing" in d:
+            return int(d["n"]), None, None, str(d["missing"])
+        state: dict[str, Any] = {"python": list(d["python"]), "numpy": dict(d["numpy"]),
+                                 "torch": decode_tensor(d["torch"])}
+        if "cuda" in d:
+            state["cuda"] = [decode_tensor(t) for t in d["cuda"]]
+        values = {str(k): decode_tensor(v) for k, v in d["values"].items()} if "values" in d else None
+        return int(d["n"]), state, values, None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"a rank's boundary snapshot is malformed: {exc!r}") from exc
 
 
 class Boundaries:
@@ -147,8 +152,11 @@ class Boundaries:
         self._channel = channel
         self._wait_s = wait_s
         if self.rank != 0 and self.enabled:
-            self._thread = threading.Thread(target=self._serve, args=(channel.clone(),), daemon=True,
-                                            name="distfn-boundary")
+            try:
+                own = channel.clone()  # the thread's own connection: two threads must not share a socket
+            except (AttributeError, RuntimeError):  # a store that cannot be cloned (an in-process HashStore)
+                own = channel
+            self._thread = threading.Thread(target=self._serve, args=(own,), daemon=True, name="distfn-boundary")
             self._thread.start()
 
     def close(self) -> None:
@@ -198,9 +206,9 @@ class Boundaries:
             return None
         n = self.count
         if n == 0:
-            self._once("none", "ctx.save: no ctx.step has run yet in this run, so the ranks' random streams are not "
-                               "saved (they are taken at each ctx.step; a loop without ctx.step saves them with "
-                               "ctx.save(..., rng=True) called on every rank)")
+            self._once("none", "ctx.save: no ctx.step or ctx.resume has run yet, so the ranks' random streams are "
+                               "not saved (they are taken at each ctx.step; a loop without ctx.step saves them "
+                               "with ctx.save(..., rng=True) called on every rank)")
             return None
         own = self._entry(n)
         assert own is not None  # rank 0's newest entry is boundary n
@@ -242,7 +250,11 @@ class Boundaries:
                                f"within {self._wait_s:.0f} s, so this checkpoint holds none (a resume continues "
                                "with fresh streams)")
             return None
-        answers = [_decode(got[r]) for r in others]
+        try:
+            answers = [decode_answer(got[r]) for r in others]
+        except CheckpointError as exc:
+            self._once("malformed", f"ctx.save: {exc}; this checkpoint holds no random streams")
+            return None
         missing = [(r, a[3]) for r, a in zip(others, answers, strict=True) if a[3] is not None]
         if missing:
             self._once("missing", "ctx.save: the random streams of " + "; ".join(

@@ -164,7 +164,8 @@ def _with_streams(obj: Mapping[str, Any], rng: Mapping[str, Any] | None, run: Ru
         return obj
     streams, per_rank = found
     out = {**obj, "rng": streams}
-    if per_rank is not None and out.get("per_rank") is None:  # the values kept at that boundary, every rank's
+    out.pop("per_rank", None)  # what a resume put there is this rank's alone: the boundary's, every rank's, instead
+    if per_rank is not None:
         out["per_rank"] = per_rank
     return out
 
@@ -291,6 +292,7 @@ def resume_state(
                                   "fresh when there is none")
         if rank == 0:
             logger.info("ctx.resume: no checkpoint in {}: a fresh start", d)
+        run.boundaries.mark()  # a save before the first ctx.step writes the streams as they are here
         return 0
     last = d.child(name)
     step = step_of_path(last.path) or 0
@@ -303,6 +305,8 @@ def resume_state(
     streams: list[bool] = []
     load_state(last, state, mode=mode, rank=rank, world_size=world_size, device=device, run=run, strict=strict,
                rng=IF_PRESENT, restored=streams)
+    # a boundary on every rank: a save before the next ctx.step writes the restored streams (and per-rank values)
+    run.boundaries.mark(state.get("per_rank") if isinstance(state, Mapping) else None)
     if rank == 0:
         logger.info("ctx.resume: restored {} (step {}{}); {}", last, step, _position(state),
                     "every rank's random streams restored" if streams[0] else "no random streams saved: fresh ones")
