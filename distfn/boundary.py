@@ -34,7 +34,7 @@ from loguru import logger
 
 from .errors import CheckpointError, ConfigError
 from .rankstore import Channel, poll
-from .rng import combine_rng_states, rng_state
+from .rng import combine_rng_states, raw_rng_state, rng_state_of
 
 __all__ = ["RING", "Boundaries", "capture_enabled", "decode_answer", "decode_tensor", "encode_tensor"]
 
@@ -118,7 +118,7 @@ class Boundaries:
         self.rank, self.world_size = rank, world_size
         self.enabled = capture_enabled() if enabled is None else enabled
         self.count = 0
-        self._ring: collections.deque[tuple[int, dict[str, Any], dict[str, torch.Tensor] | None]] = \
+        self._ring: collections.deque[tuple[int, tuple[Any, ...], dict[str, torch.Tensor] | None]] = \
             collections.deque(maxlen=RING)
         self._moved = threading.Condition()
         self._channel: Channel | None = None
@@ -134,7 +134,7 @@ class Boundaries:
         values = _check_values(per_rank)
         if not self.enabled:
             return
-        state = rng_state()
+        state = raw_rng_state()  # converted only when a save asks for it
         with self._moved:
             self.count += 1
             self._ring.append((self.count, state, values))
@@ -142,10 +142,8 @@ class Boundaries:
 
     def _entry(self, n: int) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None:
         with self._moved:
-            for m, state, values in self._ring:
-                if m == n:
-                    return state, values
-        return None
+            found = next(((raw, values) for m, raw, values in self._ring if m == n), None)
+        return None if found is None else (rng_state_of(found[0]), found[1])
 
     def connect(self, channel: Channel, *, wait_s: float) -> None:
         """Speak on ``channel`` (the run's ``boundary`` child); on ranks other than 0 start the answering thread."""
@@ -168,7 +166,7 @@ class Boundaries:
             last = self._ring[-1] if self._ring else None
         if self._channel is not None and self.rank != 0 and last is not None:
             try:
-                self._channel.post("final", _encode(*last))
+                self._channel.post("final", _encode(last[0], rng_state_of(last[1]), last[2]))
             except Exception as exc:  # noqa: BLE001 - a store already gone: a final save will say so
                 logger.debug("boundary: could not post the last snapshot: {}", exc)
         if self._thread is not None:

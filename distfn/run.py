@@ -27,9 +27,9 @@ registers its steps once, where it starts (`_Service`); a new one is one registr
 hook around every collective distfn starts (the ``ctx`` ones and the checkpoint's): the sync point, the ledger
 entry the hang report reads and the step's comm time.
 
-Imports: `boundary`, `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `hangs`, `ledger`, `options`,
-`preemption`, `rankstore`, `rng`, `timings`, `topology` (types), `tracking.session` (the types of its parts and the
-rules that pick them); nothing imports it but `context`, `worker` and `checkpointing` (and, for annotations,
+Imports: `boundary`, `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `hangs`, `ledger`,
+`options`, `preemption`, `rankstore`, `rng`, `timings`, `topology` (types), `tracking.session` (the types of its parts
+and the rules that pick them); nothing imports it but `context`, `worker` and `checkpointing` (and, for annotations,
 the services it is passed to).
 """
 
