@@ -549,7 +549,7 @@ class Context:
 
         Args:
             state: what `ctx.load` restores in place (plain values such as ``"step"`` are replaced by the saved
-                ones). Random generator states saved with ``rng=True`` are restored too, each rank its own.
+                ones). The saved random generator states are restored too, each rank its own.
             directory: where the ``<prefix><step>.safetensors`` files (or sharded ``<prefix><step>``
                 directories) are; missing or empty means a fresh start.
             prefix: the name before the step number.
