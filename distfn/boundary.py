@@ -15,8 +15,9 @@ Per-rank values (``ctx.step(opt, per_rank={"X": X, "Y": Y})``, a prefetched batc
 the same boundary and travel the same way; tensors are encoded by dtype, shape and raw bytes, never pickled.
 
 Cost: one conversion-free copy of the generators' states per ``ctx.step`` (``bench/bench_step.py`` measures it,
-and compares against ``DISTFN_RNG_CAPTURE=0``, which turns the capture off); one store ``check`` per rank other
-than 0 every `POLL_S`; per save on rank 0, one request and one answer (a few KiB) per rank.
+and compares against ``DISTFN_RNG_CAPTURE=0``, which turns the capture off); the answering thread of each rank
+other than 0 blocks in the store's own ``wait`` (no polling); per save on rank 0, one request and one answer (a few KiB)
+per rank.
 
 Imports: `errors`, `rankstore`, `rng`.
 """
@@ -38,13 +39,11 @@ from .errors import CheckpointError, ConfigError
 from .rankstore import Channel, poll
 from .rng import combine_rng_states, raw_rng_state, rng_state_of
 
-__all__ = ["POLL_S", "RING", "Boundaries", "capture_enabled", "decode_answer", "decode_tensor", "encode_tensor"]
+__all__ = ["RING", "Boundaries", "capture_enabled", "decode_answer", "decode_tensor", "encode_tensor"]
 
 #: Snapshots each rank keeps: how far another rank may run ahead of a saving rank 0 (in ``ctx.step`` calls).
 RING: Final = 16
-#: Seconds between two looks of a rank's answering thread at the store (one ``check`` each): what a save on rank 0
-#: waits at most for the others' answers, beside the store's round trips.
-POLL_S: Final = 0.2
+_STOP: Final = b"stop"  # what a rank writes under its own request key to end its answering thread
 _DTYPES: Final = {str(d).removeprefix("torch."): d for d in (
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16, torch.bfloat16,
     torch.float32, torch.float64)}
@@ -130,6 +129,7 @@ class Boundaries:
         self._wait_s = 20.0  # `connect` sets the run's
         self._asked = 0  # rank 0: requests sent so far
         self._stop = threading.Event()
+        self._serving = 1  # ranks other than 0: the number of the request the thread waits for
         self._thread: threading.Thread | None = None
         self._said: set[str] = set()
 
@@ -175,17 +175,27 @@ class Boundaries:
             except Exception as exc:  # noqa: BLE001 - a store already gone: a final save will say so
                 logger.debug("boundary: could not post the last snapshot: {}", exc)
         if self._thread is not None:
+            try:  # wake the thread out of its wait (a request rank 0 sends later finds the last snapshot instead)
+                assert self._channel is not None
+                with self._moved:
+                    serving = self._serving
+                self._channel.set(f"want/{serving}/{self.rank}", _STOP.decode())
+            except Exception as exc:  # noqa: BLE001 - a daemon thread: it ends with the process anyway
+                logger.debug("boundary: could not wake the answering thread: {}", exc)
             self._thread.join(timeout=2)
 
     # -- ranks other than 0: the answering thread ---------------------------------------------------------------
     def _serve(self, channel: Channel) -> None:
-        asked = 1
         try:
-            while not self._stop.wait(POLL_S):
-                if channel.has(f"want/{asked}"):
-                    n = int(channel.get(f"want/{asked}"))
-                    channel.post(f"got/{asked}", self._answer(n))
-                    asked += 1
+            while not self._stop.is_set():
+                want = f"want/{self._serving}/{self.rank}"
+                channel.block(want)  # no polling: rank 0's request (or this rank's own close) wakes it
+                raw = channel.get(want)
+                if raw == _STOP or self._stop.is_set():
+                    return
+                channel.post(f"got/{self._serving}", self._answer(int(raw)))
+                with self._moved:  # `close` reads it under the same lock: it wakes the wait this thread enters next
+                    self._serving += 1
         except Exception as exc:  # noqa: BLE001 - the store went away (the job is being torn down): nothing to do
             logger.trace("boundary thread of rank {} ends: {}", self.rank, exc)
 
@@ -236,8 +246,9 @@ class Boundaries:
             return None
         self._asked += 1
         asked = self._asked
-        channel.set(f"want/{asked}", str(n))
         others = range(1, self.world_size)
+        for r in others:  # one key per rank: each answering thread blocks on its own
+            channel.set(f"want/{asked}/{r}", str(n))
         got: dict[int, bytes] = {}
         for _ in poll(self._wait_s):
             got.update(channel.read(f"got/{asked}", [r for r in others if r not in got]))
