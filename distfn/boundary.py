@@ -275,6 +275,11 @@ class Boundaries:
             return None
         return answers
 
+    def say_once(self, key: str, message: str) -> None:
+        """Warn ``message`` once per run (per ``key``): what a save could not capture."""
+        if self.enabled and self.count:
+            self._once(key, message)
+
     def _once(self, key: str, message: str) -> None:
         if key not in self._said:
             self._said.add(key)

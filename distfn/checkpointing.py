@@ -157,7 +157,10 @@ def _with_streams(obj: Mapping[str, Any], rng: Mapping[str, Any] | None, run: Ru
     rank 0 writes alone)."""
     if rng is not None:
         return {**obj, "rng": rng}
-    if not boundary:
+    if not boundary:  # every rank calls a sharded or fsdp save anyway: rng=True gathers the streams there
+        run.boundaries.say_once("layout", "ctx.save: a sharded or mode='fsdp' checkpoint holds the random streams "
+                                          "only with ctx.save(..., rng=True) (every rank calls it anyway); this one "
+                                          "holds none")
         return obj
     found = run.boundaries.collect()
     if found is None:
