@@ -275,8 +275,9 @@ def resume_state(
     that one and restores its RNG states when they were saved; returns its step (0: none, ``state`` untouched).
 
     ``start``: ``"auto"`` continues when there is a checkpoint; ``"resume"`` refuses a directory without one;
-    ``"fresh"`` refuses one that holds checkpoints on the job's first attempt (``restart`` 0; a restarted attempt
-    continues its own). Rank 0 logs one line saying what it restored, or that the run starts fresh."""
+    ``"fresh"`` refuses one that holds checkpoints on the job's first attempt (``restart`` 0 and no
+    ``SLURM_RESTART_COUNT``; a restarted or requeued attempt continues its own). Rank 0 logs one line saying what
+    it restored, or that the run starts fresh."""
     if start not in STARTS:
         raise ConfigError(f"ctx.resume(..., start={start!r}): start takes 'auto' (continue from the newest "
                           "checkpoint when there is one), 'resume' (there must be one) or 'fresh' (there must be "
@@ -299,7 +300,9 @@ def resume_state(
         return 0
     last = d.child(name)
     step = step_of_path(last.path) or 0
-    if start == "fresh" and restart == 0:
+    # a restarted attempt (ctx.restart) or a requeued Slurm job continues its own checkpoints
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0")
+    if start == "fresh" and restart == 0 and not requeued:
         raise CheckpointError(f"ctx.resume('{d}', start='fresh'): the directory already holds checkpoints (the newest "
                               f"is {name}, step {step}); a fresh run would continue it. Point the run at an empty "
                               "directory, delete them, or pass start='auto' to continue")

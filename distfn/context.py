@@ -556,8 +556,9 @@ class Context:
             strict: as in `ctx.load`.
             start: `"auto"` continues from the newest checkpoint when there is one; `"resume"` raises
                 `CheckpointError` when there is none; `"fresh"` raises when the directory already holds
-                checkpoints in the job's first attempt (`ctx.restart == 0`: a fresh run pointed at an old
-                directory must not silently continue it; a restarted attempt continues its own).
+                checkpoints in the job's first attempt (`ctx.restart == 0` and not a requeued Slurm job: a fresh
+                run pointed at an old directory must not silently continue it; a restarted attempt continues its
+                own).
             storage_options: for a URL, the fsspec file system's options (as in `ctx.save`).
 
         Rank 0 logs one line: the file, step, epoch and batch restored and whether the random streams were, or

@@ -188,7 +188,7 @@ def test_one_process_save_and_resume_continue_the_stream_and_the_per_rank_values
     assert torch.equal(entry["per_rank"]["ranks"][0]["X"], torch.tensor([7, 8]))
 
 
-def test_resume_start_switch(tmp_path: Path) -> None:
+def test_resume_start_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     empty, full = tmp_path / "empty", tmp_path / "full"
     run = Run()
     run.boundaries.mark()
@@ -205,6 +205,9 @@ def test_resume_start_switch(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"already holds checkpoints \(the newest is ckpt-3.safetensors, step 3"):
         resume(full, start="fresh")
     assert resume(full, start="fresh", restart=1) == 3  # a restarted attempt continues its own checkpoints
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # and so does a requeued Slurm job
+    assert resume(full, start="fresh") == 3
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
     with pytest.raises(ConfigError, match="start takes 'auto'"):
         resume(full, start="again")
 
