@@ -132,6 +132,7 @@ class Boundaries:
         self._serving = 1  # ranks other than 0: the number of the request the thread waits for
         self._thread: threading.Thread | None = None
         self._said: set[str] = set()
+        self._gave_up = False  # rank 0: a rank did not answer once; later saves do not wait for it again
 
     # -- every rank -------------------------------------------------------------------------------------------
     def mark(self, per_rank: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -214,7 +215,7 @@ class Boundaries:
     def collect(self) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """Rank 0: ``(rng entry, per-rank values entry or None)`` of every rank at boundary `count`, ready to save;
         ``None`` (and one line, once) when some rank's streams cannot be had."""
-        if not self.enabled:
+        if not self.enabled or self._gave_up:
             return None
         n = self.count
         if n == 0:
@@ -258,10 +259,11 @@ class Boundaries:
             if len(got) == len(others):
                 break
         late = [r for r in others if r not in got]
-        if late:
+        if late:  # not asked again: every later save would wait as long
+            self._gave_up = True
             self._once("late", f"ctx.save: rank(s) {late} did not send their random streams of ctx.step boundary {n} "
-                               f"within {self._wait_s:.0f} s, so this checkpoint holds none (a resume continues "
-                               "with fresh streams)")
+                               f"within {self._wait_s:.0f} s, so this checkpoint and the later ones hold none (a "
+                               "resume continues with fresh streams); do all ranks call ctx.step equally often?")
             return None
         try:
             answers = [decode_answer(got[r]) for r in others]

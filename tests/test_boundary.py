@@ -127,6 +127,8 @@ def test_what_cannot_be_captured_is_one_line_once(warnings_seen: list[str]) -> N
         one._thread.join(2)  # type: ignore[union-attr]
         zero.mark()
         assert zero.collect() is None
+        one.count = zero.count = 99
+        assert zero.collect() is None  # not asked again (no second wait), nothing said again
     finally:
         one.close()
     assert len(warnings_seen) == 3, warnings_seen
