@@ -25,7 +25,7 @@ import functools
 import os
 import pathlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -39,7 +39,7 @@ from .checkpoint import sharded as directories
 from .checkpoint.layout import Location, check_keep, resolve, step_of_path, wants_sharded
 from .errors import CheckpointError, ConfigError
 from .options import Mode, shards_state
-from .rng import gather_rng_states, rng_state_for_rank, set_rng_state
+from .rng import gather_rng_states, rng_state_for_rank, seed_all, set_rng_state
 from .run import Run
 
 __all__ = ["IF_PRESENT", "RngRestore", "load_state", "resume_state", "save_state"]
@@ -48,6 +48,9 @@ __all__ = ["IF_PRESENT", "RngRestore", "load_state", "resume_state", "save_state
 #: it does not (what ``ctx.resume`` does). ``rng=True`` stays strict: a checkpoint without them is an error there.
 IF_PRESENT: Literal["if-present"] = "if-present"
 RngRestore: TypeAlias = bool | Literal["if-present"]
+#: ``ctx.resume(..., start=)``: continue when there is a checkpoint, there must be one, there must be none.
+Start: TypeAlias = Literal["auto", "resume", "fresh"]
+STARTS: tuple[Start, ...] = ("auto", "resume", "fresh")
 
 
 _PER_RANK = r"rank[-_=.]?0*{rank}(?!\d)"
@@ -94,7 +97,7 @@ def save_state(
     run: Run,
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = None,
-    rng: bool = False,
+    rng: bool | Mapping[str, Any] | None = None,
     sharded: bool | None = None,
     blocking: bool = True,
     storage_options: Mapping[str, Any] | None = None,
@@ -114,10 +117,16 @@ def save_state(
         check_keep(keep, target, directory=False)
         target = api.check_file_target(target)  # marked checked: the writer below does not ask the store again
         # with rng=True the ranks meet in a collective below, where different paths are an error instead
-        if not rng and rank != 0 and re.search(_PER_RANK.format(rank=rank), target.given, re.IGNORECASE):
+        if rng is not True and rank != 0 and re.search(_PER_RANK.format(rank=rank), target.given, re.IGNORECASE):
             _warn_per_rank(target.given, rank)
     checked_in = False
-    if rng:
+    if rng is not True and rng is not False and rng is not None and not isinstance(rng, Mapping):
+        raise ConfigError(f"ctx.save(..., rng={rng!r}): rng takes None (the default: every rank's streams at its "
+                          "last ctx.step), True (gathered at the call, every rank calls ctx.save), False (none) or "
+                          "an RNG state to write (distfn.checkpoint.rng_state())")
+    if rank == 0 and rng is not True and rng is not False and isinstance(obj, Mapping) and "rng" not in obj:
+        obj = _with_streams(obj, rng, run, boundary=not as_directory and not shards_state(mode))
+    if rng is True:
         if not isinstance(obj, Mapping):
             raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
                               "{'model': model, 'optimizer': opt, 'step': step}")
@@ -141,6 +150,29 @@ def save_state(
     return target.path
 
 
+def _with_streams(obj: Mapping[str, Any], rng: Mapping[str, Any] | None, run: Run, *,
+                  boundary: bool) -> Mapping[str, Any]:
+    """Rank 0's state plus the generator states to write: ``rng`` as given, or (default) every rank's at its last
+    ``ctx.step`` with the per-rank values kept there (`distfn.boundary`; one-file saves outside fsdp mode, where
+    rank 0 writes alone)."""
+    if rng is not None:
+        return {**obj, "rng": rng}
+    if not boundary:  # every rank calls a sharded or fsdp save anyway: rng=True gathers the streams there
+        run.boundaries.say_once("layout", "ctx.save: a sharded or mode='fsdp' checkpoint holds the random streams "
+                                          "only with ctx.save(..., rng=True) (every rank calls it anyway); this one "
+                                          "holds none")
+        return obj
+    found = run.boundaries.collect()
+    if found is None:
+        return obj
+    streams, per_rank = found
+    out = {**obj, "rng": streams}
+    out.pop("per_rank", None)  # what a resume put there is this rank's alone: the boundary's, every rank's, instead
+    if per_rank is not None:
+        out["per_rank"] = per_rank
+    return out
+
+
 def load_state(
     path: str | os.PathLike[str] | Location,
     into: nn.Module | Mapping[str, Any],
@@ -153,6 +185,7 @@ def load_state(
     strict: bool = True,
     rng: RngRestore = False,
     storage_options: Mapping[str, Any] | None = None,
+    restored: list[bool] | None = None,
 ) -> dict[str, Any]:
     """``ctx.load``: the reader is chosen by what ``path`` is (a sharded directory: every rank reads its own
     slices, any world size and mode; a file: FSDP scatter in fsdp mode, else a plain restore).
@@ -160,6 +193,8 @@ def load_state(
     ``rng``: False leaves the RNG states alone (a saved ``"rng"`` entry is returned with the other values); True
     restores them and refuses a checkpoint without them; `IF_PRESENT` restores them when saved and goes on
     without them otherwise (a debug log says so). Another string is refused before anything is read.
+    ``restored``: a list this call appends whether it restored RNG states to (``ctx.resume``'s log line).
+    Per-rank values saved with the streams (``ctx.step(..., per_rank=)``) come back as this rank's alone.
     """
     if isinstance(rng, str) and rng != IF_PRESENT:  # a misspelt mode would otherwise be truthy, i.e. strict
         raise ConfigError(f"ctx.load(..., rng={rng!r}): rng takes True (restore the saved RNG states, an error when "
@@ -172,16 +207,53 @@ def load_state(
         values = fsdp_state.load(loc, into, device=device, strict=strict, run=run)
     else:
         values = restore.load_into(loc, into, device=device, strict=strict)
+    _per_rank_back(values, into, rank)
     if rng:
         saved = values.pop("rng", None)
+        if restored is not None:  # ctx.resume's line says whether the streams were there
+            restored.append(saved is not None)
         if saved is not None:
-            set_rng_state(rng_state_for_rank(saved, rank, world_size))
+            _restore_streams(saved, rank, world_size, run.rank_seed)
         elif rng != IF_PRESENT:
             raise CheckpointError(f"{loc} holds no RNG states; write it with ctx.save(..., rng=True), or load it with "
                                   f"rng={IF_PRESENT!r} to restore them only when saved")
         else:
             logger.debug("ctx.load: {} holds no RNG states; the generators are left as they are", loc)
     return values
+
+
+def _per_rank_back(values: dict[str, Any], into: Any, rank: int) -> None:
+    """This rank's per-rank values (``ctx.step(..., per_rank=)``) out of every rank's, into ``into["per_rank"]``
+    (when the state has that key) and the returned values; ``None`` for a rank the checkpoint has none for."""
+    saved = values.get("per_rank")
+    if not isinstance(saved, Mapping) or "ranks" not in saved or "world_size" not in saved:
+        return
+    ranks = list(saved["ranks"])
+    mine = dict(ranks[rank]) if rank < len(ranks) and ranks[rank] else None
+    values["per_rank"] = mine
+    if isinstance(into, MutableMapping) and "per_rank" in into:
+        into["per_rank"] = mine
+
+
+def _restore_streams(saved: Mapping[str, Any], rank: int, world_size: int, rank_seed: int | None) -> None:
+    """Restore this rank's generators from the saved entry. Under ``rank_seeds=True`` a rank the checkpoint has no
+    stream for (a resume on more ranks) starts its own stream ``seed + rank`` instead of repeating another rank's."""
+    ranks = saved.get("ranks")
+    if rank_seed is not None and isinstance(ranks, list) and rank >= len(ranks):
+        seed_all(rank_seed)
+        if rank == len(ranks):  # said once, by the first new rank
+            logger.warning("RNG states were saved by {} ranks, this job has {}: ranks {}..{} start their own streams "
+                           "(seed + rank, rank_seeds=True); the saved ranks continue theirs", len(ranks), world_size,
+                           len(ranks), world_size - 1)
+        return
+    if rank_seed is not None and isinstance(ranks, list) and world_size < len(ranks) and rank == 0:
+        logger.warning("RNG states were saved by {} ranks, this job has {}: the streams of ranks {}..{} end here; "
+                       "ranks 0..{} continue theirs", len(ranks), world_size, world_size, len(ranks) - 1,
+                       world_size - 1)
+    if rank_seed is not None and isinstance(ranks, list):
+        set_rng_state(ranks[rank])
+        return
+    set_rng_state(rng_state_for_rank(saved, rank, world_size))
 
 
 def resume_state(
@@ -195,10 +267,21 @@ def resume_state(
     run: Run,
     prefix: str = "ckpt-",
     strict: bool = True,
+    start: Start = "auto",
+    restart: int = 0,
     storage_options: Mapping[str, Any] | None = None,
 ) -> int:
     """``ctx.resume``: rank 0 picks the newest complete checkpoint (`distfn.checkpoint.latest`), every rank loads
-    that one and restores its RNG states when they were saved; returns its step (0: none, ``state`` untouched)."""
+    that one and restores its RNG states when they were saved; returns its step (0: none, ``state`` untouched).
+
+    ``start``: ``"auto"`` continues when there is a checkpoint; ``"resume"`` refuses a directory without one;
+    ``"fresh"`` refuses one that holds checkpoints on the job's first attempt (``restart`` 0 and no
+    ``SLURM_RESTART_COUNT``; a restarted or requeued attempt continues its own). Rank 0 logs one line saying what
+    it restored, or that the run starts fresh."""
+    if start not in STARTS:
+        raise ConfigError(f"ctx.resume(..., start={start!r}): start takes 'auto' (continue from the newest "
+                          "checkpoint when there is one), 'resume' (there must be one) or 'fresh' (there must be "
+                          "none, except in a restarted attempt)")
     run.saves.wait()  # a pending asynchronous save counts: it may be the newest checkpoint
     d = resolve(directory, storage_options)  # on every rank, with its options: the load below uses this location
     _shared(d, "ctx.resume")
@@ -207,10 +290,41 @@ def resume_state(
     with run.collective("broadcast_object"):  # a collective every rank makes
         name = collectives.broadcast_object(None if found is None else found.name)
     if name is None:
+        if start == "resume":
+            raise CheckpointError(f"ctx.resume('{d}', start='resume'): no complete checkpoint named {prefix}<step> "
+                                  "there; point it at the directory the run saved to, or use start='auto' to start "
+                                  "fresh when there is none")
+        if rank == 0:
+            logger.info("ctx.resume: no checkpoint in {}: a fresh start", d)
+        run.boundaries.mark()  # a save before the first ctx.step writes the streams as they are here
         return 0
     last = d.child(name)
+    step = step_of_path(last.path) or 0
+    # a restarted attempt (ctx.restart) or a requeued Slurm job continues its own checkpoints
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0")
+    if start == "fresh" and restart == 0 and not requeued:
+        raise CheckpointError(f"ctx.resume('{d}', start='fresh'): the directory already holds checkpoints (the newest "
+                              f"is {name}, step {step}); a fresh run would continue it. Point the run at an empty "
+                              "directory, delete them, or pass start='auto' to continue")
     if run.tracking is not None and run.tracking.active:  # rank 0: continue the run the checkpoint belongs to
         run.tracking.adopt(api.read_metadata(last))
+    streams: list[bool] = []
     load_state(last, state, mode=mode, rank=rank, world_size=world_size, device=device, run=run, strict=strict,
-               rng=IF_PRESENT)
-    return step_of_path(last.path) or 0
+               rng=IF_PRESENT, restored=streams)
+    # a boundary on every rank: a save before the next ctx.step writes the restored streams (and per-rank values)
+    run.boundaries.mark(state.get("per_rank") if isinstance(state, Mapping) else None)
+    if rank == 0:
+        logger.info("ctx.resume: restored {} (step {}{}); {}", last, step, _position(state),
+                    "every rank's random streams restored" if streams[0] else "no random streams saved: fresh ones")
+    return step
+
+
+def _position(state: Any) -> str:
+    """``, epoch E, batch B`` of the first data loader in ``state`` (as it will continue), or nothing."""
+    if isinstance(state, Mapping):
+        for value in state.values():
+            if hasattr(value, "state_dict") and hasattr(value, "next_epoch"):
+                where = value.state_dict()
+                return f", epoch {where['epoch']}, batch {where['batches']}"
+    return ""
+

@@ -333,10 +333,15 @@ class Context:
         """
         amp.backward(self._loop_state(), loss, **kwargs)
 
-    def step(self, *optimizers: Any, max_grad_norm: float | None = None, zero_grad: bool = True) -> bool:
+    def step(self, *optimizers: Any, max_grad_norm: float | None = None, zero_grad: bool = True,
+             per_rank: Mapping[str, torch.Tensor] | None = None) -> bool:
         """Step the optimizer(s) unless an accumulation window is still open; returns whether it stepped.
 
         With fp16 the GradScaler unscales, skips steps whose gradients overflowed and updates its scale.
+
+        Each call is a step boundary: this rank's random generator states are snapshot here (in memory, no
+        collective), and a later `ctx.save` on rank 0 alone writes every rank's snapshot of that boundary, so
+        `ctx.resume` continues each rank's streams exactly (docs/checkpoints.md, "Exact resume").
 
         Args:
             optimizers: the optimizer(s) to step.
@@ -344,8 +349,14 @@ class Context:
                 computation as `clip_grad_norm_(model.parameters(), max_grad_norm)` for the model(s) of
                 `ctx.wrap` / `ctx.accumulate`.
             zero_grad: set the gradients to `None` afterwards.
+            per_rank: `{name: tensor}` of this rank to keep with the boundary's snapshot, such as a batch
+                prefetched before this call (`per_rank={"X": X, "Y": Y}`): the next `ctx.save` writes every rank's,
+                and `ctx.resume` puts this rank's back under the state's `"per_rank"` key. Held by reference until
+                saved: do not change the tensors in place.
         """
-        return amp.step(self._loop_state(), *optimizers, max_grad_norm=max_grad_norm, zero_grad=zero_grad)
+        stepped = amp.step(self._loop_state(), *optimizers, max_grad_norm=max_grad_norm, zero_grad=zero_grad)
+        self.run.boundaries.mark(per_rank)
+        return stepped
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of the per-GPU losses `nn.DataParallel` returns when the loss is computed inside `forward`
@@ -497,7 +508,7 @@ class Context:
         metadata: Mapping[str, Any] | None = None,
         *,
         keep: int | None = None,
-        rng: bool = False,
+        rng: bool | Mapping[str, Any] | None = None,
         sharded: bool | None = None,
         blocking: bool = True,
         storage_options: Mapping[str, Any] | None = None,
@@ -514,9 +525,13 @@ class Context:
         gathers full state dicts to the CPU of rank 0 (a collective), which writes the same single file as DDP
         mode. Calling it on rank 0 only is detected and raises ``CheckpointError`` instead of hanging.
 
-        ``rng=True`` also stores every rank's random generator states (Python, NumPy, torch, CUDA) under
-        ``"rng"``, so that ``ctx.load(..., rng=True)`` continues bit-for-bit. Gathering them is a collective:
-        with ``rng=True`` every rank must call ``ctx.save`` (not only rank 0). ``obj`` must then be a mapping.
+        A training-state mapping also gets every rank's random generator states (Python, NumPy, torch, CUDA)
+        under ``"rng"``, by default those each rank had at its last `ctx.step` (snapshot there, brought to rank 0
+        through the run's store: still no collective, also under ``if ctx.is_main:``), together with the values
+        given to ``ctx.step(..., per_rank=)``; ``ctx.resume`` restores each rank's own, so the run continues
+        bit-for-bit, also when the loop draws its next batch before saving (docs/checkpoints.md, "Exact resume").
+        ``rng=True`` gathers them at the call instead (a collective: every rank must call ``ctx.save``);
+        ``rng=False`` stores none; a mapping (``distfn.checkpoint.rng_state()`` taken earlier) is written as given.
 
         Args:
             obj: a module, a `{name: tensor}` dict or a training-state mapping.
@@ -525,7 +540,8 @@ class Context:
             keep: with a step-numbered name such as `ckpt-1200.safetensors`, keep only the `keep` newest files
                 of that name in the directory (older ones are deleted once the new file is in place); `None`
                 keeps everything.
-            rng: also store every rank's random generator states (a collective, see above).
+            rng: which random generator states to store (see above): `None` (each rank's at its last
+                `ctx.step`; one-file saves outside `mode="fsdp"`), `True`, `False` or a state to write.
             sharded: write a sharded checkpoint directory, every rank its own shards (a collective: every rank
                 calls it; see docs/checkpoints.md, "Sharded checkpoints"). Default: in `mode="fsdp"` when `path`
                 does not end in `.safetensors`, else one file.
@@ -583,6 +599,7 @@ class Context:
         *,
         prefix: str = "ckpt-",
         strict: bool = True,
+        start: Literal["auto", "resume", "fresh"] = "auto",
         storage_options: Mapping[str, Any] | None = None,
     ) -> int:
         """Continue from the newest complete checkpoint in ``directory``: restore ``state`` and return its step.
@@ -593,12 +610,21 @@ class Context:
 
         Args:
             state: what `ctx.load` restores in place (plain values such as ``"step"`` are replaced by the saved
-                ones). Random generator states saved with ``rng=True`` are restored too, each rank its own.
+                ones). The saved random generator states are restored too, each rank its own.
             directory: where the ``<prefix><step>.safetensors`` files (or sharded ``<prefix><step>``
                 directories) are; missing or empty means a fresh start.
             prefix: the name before the step number.
             strict: as in `ctx.load`.
+            start: `"auto"` continues from the newest checkpoint when there is one; `"resume"` raises
+                `CheckpointError` when there is none; `"fresh"` raises when the directory already holds
+                checkpoints in the job's first attempt (`ctx.restart == 0` and not a requeued Slurm job: a fresh
+                run pointed at an old directory must not silently continue it; a restarted attempt continues its
+                own).
             storage_options: for a URL, the fsspec file system's options (as in `ctx.save`).
+
+        Rank 0 logs one line: the file, step, epoch and batch restored and whether the random streams were, or
+        that the run starts fresh. Values given to ``ctx.step(..., per_rank=)`` come back as this rank's under
+        ``state["per_rank"]`` (``None`` when the checkpoint holds none for this rank).
 
         Returns:
             The step in the newest complete checkpoint's name (0 when there is none; ``state`` is then left
@@ -607,5 +633,5 @@ class Context:
         from . import checkpointing as policy  # see `save`
 
         return policy.resume_state(state, directory, mode=self.mode, rank=self.rank, world_size=self.world_size,
-                                   device=self.device, run=self.run, prefix=prefix, strict=strict,
-                                   storage_options=storage_options)
+                                   device=self.device, run=self.run, prefix=prefix, strict=strict, start=start,
+                                   restart=self.restart, storage_options=storage_options)

@@ -161,6 +161,7 @@ def distributed(
     requeue: bool = False,
     track: str | Any | Sequence[str | Any] | None = None,
     mesh: Mapping[str, int] | str | None = None,
+    rank_seeds: bool = False,
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -180,6 +181,11 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
         backend: process-group backend; default ``"nccl"`` on CUDA devices, else ``"gloo"``.
         seed: when given, every rank seeds ``random``, NumPy, torch and CUDA with it before ``fn`` runs, so
             models initialise identically on all ranks.
+        rank_seeds: with ``seed``, rank r is seeded with ``seed + r`` instead (its own random stream, as
+            nanoGPT's ``1337 + rank``; ``ctx.seed`` stays ``seed``, so samplers still shuffle alike). ``ctx.wrap``
+            still starts every rank from rank 0's weights (DDP broadcasts them). Each rank's stream resumes
+            exactly (docs/checkpoints.md, "Exact resume"); a rank that a resume on more ranks adds starts from
+            ``seed + r``.
         timeout: seconds (or a ``timedelta``) for collectives and rendezvous; default 30 minutes.
         devices: GPUs to use, e.g. ``"0,5"`` or ``[0, 5]``, applied through ``CUDA_VISIBLE_DEVICES`` (program
             index 1 is then physical GPU 5). Rank r uses ``cuda:(local_rank % device_count)``.

@@ -280,6 +280,13 @@ def check_requeue(value: Any) -> bool:
     return value
 
 
+def check_rank_seeds(value: Any) -> bool:
+    """A bool: seed rank r with ``seed + r`` (its own random stream) instead of ``seed`` on every rank."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"rank_seeds must be True or False, got {value!r}")
+    return value
+
+
 def check_max_restarts(value: Any) -> int:
     """A non-negative int: how many times a failed self-spawned job is started again."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -364,8 +371,12 @@ class Options:
     requeue: bool = attrs.field(default=False, converter=check_requeue)
     track: tuple[Backend, ...] = attrs.field(default=None, converter=check_track)
     mesh: MeshSpec | None = attrs.field(default=None, converter=check_mesh)
+    rank_seeds: bool = attrs.field(default=False, converter=check_rank_seeds)
 
     def __attrs_post_init__(self) -> None:
+        if self.rank_seeds and self.seed is None:
+            raise ConfigError("rank_seeds=True seeds rank r with seed + r, but no seed= was given; pass both, e.g. "
+                              "@distributed(seed=1337, rank_seeds=True)")
         if self.one_process and self.nprocs not in (None, 1):
             raise ConfigError(f"mode={self.mode!r} runs one process, but nprocs={self.nprocs}; "
                               "use mode='ddp' for several processes")

@@ -23,6 +23,7 @@ Imports nothing from distfn.
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -155,6 +156,12 @@ class Channel:
             if found is not None:
                 return found
         return self.read(name, wanted)
+
+    def block(self, name: str, seconds: float = 7 * 86400.0) -> None:
+        """Block, without polling, until ``name`` exists (the store's own ``wait``): for a thread on its own connection
+        (`clone`) that has nothing else to do until asked (`distfn.boundary`'s answering thread). Raises the store's
+        error when ``seconds`` pass or the store goes away; whoever ends the thread wakes it by writing ``name``."""
+        self.store.wait([self.key(name)], datetime.timedelta(seconds=seconds))
 
     def others(self) -> list[int]:
         """Every rank but this one."""

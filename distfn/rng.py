@@ -25,8 +25,8 @@ from loguru import logger
 from . import collectives
 from .errors import CheckpointError
 
-__all__ = ["RNG", "combine_rng_states", "gather_rng_states", "gather_wait", "rng_state", "rng_state_for_rank",
-           "set_rng_state"]
+__all__ = ["RNG", "combine_rng_states", "gather_rng_states", "gather_wait", "raw_rng_state", "rng_state",
+           "rng_state_for_rank", "rng_state_of", "seed_all", "set_rng_state"]
 
 #: Seconds rank 0 waits in ``ctx.save(..., rng=True)`` for the other ranks to arrive before it calls the mistake
 #: an error (``DISTFN_RNG_SAVE_WAIT`` overrides). Ranks leave their last collective together, so a correct
@@ -43,6 +43,13 @@ def gather_wait() -> float:
 _PARTS: Final = ("python", "torch", "numpy", "cuda")
 
 
+def seed_all(seed: int) -> None:
+    """Seed ``random``, NumPy and torch (CPU and every CUDA device, lazily) with ``seed``."""
+    random.seed(seed)
+    _numpy().random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """Capture this process's random number generator states in a pickle-free form.
 
@@ -51,19 +58,30 @@ def rng_state() -> dict[str, Any]:
         "cuda": [uint8 tensor per device] (only if CUDA is already initialised)}``: tensors and JSON-able
         values only, so it can be a value of a training state passed to `distfn.checkpoint.save`.
     """
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
-    kind, keys, pos, has_gauss, cached = _numpy().random.get_state()
+    return rng_state_of(raw_rng_state())
+
+
+def raw_rng_state() -> tuple[Any, ...]:
+    """The generators' states as the libraries return them, copied but not converted: the cheap half of
+    `rng_state` (what ``ctx.step`` takes at every step; `rng_state_of` converts it when it is saved)."""
+    # Never initialise CUDA just to read its state: a process that has not used CUDA has nothing to restore.
+    cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return random.getstate(), _numpy().random.get_state(), torch.get_rng_state(), cuda
+
+
+def rng_state_of(raw: tuple[Any, ...]) -> dict[str, Any]:
+    """`rng_state`'s pickle-free form of what `raw_rng_state` took."""
+    (version, internal, gauss), (kind, keys, pos, has_gauss, cached), cpu, cuda = raw
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": cpu}
     state["numpy"] = {
         "kind": str(kind),
-        "keys": [int(k) for k in keys],
+        "keys": keys.tolist(),
         "pos": int(pos),
         "has_gauss": int(has_gauss),
         "cached_gaussian": float(cached),
     }
-    # Never initialise CUDA just to read its state: a process that has not used CUDA has nothing to restore.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 

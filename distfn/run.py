@@ -27,9 +27,9 @@ registers its steps once, where it starts (`_Service`); a new one is one registr
 hook around every collective distfn starts (the ``ctx`` ones and the checkpoint's): the sync point, the ledger
 entry the hang report reads and the step's comm time.
 
-Imports: `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `hangs`, `ledger`, `options`,
-`preemption`, `rankstore`, `rng`, `timings`, `topology` (types), `tracking.session` (the types of its parts and the
-rules that pick them); nothing imports it but `context`, `worker` and `checkpointing` (and, for annotations,
+Imports: `boundary`, `checkin`, `checkpoint.background`, `data`, `fingerprint`, `fsdp_options`, `hangs`, `ledger`,
+`options`, `preemption`, `rankstore`, `rng`, `timings`, `topology` (types), `tracking.session` (the types of its parts
+and the rules that pick them); nothing imports it but `context`, `worker` and `checkpointing` (and, for annotations,
 the services it is passed to).
 """
 
@@ -45,6 +45,7 @@ from loguru import logger
 from torch import nn
 
 from . import hangs
+from .boundary import Boundaries
 from .checkin import RULES, CheckIn
 from .checkpoint.background import Saves
 from .data import LastLoader
@@ -139,6 +140,10 @@ class Run:
         ledger: the ledger of this process's main-thread collectives (`distfn.ledger`), which the hang report reads.
         mesh: the run's named device mesh (`distfn.mesh.Mesh`: ``mesh=``, else one ``dp_shard`` dimension over
             every rank), made at start-up on every rank of a multi-rank run; ``None`` in one process.
+        boundaries: this rank's generator snapshots at each ``ctx.step`` (`distfn.boundary`), which a save on rank 0
+            alone writes for every rank; the answering thread runs from `connect` to `close`.
+        rank_seed: this rank's own seed under ``@distributed(seed=..., rank_seeds=True)`` (``seed + rank``), else
+            ``None``: what a rank the checkpoint has no stream for starts from.
     """
 
     mode: Mode = "single"
@@ -158,6 +163,8 @@ class Run:
     timings: Timings = attrs.field(factory=Timings)
     ledger: Ledger = LEDGER
     mesh: Mesh | None = None
+    boundaries: Boundaries = attrs.field(factory=Boundaries)
+    rank_seed: int | None = None
     _services: list[_Service] = attrs.field(factory=list, init=False)
     _blocks: dict[str, _Collective] = attrs.field(factory=dict, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -169,7 +176,9 @@ class Run:
         the services every run has (the background saves, the timings)."""
         run = cls(mode=opts.mode, fsdp=opts.fsdp or FsdpOptions(), stop=stop, timeout_s=opts.timeout.total_seconds(),
                   rank=topology.rank, world_size=topology.world_size,
-                  tracking=open_session(opts.track, cfg, topology.rank))
+                  tracking=open_session(opts.track, cfg, topology.rank),
+                  boundaries=Boundaries(topology.rank, topology.world_size),
+                  rank_seed=None if opts.seed is None or not opts.rank_seeds else opts.seed + topology.rank)
         run.ledger.reset()
         if run.tracking is not None:  # FINISHED / FAILED / KILLED, once; after a failure, before it is reported
             session = run.tracking
@@ -214,6 +223,8 @@ class Run:
         self.register("hang responder", fail=responder.on_failure, close=lambda _: responder.stop())
         self.agreement = Agreement.start(channel.child("fingerprint"), cfg, self.timeout_s)
         self.timings.channel = channel.child("timings")
+        self.boundaries.connect(channel.child("boundary"), wait_s=min(gather_wait(), self.timeout_s))
+        self.register("boundaries", close=lambda _: self.boundaries.close())
 
     def register(self, name: str, *, fail: Callable[[BaseException], None] | None = None,
                  close: Callable[[BaseException | None], None] | None = None) -> None:

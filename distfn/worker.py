@@ -16,7 +16,6 @@ they are re-exported here, where the bootstrap sets the guard.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from .process import WORKER_NAME as WORKER_NAME
 from .process import adopt_legacy_local_rank as adopt_legacy_local_rank
 from .process import in_worker as in_worker
 from .process import mark_active as mark_active
+from .rng import seed_all
 from .run import Run
 
 if TYPE_CHECKING:
@@ -40,11 +40,7 @@ if TYPE_CHECKING:
 
 def seed_everything(seed: int) -> None:
     """Seed ``random``, NumPy and torch (CPU and every CUDA device) with ``seed``."""
-    random.seed(seed)
-    import numpy as np  # a declared dependency; here, not at the top, for the reason in distfn.rng._numpy
-
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # also seeds every CUDA device, lazily
+    seed_all(seed)
 
 
 def size_thread_pool(local_world_size: int) -> str:
@@ -67,7 +63,7 @@ def _prepare(opts: Options, topology: Topology) -> tuple[torch.device, str]:
         torch.cuda.set_device(device)  # before the process group, so NCCL binds the right GPU
     threads = size_thread_pool(topology.local_world_size)
     if opts.seed is not None:
-        seed_everything(opts.seed)
+        seed_everything(opts.seed + topology.rank if opts.rank_seeds else opts.seed)
     return device, threads
 
 

@@ -281,6 +281,8 @@ _SAME = {"n": 31, "batch": 3, "epochs": 3, "workers": 2, "dropout": 0.2}
 @pytest.mark.parametrize(("drop_last", "kills", "save"), [
     (False, [8, 12, 15], {}),  # 6 steps an epoch (the last one has 1 sample per rank): 12 ends epoch 1
     (True, [7, 10, 13], {"sharded": True, "async": True}),  # 5 steps an epoch: 10 ends epoch 1
+    # issue 43: no rng= at all, ctx.save on rank 0 alone: the streams of every rank's last ctx.step, by default
+    (False, [8, 12, 15], {"ctx_step": True, "rng": "default", "main_only": True}),
 ])
 def test_sigkill_mid_epoch_resumes_bit_identically(tmp_path: Path, drop_last: bool, kills: list[int],
                                                    save: dict[str, Any]) -> None:
@@ -292,7 +294,8 @@ def test_sigkill_mid_epoch_resumes_bit_identically(tmp_path: Path, drop_last: bo
         assert (done.returncode == 0) == (attempt == len(kills)), done.stderr[-3000:]
     resumed_at = sorted(int(p.stem.split("-")[-1]) for p in crashed.glob("first-batch-*.json"))[1:]
     # from the step before each kill; an asynchronous save may still have been in flight: then the one before
-    assert all(k - at in ((1, 2) if save else (1,)) for k, at in zip(kills, resumed_at, strict=True)), resumed_at
+    assert all(k - at in ((1, 2) if save.get("async") else (1,)) for k, at in zip(kills, resumed_at, strict=True)), \
+        resumed_at
     a, b = _log(tmp_path / "straight"), _log(crashed)
     assert a.keys() == b.keys() and len(a) == 3 * (5 if drop_last else 6)
     for step in a:  # the same samples, on the same ranks, in the same order, at every step
@@ -334,3 +337,31 @@ def test_saved_on_4_ranks_resumed_on_2_and_3(tmp_path: Path) -> None:
         print(f"saved on 4 ranks, resumed on {world}: max abs weight difference {diff:.3g}")
         assert diff < 1e-5  # the same training up to the order of the floating-point reduction
     assert time.perf_counter() - started < 300
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch", ["before_step", "after_step"])
+def test_a_nanogpt_shaped_loop_resumes_bit_identically(tmp_path: Path, prefetch: str) -> None:
+    """Issue 43: per-rank seeds (1337 + rank), torch.randint batches prefetched (nanoGPT's, before ctx.step: the
+    batch goes in per_rank=; or after it: nothing to keep), evaluation and ctx.save on rank 0 alone, model_args
+    read from the checkpoint's metadata before the model is built, no rng=: SIGKILLed at iterations 6 and 11
+    (checkpoints every 4), rerun each time, the final weights equal an uninterrupted run's bit for bit."""
+    def job(out: Path, kills: list[int], world: int = 2, **more: Any) -> Any:
+        out.mkdir(parents=True, exist_ok=True)
+        return run_python([str(SCRIPTS / "nanogpt_resume_job.py"), str(out),
+                           json.dumps({"iters": 14, "prefetch": prefetch, "kills": kills, **more})],
+                          env=clean_env(DISTFN_NPROCS=str(world), PYTHONPATH=os.pathsep.join(
+                              [str(SCRIPTS.parent.parent), os.environ.get("PYTHONPATH", "")])), timeout=300)
+
+    straight = job(tmp_path / "straight", [])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    for attempt in range(3):
+        done = job(tmp_path / "crashed", [6, 11])
+        assert (done.returncode == 0) == (attempt == 2), done.stderr[-3000:]
+        if attempt:
+            assert f"ctx.resume: restored {tmp_path / 'crashed' / 'ckpt'}" in done.stderr
+            assert "every rank's random streams restored" in done.stderr, done.stderr[-3000:]
+    assert _result(tmp_path / "crashed")["first"] == 8
+    assert _result(tmp_path / "crashed")["params"] == _result(tmp_path / "straight")["params"]  # bit for bit
+    fresh = job(tmp_path / "crashed", [], world=1, start="fresh")  # init_from="scratch" on an old directory
+    assert fresh.returncode != 0 and "already holds checkpoints (the newest is ckpt-12.safetensors" in fresh.stderr

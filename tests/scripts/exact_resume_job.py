@@ -7,6 +7,9 @@ loader in the saved state (``ctx.save`` after every step, ``ctx.resume`` at the 
 global batch (every rank's sample ids) to OUT/log.jsonl. ``kills``: steps at which rank 1 kills itself with
 SIGKILL (once each, before that step's save, so the step is trained again after the resume). At the end rank 0
 writes OUT/result.json: the final parameters, the world size and the first step this attempt ran.
+``ctx_step``: step through ``ctx.backward`` / ``ctx.step`` (the boundary distfn snapshots the generators at);
+``rng``: ``"true"`` (``ctx.save(..., rng=True)``, the default) or ``"default"`` (no ``rng=`` argument);
+``main_only``: only rank 0 calls ``ctx.save``.
 """
 
 import json
@@ -57,9 +60,13 @@ def train(cfg, ctx):
                 (out / f"first-batch-{first}.json").write_text(json.dumps(
                     {"body_s": time.perf_counter() - began, "at": time.time()}))
             loss = (model(x) - y).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            if cfg.get("ctx_step"):  # the step boundary where distfn snapshots every rank's generators
+                ctx.backward(loss)
+                ctx.step(opt)
+            else:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
             step += 1
             everyone = ctx.gather_object(ids.tolist())
             if ctx.is_main:
@@ -74,8 +81,10 @@ def train(cfg, ctx):
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(60)  # rank 0 waits for the launcher to take the job down
             name = f"ckpt-{step}" if sharded else f"ckpt-{step}.safetensors"
-            ctx.save({**state, "step": step}, out / "ckpt" / name, keep=2, rng=True, sharded=sharded,
-                     blocking=not cfg.get("async", False))
+            rng = {"true": True, "default": None}[cfg.get("rng", "true")]
+            if ctx.is_main or not cfg.get("main_only"):  # the master-only idiom: no collective in ctx.save
+                ctx.save({**state, "step": step}, out / "ckpt" / name, keep=2, rng=rng, sharded=sharded,
+                         blocking=not cfg.get("async", False))
     if ctx.is_main:
         params = torch.cat([p.detach().flatten() for p in ctx.unwrap(model).parameters()])
         (out / "result.json").write_text(json.dumps({"params": params.tolist(), "first": first,
