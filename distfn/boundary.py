@@ -239,6 +239,27 @@ class Boundaries:
             per_rank = {"world_size": len(values), "ranks": [v or {} for v in values]}
         return combine_rng_states(states), per_rank
 
+    def gathered(self) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """Every rank, inside a save that every rank calls (sharded, ``mode="fsdp"``): like `collect`, but each rank's
+        newest snapshot travels in one ``all_gather_object`` (the ranks meet in a collective there anyway, so the
+        store's request and answer are not needed). ``None`` on every rank alike (one line, once, on rank 0) when a
+        rank has no snapshot. Call it inside the run's collective hook."""
+        from . import collectives  # deferred: collectives imports torch.distributed's object collectives
+
+        own = self._entry(self.count) if self.enabled and self.count else None
+        entries = collectives.gather_object(None if own is None else (own[0], own[1]))
+        if any(e is None for e in entries):
+            if self.rank == 0:
+                self._once("none", "ctx.save: a rank has passed no ctx.step or ctx.resume yet (or its capture is "
+                                   "off), so the ranks' random streams are not saved; ctx.save(..., rng=True) saves "
+                                   "them as they are at the call")
+            return None
+        values = [v for _, v in entries]
+        per_rank = None
+        if any(v is not None for v in values):
+            per_rank = {"world_size": len(values), "ranks": [v or {} for v in values]}
+        return combine_rng_states([state for state, _ in entries]), per_rank
+
     def _ask(self, n: int) -> list[Any] | None:
         channel = self._channel
         if channel is None:

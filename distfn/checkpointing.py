@@ -124,8 +124,8 @@ def save_state(
         raise ConfigError(f"ctx.save(..., rng={rng!r}): rng takes None (the default: every rank's streams at its "
                           "last ctx.step), True (gathered at the call, every rank calls ctx.save), False (none) or "
                           "an RNG state to write (distfn.checkpoint.rng_state())")
-    if rank == 0 and rng is not True and rng is not False and isinstance(obj, Mapping) and "rng" not in obj:
-        obj = _with_streams(obj, rng, run, boundary=not as_directory and not shards_state(mode))
+    if rng is not True and rng is not False and isinstance(obj, Mapping) and "rng" not in obj:
+        obj, checked_in = _with_streams(obj, rng, run, rank=rank, every_rank=as_directory or shards_state(mode))
     if rng is True:
         if not isinstance(obj, Mapping):
             raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
@@ -150,19 +150,24 @@ def save_state(
     return target.path
 
 
-def _with_streams(obj: Mapping[str, Any], rng: Mapping[str, Any] | None, run: Run, *,
-                  boundary: bool) -> Mapping[str, Any]:
-    """Rank 0's state plus the generator states to write: ``rng`` as given, or (default) every rank's at its last
-    ``ctx.step`` with the per-rank values kept there (`distfn.boundary`; one-file saves outside fsdp mode, where
-    rank 0 writes alone)."""
+def _with_streams(obj: Mapping[str, Any], rng: Mapping[str, Any] | None, run: Run, *, rank: int,
+                  every_rank: bool) -> tuple[Mapping[str, Any], bool]:
+    """The state plus the generator states to write, and whether the ranks checked in for it: ``rng`` as given,
+    or (default) every rank's at its last ``ctx.step`` (`distfn.boundary`). A save every rank calls (``every_rank``:
+    sharded, ``mode="fsdp"``) brings them in one collective, after a check-in (a call on rank 0 alone is then an
+    error, not a hang); a one-file save, which rank 0 may make alone, asks the other ranks over the store."""
     if rng is not None:
-        return {**obj, "rng": rng}
-    if not boundary:  # every rank calls a sharded or fsdp save anyway: rng=True gathers the streams there
-        run.boundaries.say_once("layout", "ctx.save: a sharded or mode='fsdp' checkpoint holds the random streams "
-                                          "only with ctx.save(..., rng=True) (every rank calls it anyway); this one "
-                                          "holds none")
-        return obj
-    found = run.boundaries.collect()
+        return ({**obj, "rng": rng} if rank == 0 else obj), False
+    if every_rank:
+        checked_in = run.check_in("ctx.save", rng=True)
+        with run.collective("gather_object"):
+            return _with_found(obj, run.boundaries.gathered()), checked_in
+    return (_with_found(obj, run.boundaries.collect()) if rank == 0 else obj), False
+
+
+def _with_found(obj: Mapping[str, Any], found: tuple[dict[str, Any], dict[str, Any] | None] | None
+                ) -> Mapping[str, Any]:
+    """``obj`` with every rank's streams of its last ``ctx.step`` and the per-rank values kept there, if found."""
     if found is None:
         return obj
     streams, per_rank = found

@@ -283,6 +283,8 @@ _SAME = {"n": 31, "batch": 3, "epochs": 3, "workers": 2, "dropout": 0.2}
     (True, [7, 10, 13], {"sharded": True, "async": True}),  # 5 steps an epoch: 10 ends epoch 1
     # issue 43: no rng= at all, ctx.save on rank 0 alone: the streams of every rank's last ctx.step, by default
     (False, [8, 12, 15], {"ctx_step": True, "rng": "default", "main_only": True}),
+    # the same default in a sharded save, which every rank calls: the snapshots travel in the save's own gather
+    (True, [7, 10, 13], {"ctx_step": True, "rng": "default", "sharded": True}),
 ])
 def test_sigkill_mid_epoch_resumes_bit_identically(tmp_path: Path, drop_last: bool, kills: list[int],
                                                    save: dict[str, Any]) -> None:
