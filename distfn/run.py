@@ -66,6 +66,10 @@ if TYPE_CHECKING:
 
 #: Seconds a rank whose function ended normally waits for peers that have not yet started their process group.
 PEER_START_WAIT: Final = 60.0
+#: The same wait after the function failed (its report is out already, so the launcher may end it sooner): a rank
+#: that fails at once and leaves broke a peer still in gloo's mesh set-up, whose C++ "connectFullMesh failed ...
+#: Connection closed by peer" line then came before the user's error on stderr, with a second, misleading failure.
+PEER_START_WAIT_FAILED: Final = 5.0
 
 
 @attrs.frozen
@@ -212,10 +216,10 @@ class Run:
         wait, longer = self._check_in_wait()
         self.checkin = checkin = CheckIn.start(self.rank, self.world_size, wait, channel.child("checkin"),
                                                longer=longer)
-        # peers waiting in a check-in learn that this rank will never join it (after a normal end: once every
-        # rank's process group is up, so an immediate return cannot break a peer's set-up; see CheckIn.finish)
+        # peers waiting in a check-in learn that this rank will never join it, once every rank's process group is
+        # up (after a failure too, for a while), so an immediate return cannot break a peer's set-up (CheckIn.finish)
         self.register("checkin", close=lambda error: checkin.finish(
-            wait_for_peers=0.0 if error is not None else PEER_START_WAIT))
+            wait_for_peers=PEER_START_WAIT_FAILED if error is not None else PEER_START_WAIT))
         self.responder = responder = hangs.Responder.start(
             channel.child("hang"), timeout_s=self.timeout_s, left=checkin.finished_ranks, ledger=self.ledger,
             bootstrap=bootstrap, report=report, deadline="nccl" in backend.lower())
@@ -274,7 +278,7 @@ class Run:
             wait, longer = self._check_in_wait()
             self.checkin = checkin = CheckIn.start(rank, world_size, wait, store, longer=longer)
             self.register("checkin", close=lambda error: checkin.finish(
-                wait_for_peers=0.0 if error is not None else PEER_START_WAIT))
+                wait_for_peers=PEER_START_WAIT_FAILED if error is not None else PEER_START_WAIT))
 
     def agree(self, model: nn.Module) -> None:
         """Before ``ctx.wrap``: raise `distfn.errors.ConfigError` when the ranks' cfg or ``model`` differ
