@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -136,6 +137,83 @@ def test_the_windows_reach_the_history_and_the_trackers_at_the_users_step(tmp_pa
     for _ in range(4):
         recorder.boundary()  # never raises into the step; the hand-over is switched off
     assert run.on_table is None and len(run.history.points) == 4
+
+
+def _drawn(tmp_path: Path) -> Timings:
+    run = Timings(enabled=True, window=2)
+    recorder = run.start(0, 1, None, HostClock())
+    for _ in range(5):
+        recorder.boundary()
+    return run
+
+
+def test_a_plot_that_cannot_be_written_is_a_warning_never_an_exception(tmp_path: Path,
+                                                                        warnings_seen: list[str]) -> None:
+    """Only rank 0 writes: an exception there alone would leave the other ranks at their next collective."""
+    run = _drawn(tmp_path)
+    (tmp_path / "dir.svg").mkdir()
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where a folder should be")
+    for path in (tmp_path / "dir.svg", blocked / "x.svg", tmp_path / ("a" * 300 + ".svg")):
+        assert run.plot(path) is None
+        assert run.plot(path) is None  # said once per path and error, not at every call
+    assert len(warnings_seen) == 3 and all("could not be written" in w for w in warnings_seen)
+    assert (tmp_path / "dir.svg").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["dir.svg", "file"]
+
+    def drawing_fails(*args: object, **kwargs: object) -> str:
+        raise ValueError("a drawing bug")
+
+    original = timings_plot.svg
+    timings_plot.svg = drawing_fails  # type: ignore[assignment]
+    try:
+        assert run.plot(tmp_path / "t.svg") is None and not (tmp_path / "t.svg").exists()
+    finally:
+        timings_plot.svg = original
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # no half-written picture left
+
+
+def test_what_the_path_alone_tells_fails_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank without history (every rank but 0, or rank 0 before its first window) raises what rank 0 would."""
+    other = Timings(enabled=True)
+    for bad, said in ((b"t.svg", "plot is a file path"), ("t\x00.svg", "no NUL"), ("t.SVG.txt", r"\.svg"),
+                      (tmp_path, r"\.svg")):
+        with pytest.raises(ConfigError, match=said):
+            other.plot(bad)  # type: ignore[arg-type]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # a bare venv: no matplotlib
+                        lambda name, *a, **k: None if name == "matplotlib" else real(name, *a, **k))
+    with pytest.raises(ConfigError, match=r"a \.png needs matplotlib \(pip install matplotlib\)"):
+        other.plot(tmp_path / "t.png")  # no window yet: raised all the same, on every rank alike
+    assert other.plot(tmp_path / "t.svg") is None
+
+
+def test_odd_but_valid_paths_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _drawn(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert run.plot("~/runs/t.svg") == tmp_path / "home" / "runs" / "t.svg"  # ~ expanded, parents made
+    assert run.plot(tmp_path / "new" / "deep" / "T.SVG") == tmp_path / "new" / "deep" / "T.SVG"
+    real = tmp_path / "real.svg"
+    real.write_text("kept")
+    (tmp_path / "link.svg").symlink_to(real)
+    assert run.plot(tmp_path / "link.svg") is not None
+    assert real.read_text() == "kept" and not (tmp_path / "link.svg").is_symlink()  # the link replaced, not followed
+    os.mkfifo(tmp_path / "fifo.svg")
+    assert run.plot(tmp_path / "fifo.svg") is not None and (tmp_path / "fifo.svg").is_file()
+    for path in (tmp_path / "home" / "runs" / "t.svg", tmp_path / "fifo.svg"):
+        assert ET.parse(path).getroot().tag == f"{SVG}svg"
+
+
+def test_a_file_planted_at_the_temporary_name_is_never_written_through(tmp_path: Path) -> None:
+    """The picture is written beside, then renamed: a link or FIFO already at that name (another user's, in a
+    shared folder) is removed, never followed (which would overwrite its target) nor opened (a FIFO blocks)."""
+    run = _drawn(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("victim")
+    (tmp_path / f".a.svg.{os.getpid()}.tmp").symlink_to(victim)
+    os.mkfifo(tmp_path / f".b.svg.{os.getpid()}.tmp")
+    assert run.plot(tmp_path / "a.svg") == tmp_path / "a.svg" and run.plot(tmp_path / "b.svg") == tmp_path / "b.svg"
+    assert victim.read_text() == "victim"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.svg", "b.svg", "victim"]
 
 
 class _Backend:
