@@ -6,6 +6,7 @@ tests/test_timings.py (``test_a_rank_with_a_slow_dataset_is_named_for_data``).""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import itertools
 import math
@@ -227,9 +228,41 @@ def test_log_beside_waits_for_the_users_first_step_and_never_moves_it() -> None:
     session._start = lambda: setattr(session, "_thread", object())  # type: ignore[method-assign]
     session.log_metrics({"loss": 1.0}, step=7)
     session.log_beside({"timings/rank0/data_ms": 2.0})
-    assert list(session._queue)[-1] == ("metrics", (7, {"timings/rank0/data_ms": 2.0})) and session.high == 7
+    assert list(session._queue)[-1] == ("beside", (7, {"timings/rank0/data_ms": 2.0})) and session.high == 7
     session.log_metrics({"loss": 0.5})  # the user's next step follows, undisturbed
     assert session.high == 8
+
+
+def test_one_timings_row_per_user_step_and_the_users_own_names_stay_the_users(tmp_path: Path,
+                                                                             warnings_seen: list[str]) -> None:
+    """A user who logs once an epoch (many windows per step) gets one timings row at that step, not a stack of
+    values at one x; a name the user logs too under ``timings/`` is left to the user. Through the CSV backend."""
+    from distfn.tracking import CSV
+
+    session = Session([CSV(root=str(tmp_path))], cfg={}, env={"DISTFN_JOB_KEY": "k"}, flush_every=0.02)
+    run = Timings(enabled=True, window=2)
+    run.on_table = lambda table: session.log_beside(metrics(table))
+    recorder = run.start(0, 1, None, HostClock())
+    for epoch in range(3):
+        session.log_metrics({"loss": 1.0 / (epoch + 1)}, step=epoch)
+        if epoch == 2:
+            session.log_metrics({"timings/rank0/data_ms": -5.0}, step=epoch)  # the user's own, same name
+            session.flush(10)
+        for _ in range(10):  # five windows within each epoch
+            recorder.boundary()
+    session.log_metrics({"loss": 0.1}, step=3)
+    recorder.boundary()
+    recorder.boundary()
+    session.close("FINISHED")
+    rows = list(csv.DictReader(next(tmp_path.glob("*/metrics.csv")).open()))
+    mine = [(int(r["step"]), float(r["value"])) for r in rows if r["name"] == "timings/rank0/data_ms"]
+    assert [s for s, _ in mine] == [0, 1, 2] and mine[2] == (2, -5.0)  # from then on, only the user's
+    beside = [int(r["step"]) for r in rows if r["name"] == "timings/rank0/compute_ms"]
+    assert beside == [0, 1, 2, 3]  # one per step, never stacked
+    steps = [int(r["step"]) for r in rows]
+    assert steps == sorted(steps)  # never backwards
+    assert sum("leaves those names to you" in w for w in warnings_seen) == 1, warnings_seen
+    assert run.history is not None and sum(p.steps for p in run.history.points) == 30  # every window
 
 
 # -- hostile input: any numbers, any names, any sizes --------------------------------------------------------------

@@ -47,6 +47,9 @@ from .base import Backend, Handle, Row, RunInfo, Status
 from .key import RECORD_KEY, BadRecord, job_key, key_in, record, tags
 from .params import flatten
 
+#: The prefix of the names `Session.log_beside` writes (distfn's per-rank timings).
+BESIDE_PREFIX: Final = "timings/"
+
 #: Seconds between two sends of the tracking thread.
 FLUSH_EVERY: Final = 1.0
 
@@ -196,6 +199,8 @@ class Session:
         self._status: Status = "FINISHED"
         self._thread: threading.Thread | None = None
         self._warned: set[str] = set()
+        self._beside_step: int | None = None  # the user's step that `log_beside` last wrote at
+        self._users: set[str] = set()  # names the user logged under ``timings/``: `log_beside` leaves them alone
         # flushing for ctx.save: entries queued (training thread) and handled (drained, then sent or failed, by
         # the tracking thread); the thread notifies `_handled_cond` after each round
         self._queued = 0
@@ -251,10 +256,15 @@ class Session:
     def log_beside(self, metrics: Mapping[str, float]) -> None:
         """Queue ``metrics`` (floats) at the latest step the user logged, without moving it: distfn's own numbers
         (the per-rank timings of each window) beside the user's curves. Nothing is queued before the user's first
-        ``ctx.log_metrics`` (distfn does not open a run by itself, nor choose a step the user's would contradict)."""
-        if not self.backends or self.high is None or self._thread is None:
+        ``ctx.log_metrics`` (distfn does not open a run by itself, nor choose a step the user's would contradict),
+        and at most one row per user step: a user who logs once an epoch would otherwise get every window of the
+        epoch stacked at one step (several values at one x in TensorBoard and MLflow); the first window done at
+        that step is sent, the others until the user's next step are not. A name the user logs too is left to the
+        user (`_drain`)."""
+        if not self.backends or self.high is None or self._thread is None or self.high == self._beside_step:
             return
-        self._queue.append(("metrics", (self.high, dict(metrics))))
+        self._beside_step = self.high
+        self._queue.append(("beside", (self.high, dict(metrics))))
         self._queued += 1
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -389,6 +399,12 @@ class Session:
         while self._queue:
             kind, item = self._queue.popleft()
             count += 1
+            if kind == "metrics":  # here, not in ctx.log_metrics: this thread's time is not the training's
+                self._users.update(name for name in item[1] if name.startswith(BESIDE_PREFIX))
+            elif kind == "beside":
+                item, kind = self._own(item), "metrics"
+                if not item[1]:
+                    continue
             for channel in self._channels:
                 if channel.off:
                     channel.dropped += kind == "metrics"
@@ -398,6 +414,17 @@ class Session:
                 elif kind == "params" or channel.backend.log_cfg:
                     channel.params.update(item)
         return count
+
+    def _own(self, row: Row) -> Row:
+        """A `log_beside` row without the names the user logs too (once said): the user's curve stays the user's."""
+        step, values = row
+        clash = self._users.intersection(values)
+        if not clash:
+            return row
+        self._warn_once("beside-clash", "tracking: you log {} (and maybe more) under a name distfn uses for its "
+                        "per-rank timings; distfn leaves those names to you and sends only its others",
+                        sorted(clash)[0])
+        return step, {k: v for k, v in values.items() if k not in clash}
 
     def _open(self, channel: _Channel, info: RunInfo) -> Handle | None:
         try:
