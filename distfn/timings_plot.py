@@ -125,13 +125,28 @@ class History:
             self.points = halve(self.points)
 
 
+#: Each rank's metric names, made once: a window's row at 512 ranks holds 2,049 of them, and the same strings are
+#: shared by every row a tracker keeps while it cannot send (halves a buffered row's memory).
+_NAMES: dict[int, tuple[str, ...]] = {}
+MAX_NAMED: Final = 100_000
+
+
+def _names(rank: int) -> tuple[str, ...]:
+    found = _NAMES.get(rank)
+    if found is None:
+        found = tuple(f"timings/rank{rank}/{part}_ms" for part in (*PARTS, "step"))
+        if len(_NAMES) < MAX_NAMED:  # the ranks' own numbers: a corrupted row's rank does not grow it for ever
+            _NAMES[rank] = found
+    return found
+
+
 def metrics(table: TimingTable) -> dict[str, float]:
     """One window's numbers as tracker metrics: ``timings/rank<r>/{data,compute,comm,step}_ms`` (means over the
     window, ms per step) for every rank, and ``timings/straggler_rank`` (the rank the rule names, -1 for none)."""
     out: dict[str, float] = {}
     for row in table.ranks:
-        for part in (*PARTS, "step"):
-            out[f"timings/rank{row.rank}/{part}_ms"] = 1000.0 * getattr(row, part).mean
+        for name, part in zip(_names(row.rank), (row.data, row.compute, row.comm, row.step), strict=True):
+            out[name] = 1000.0 * part.mean
     out["timings/straggler_rank"] = float(table.straggler.rank) if table.straggler is not None else -1.0
     return out
 

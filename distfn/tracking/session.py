@@ -253,6 +253,13 @@ class Session:
         self._queue.append(("metrics", (step, values)))
         self._queued += 1
 
+    @property
+    def beside_due(self) -> bool:
+        """Whether `log_beside` would queue a row now (a user's step with none yet): the caller may skip building
+        it (at 512 ranks a window's row is 2,049 values, about 1 ms to build)."""
+        return bool(self.backends) and self.high is not None and self._thread is not None \
+            and self.high != self._beside_step
+
     def log_beside(self, metrics: Mapping[str, float]) -> None:
         """Queue ``metrics`` (floats) at the latest step the user logged, without moving it: distfn's own numbers
         (the per-rank timings of each window) beside the user's curves. Nothing is queued before the user's first
@@ -261,7 +268,7 @@ class Session:
         epoch stacked at one step (several values at one x in TensorBoard and MLflow); the first window done at
         that step is sent, the others until the user's next step are not. A name the user logs too is left to the
         user (`_drain`)."""
-        if not self.backends or self.high is None or self._thread is None or self.high == self._beside_step:
+        if not self.beside_due:
             return
         self._beside_step = self.high
         self._queue.append(("beside", (self.high, dict(metrics))))
