@@ -447,6 +447,7 @@ class Timings:
     _totals: int = 0  # whole-run tables asked for so far
     _summarised: int = -1  # steps the last whole-run table covered (the end-of-run log skips a repeat)
     _plot_warned: set[tuple[str, str]] = attrs.field(factory=set)  # (path, error) already said by `plot`
+    _plotted: tuple[str, int] | None = None  # (path, windows) `plot` last drew
 
     @property
     def recorder(self) -> Recorder | None:
@@ -585,8 +586,13 @@ class Timings:
         target = check(path)
         if self.history is None:
             return None
+        drawn = (str(target), self.history.added)
+        if drawn == self._plotted and target.is_file():
+            return target  # called every step: the picture is drawn again only once a new window came in
         try:
-            return write(self.history.points, target)
+            written = write(self.history.points, target)
+            self._plotted = drawn
+            return written
         except Exception as exc:  # noqa: BLE001 - the picture must never fail (or desynchronise) the training
             said = (str(target), type(exc).__name__)
             if said not in self._plot_warned:

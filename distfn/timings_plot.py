@@ -113,14 +113,17 @@ class History:
     Attributes:
         points: the windows (or merged stretches), oldest first; at most `MAX_POINTS`.
         limit: the most points kept.
+        added: windows recorded so far (`distfn.timings.Timings.plot` redraws only when it grew).
     """
 
     points: list[Point] = attrs.field(factory=list)
     limit: int = MAX_POINTS
+    added: int = 0  # windows recorded so far: a picture drawn at this count needs no redraw
 
     def add(self, table: TimingTable) -> None:
         """Record one window's table (its ``window`` set)."""
         self.points.append(point_of(table))
+        self.added += 1
         if len(self.points) > self.limit:
             self.points = halve(self.points)
 

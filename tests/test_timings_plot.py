@@ -204,6 +204,24 @@ def test_odd_but_valid_paths_are_written(tmp_path: Path, monkeypatch: pytest.Mon
         assert ET.parse(path).getroot().tag == f"{SVG}svg"
 
 
+def test_a_plot_asked_for_every_step_is_drawn_once_a_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 512 ranks a picture takes about 0.15 s to draw: asked for at every step it is drawn again only when a new
+    window came in (or the file is gone), not at every call."""
+    drawn: list[int] = []
+    real = timings_plot.write
+    monkeypatch.setattr(timings_plot, "write", lambda points, path: drawn.append(len(points)) or real(points, path))
+    run = Timings(enabled=True, window=4)
+    recorder = run.start(0, 1, None, HostClock())
+    target = tmp_path / "t.svg"
+    answers = []
+    for _ in range(4 * 5 + 1):
+        recorder.boundary()
+        answers.append(run.plot(target))
+    assert drawn == [1, 2, 3, 4, 5] and answers.count(target) == 4 * 4 + 1  # five windows, five pictures
+    target.unlink()
+    assert run.plot(target) == target and target.is_file() and drawn[-1] == 5  # gone: drawn again
+
+
 def test_a_file_planted_at_the_temporary_name_is_never_written_through(tmp_path: Path) -> None:
     """The picture is written beside, then renamed: a link or FIFO already at that name (another user's, in a
     shared folder) is removed, never followed (which would overwrite its target) nor opened (a FIFO blocks)."""
