@@ -584,6 +584,11 @@ class Timings:
         from .timings_plot import check, write
 
         target = check(path)
+        if not self.enabled and ("off", "") not in self._plot_warned:
+            self._plot_warned.add(("off", ""))
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                logger.warning("ctx.timings(plot={}): {}=0 switches the timings off, so there is no picture to draw; "
+                               "unset it to measure", str(target), ENV_SWITCH)
         if self.history is None:
             return None
         drawn = (str(target), self.history.added)

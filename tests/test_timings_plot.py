@@ -204,6 +204,13 @@ def test_odd_but_valid_paths_are_written(tmp_path: Path, monkeypatch: pytest.Mon
         assert ET.parse(path).getroot().tag == f"{SVG}svg"
 
 
+def test_a_plot_with_the_timings_switched_off_says_so_once(tmp_path: Path, warnings_seen: list[str]) -> None:
+    off = Timings(enabled=False)
+    assert off.plot(tmp_path / "t.svg") is None and off.plot(tmp_path / "t.svg") is None
+    assert len(warnings_seen) == 1 and "DISTFN_TIMINGS=0 switches the timings off" in warnings_seen[0]
+    assert not (tmp_path / "t.svg").exists()
+
+
 def test_a_plot_asked_for_every_step_is_drawn_once_a_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """At 512 ranks a picture takes about 0.15 s to draw: asked for at every step it is drawn again only when a new
     window came in (or the file is gone), not at every call."""
