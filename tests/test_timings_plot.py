@@ -11,7 +11,9 @@ import importlib.util
 import itertools
 import math
 import os
+import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -256,6 +258,42 @@ def test_log_beside_waits_for_the_users_first_step_and_never_moves_it() -> None:
     assert list(session._queue)[-1] == ("beside", (7, {"timings/rank0/data_ms": 2.0})) and session.high == 7
     session.log_metrics({"loss": 0.5})  # the user's next step follows, undisturbed
     assert session.high == 8
+
+
+def test_no_timings_rows_pile_up_while_the_trackers_cannot_take_them() -> None:
+    """A tracker down (``on_error="buffer"``) keeps the user's rows for later, not distfn's: at 512 ranks a timings
+    row is 2,049 values and `MAX_PENDING` counts rows. Nor are they queued while the thread is stuck."""
+    from distfn.tracking.session import BESIDE_BACKLOG
+
+    class Down:
+        name, on_error, log_cfg = "down", "buffer", False
+
+        def open(self, run: object) -> object:
+            raise ConnectionError("server unreachable")
+
+    session = Session([Down()], cfg={}, env={}, flush_every=0.01)  # type: ignore[list-item]
+    channel = session._channels[0]
+
+    def wait(until: Callable[[], bool]) -> None:
+        for _ in range(1000):
+            if until():
+                return
+            time.sleep(0.01)
+
+    session.log_metrics({"loss": 1.0}, step=1)
+    wait(lambda: channel.failing)
+    session.log_metrics({"loss": 1.0}, step=2)
+    assert not session.beside_due
+    session.log_beside({"timings/rank0/data_ms": 1.0})
+    wait(lambda: not session._queue and len(channel.rows) >= 2)
+    rows = list(channel.rows)
+    assert [step for step, _ in rows] == [1, 2] and all("loss" in values for _, values in rows)  # the user's, kept
+    stuck = Session([_Backend()], cfg={}, env={})  # type: ignore[list-item]
+    stuck._start = lambda: setattr(stuck, "_thread", object())  # type: ignore[method-assign]
+    for step in range(BESIDE_BACKLOG):
+        stuck.log_metrics({"loss": 1.0}, step=step)
+    assert not stuck.beside_due  # nothing drains the queue: no side row joins it
+    session.close("FINISHED")
 
 
 def test_one_timings_row_per_user_step_and_the_users_own_names_stay_the_users(tmp_path: Path,

@@ -50,6 +50,9 @@ from .params import flatten
 #: The prefix of the names `Session.log_beside` writes (distfn's per-rank timings).
 BESIDE_PREFIX: Final = "timings/"
 
+#: Entries waiting for the tracking thread beyond which `Session.log_beside` queues nothing (the thread is stuck).
+BESIDE_BACKLOG: Final = 256
+
 #: Seconds between two sends of the tracking thread.
 FLUSH_EVERY: Final = 1.0
 
@@ -257,8 +260,12 @@ class Session:
     def beside_due(self) -> bool:
         """Whether `log_beside` would queue a row now (a user's step with none yet): the caller may skip building
         it (at 512 ranks a window's row is 2,049 values, about 1 ms to build)."""
-        return bool(self.backends) and self.high is not None and self._thread is not None \
-            and self.high != self._beside_step
+        if not self.backends or self.high is None or self._thread is None or self.high == self._beside_step:
+            return False
+        # Not while no backend takes rows, nor while the thread is behind (a backend that blocks): the user's rows
+        # are kept for later (``on_error="buffer"``), distfn's side rows are not: at 512 ranks each is 2,049 values,
+        # and `MAX_PENDING` counts rows, so buffering them could hold gigabytes on rank 0.
+        return len(self._queue) < BESIDE_BACKLOG and not all(c.failing or c.off for c in self._channels)
 
     def log_beside(self, metrics: Mapping[str, float]) -> None:
         """Queue ``metrics`` (floats) at the latest step the user logged, without moving it: distfn's own numbers
