@@ -364,3 +364,15 @@ def test_one_rank_to_512_and_many_windows_stay_bounded(world: int, windows: int)
     text = svg(history.points)
     ET.fromstring(text)
     assert len(text.encode()) < 150_000 and len(history.points) <= timings_plot.MAX_POINTS
+
+
+@settings(max_examples=200, deadline=None)
+@given(path=st.text(max_size=300) | st.binary(max_size=50) | st.integers() | st.none())
+def test_property_any_plot_argument_is_a_path_or_a_config_error(path: object) -> None:
+    """What the user passes as ``plot=`` is read on every rank: a `Path` or a `ConfigError`, nothing else."""
+    try:
+        found = timings_plot.check(path)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        assert "ctx.timings(plot=" in str(exc)
+        return
+    assert isinstance(found, Path) and found.suffix.lower() in (".svg", ".png") and "\x00" not in str(found)
