@@ -62,7 +62,9 @@ def scaling_tables(results: list[dict[str, Any]]) -> list[tuple[str, dict[str, A
 
 
 def _short(text: str, size: int = 70) -> str:
-    return text if len(text) <= size else text[: size - 1] + "…"
+    """``text`` cut to ``size`` characters, as plain text for matplotlib (a ``$`` is not mathtext: an unpaired one
+    in a variant's name raised a ValueError from deep inside matplotlib)."""
+    return (text if len(text) <= size else text[: size - 1] + "…").replace("$", r"\$")
 
 
 def _setup() -> Any:
@@ -103,7 +105,7 @@ def draw_ratios(results: list[dict[str, Any]], path: Path, subtitle: str) -> boo
     if not targets:
         return False
     plt = _setup()
-    height = 1.1 + 0.2 * len(targets)
+    height = max(1.8, 1.1 + 0.2 * len(targets))  # the margins take 1.3 in: one target alone had no room left
     fig, ax = plt.subplots(figsize=(WIDTH, height))
     fig.subplots_adjust(left=0.45, right=0.97, top=1 - 0.55 / height, bottom=0.75 / height)
     ys = list(range(len(targets)))[::-1]
@@ -120,7 +122,7 @@ def draw_ratios(results: list[dict[str, Any]], path: Path, subtitle: str) -> boo
     ax.set_xlim(0, top)
     ax.set_ylim(-0.8, len(targets) - 0.2)
     ax.set_xlabel("ratio to the floor (dashed: 1.0×, the raw call)\nblack bar: the target's limit; red: missed")
-    title = f"Every ratio target: distfn against the floor ({subtitle})"
+    title = _short(f"Every ratio target: distfn against the floor ({subtitle})", 200)
     fig.text(0.01, 1 - 0.12 / height, title, fontsize=9, va="top", fontweight="bold")
     _save(plt, fig, path, title)
     return True
@@ -152,11 +154,12 @@ def draw_scaling(results: list[dict[str, Any]], path: Path, subtitle: str) -> bo
         for name, pts in curves.items():
             xs, ys = zip(*[(n, v) for n, v, _ in sorted(pts)], strict=True)
             if name == floor:
-                ax.plot(xs, ys, "--", color=INK, linewidth=1.2, marker="s", markersize=3, label=f"floor: {name}")
+                ax.plot(xs, ys, "--", color=INK, linewidth=1.2, marker="s", markersize=3,
+                        label=_short(f"floor: {name}"))
             elif _ours(name):
-                ax.plot(xs, ys, color=ORANGE, linewidth=2, marker="o", markersize=4, label=name)
+                ax.plot(xs, ys, color=ORANGE, linewidth=2, marker="o", markersize=4, label=_short(name))
             else:
-                ax.plot(xs, ys, color=GREY, linewidth=1, marker="o", markersize=3, label=name)
+                ax.plot(xs, ys, color=GREY, linewidth=1, marker="o", markersize=3, label=_short(name))
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({n for pts in curves.values() for n, *_ in pts}))
         ax.get_xaxis().set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
@@ -164,12 +167,12 @@ def draw_scaling(results: list[dict[str, Any]], path: Path, subtitle: str) -> bo
         if unit in ("MiB", "GiB"):
             ax.set_yscale("log")
         ax.set_xlabel(f"{unit}s" if unit in ("worker", "rank") else unit)
-        ax.set_ylabel(f"median ({tab['unit']})")
+        ax.set_ylabel(_short(f"median ({tab['unit']})"))
         ax.set_title(_short(f"{bench}: {tab['title']}", 50), fontsize=8, loc="left")
         ax.legend(fontsize=7.5, frameon=False)
     for ax in list(axes.flat)[len(tables):]:
         ax.set_visible(False)
-    title = f"Scaling: distfn against the floor at each point ({subtitle})"
+    title = _short(f"Scaling: distfn against the floor at each point ({subtitle})", 200)
     fig.suptitle(title, fontsize=9, x=0.01, ha="left", fontweight="bold")
     fig.tight_layout()
     _save(plt, fig, path, title)

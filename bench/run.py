@@ -20,6 +20,7 @@ them, one bar chart per question, drawn as an HTML table (legible at any size).
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import os
 import subprocess
@@ -110,13 +111,19 @@ def summary(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _h(text: object) -> str:
+    """A text of the results as page text: ``<PRELOAD>`` in a variant's name was read by the browser as a tag (and
+    not shown), ``|`` would end a table cell."""
+    return html.escape(str(text), quote=False).replace("|", "&#124;")
+
+
 def _bar_table(tab: dict[str, Any]) -> str:
     """One question as an HTML table: each variant's median as a bar (distfn's in orange), ratio beside it."""
     rows = [r for r in tab["rows"] if r["median"] is not None]
     if not rows:
         return ""
     longest = max(r["median"] for r in rows) or 1.0
-    versus = f"ratio vs {tab['baseline']}" if tab.get("baseline") else "ratio"
+    versus = f"ratio vs {_h(tab['baseline'])}" if tab.get("baseline") else "ratio"
     out = ['<table class="bench-bars">',
            f"<tr><th>variant</th><th>median</th><th>{versus}</th><th>runs</th><th style='width:45%'></th></tr>"]
     for r in rows:
@@ -124,7 +131,7 @@ def _bar_table(tab: dict[str, Any]) -> str:
         color = "#d9480f" if ours else "#868e96"
         ratio = f"{r['ratio']:.2f}×" if r.get("ratio") is not None else ""
         width = max(0.5, 100 * r["median"] / longest)
-        name = f"<b>{r['variant']}</b>" if ours else r["variant"]
+        name = f"<b>{_h(r['variant'])}</b>" if ours else _h(r["variant"])
         out.append(f"<tr><td>{name}</td><td align='right'>{c._fmt(r['median'], tab['unit'])}</td>"
                    f"<td align='right'>{ratio}</td><td align='right'>{r.get('runs', len(r['samples']))}</td>"
                    f"<td><div style='background:{color};width:{width:.1f}%;height:0.9em'></div></td></tr>")
@@ -151,21 +158,122 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], charts: Seq
             for t in tab.get("targets", []):
                 goal, got, verdict = c.describe_target(t, tab)
                 verdict = "**missed**" if verdict == "MISSED" else verdict
-                md.append(f"| {res['benchmark']} | {t['variant']} {goal} | {got} | {verdict} |")
+                md.append(f"| {_h(res['benchmark'])} | {_h(t['variant'])} {_h(goal)} | {got} | {verdict} |")
     md.append("")
     for name in charts:
         md += [f"![{CHART_ALT[name]}](assets/{name})", ""]
     for res in results:
-        md.append(f"### {res['benchmark']}\n")
+        md.append(f"### {_h(res['benchmark'])}\n")
         if res.get("error"):
-            md.append(f"**{res['error']}**\n")
+            md.append(f"**{_h(res['error'])}**\n")
         for tab in res["tables"]:
-            md.append(f"**{tab['title']}**\n")
+            md.append(f"**{_h(tab['title'])}**\n")
             md.append(_bar_table(tab) + "\n")
-            notes = [f"{row['variant']}: {row['note']}" for row in tab["rows"] if row.get("note")]
+            notes = [_h(f"{row['variant']}: {row['note']}") for row in tab["rows"] if row.get("note")]
             md += [f"- {n}" for n in notes] + ([""] if notes else [])
-        md += [f"- {n}" for n in res.get("notes", [])] + [""]
+        md += [f"- {_h(n)}" for n in res.get("notes", [])] + [""]
     return "\n".join(md) + "\n"
+
+
+# -- reading the published JSON back (--redraw): a damaged file is a clear error, never a traceback from matplotlib
+#: The largest results JSON ``--redraw`` reads (a whole run's is about 100 kB).
+MAX_PUBLISHED = 16 << 20
+#: The most benchmarks, tables per benchmark, rows or targets per table, samples per row or notes (a run has at
+#: most 15, 6, 12, 40): a chart of more is no chart anyone reads, and drawing it would take minutes.
+MAX_ITEMS = 500
+#: The largest number drawn: a median, ratio or limit beyond it is a damaged file (matplotlib overflows near 1e300).
+LARGEST = 1e12
+
+
+class BadResults(ValueError):
+    """``docs/assets/benchmarks.json`` is not what a run of ``bench/run.py`` writes; the message names where."""
+
+
+def _kind(value: Any, expected: type | tuple[type, ...], where: str, *, optional: bool = False) -> Any:
+    if value is None and optional:
+        return value
+    if (isinstance(value, bool) and expected is not bool) or not isinstance(value, expected):
+        raise BadResults(f"{where} is {_shown(value)}, not {_names(expected)}{' or null' if optional else ''}")
+    if isinstance(value, float | int) and not isinstance(value, bool) and not -LARGEST <= value <= LARGEST:
+        raise BadResults(f"{where} is {_shown(value)}, not a finite number within ±{LARGEST:g}")
+    if isinstance(value, list) and len(value) > MAX_ITEMS:
+        raise BadResults(f"{where} holds {len(value):,} items, more than a run writes (at most {MAX_ITEMS})")
+    return value
+
+
+def _names(expected: type | tuple[type, ...]) -> str:
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    words = {str: "a text", int: "an integer", float: "a number", list: "a list", dict: "an object", bool: "true/false"}
+    return " or ".join(words.get(k, k.__name__) for k in kinds)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, allow_nan=True)[:60] if not isinstance(value, dict | list) else type(value).__name__
+    return text
+
+
+def check_results(combined: Any) -> dict[str, Any]:
+    """``combined`` when it has the shape ``bench/run.py`` writes (every field the page and charts read, of its
+    kind, numbers finite and at most `LARGEST`, lists at most `MAX_ITEMS` long), else `BadResults` naming the first
+    field that is not."""
+    num = (int, float)
+    _kind(combined, dict, "the file")
+    benchmarks = combined.get("benchmarks")
+    if isinstance(benchmarks, list):  # in all: the ratio chart is 0.2 in a target, the page a table a row
+        rows = sum(len(t.get("rows") or []) + len(t.get("targets") or []) for r in benchmarks if isinstance(r, dict)
+                   for t in (r.get("tables") or []) if isinstance(t, dict) and isinstance(t.get("rows") or [], list)
+                   and isinstance(t.get("targets") or [], list))
+        if rows > MAX_ITEMS * 4:
+            raise BadResults(f"the tables hold {rows:,} rows and targets in all, more than a run writes (at most "
+                             f"{MAX_ITEMS * 4:,})")
+    _kind(combined.get("machine"), dict, "machine")
+    for res_at, res in enumerate(_kind(combined.get("benchmarks"), list, "benchmarks")):
+        where = f"benchmarks[{res_at}]"
+        _kind(res, dict, where)
+        _kind(res.get("benchmark"), str, f"{where}.benchmark")
+        _kind(res.get("error"), str, f"{where}.error", optional=True)
+        for i, note in enumerate(_kind(res.get("notes", []), list, f"{where}.notes")):
+            _kind(note, str, f"{where}.notes[{i}]")
+        for tab_at, tab in enumerate(_kind(res.get("tables"), list, f"{where}.tables")):
+            at = f"{where}.tables[{tab_at}]"
+            _kind(tab, dict, at)
+            for key in ("title", "unit"):
+                _kind(tab.get(key), str, f"{at}.{key}")
+            _kind(tab.get("baseline"), str, f"{at}.baseline", optional=True)
+            for i, row in enumerate(_kind(tab.get("rows"), list, f"{at}.rows")):
+                _kind(row, dict, f"{at}.rows[{i}]")
+                _kind(row.get("variant"), str, f"{at}.rows[{i}].variant")
+                median = _kind(row.get("median"), num, f"{at}.rows[{i}].median", optional=True)
+                if median is not None and median < 0:
+                    raise BadResults(f"{at}.rows[{i}].median is {median}, not a time or size (>= 0)")
+                for key in ("min", "ratio"):
+                    _kind(row.get(key), num, f"{at}.rows[{i}].{key}", optional=True)
+                _kind(row.get("runs"), int, f"{at}.rows[{i}].runs", optional=True)
+                _kind(row.get("note"), str, f"{at}.rows[{i}].note", optional=True)
+                for k, x in enumerate(_kind(row.get("samples", []), list, f"{at}.rows[{i}].samples")):
+                    _kind(x, num, f"{at}.rows[{i}].samples[{k}]")
+            for i, goal in enumerate(_kind(tab.get("targets", []), list, f"{at}.targets")):
+                _kind(goal, dict, f"{at}.targets[{i}]")
+                _kind(goal.get("variant"), str, f"{at}.targets[{i}].variant")
+                _kind(goal.get("met"), bool, f"{at}.targets[{i}].met", optional=True)
+                limit = "max_ratio" if "max_ratio" in goal else "max_value"
+                _kind(goal.get(limit), num, f"{at}.targets[{i}].{limit}")
+                _kind(goal.get("ratio" if limit == "max_ratio" else "median"), num, f"{at}.targets[{i}]."
+                      f"{'ratio' if limit == 'max_ratio' else 'median'}", optional=True)
+    return combined
+
+
+def load_published(path: Path) -> dict[str, Any]:
+    """The results JSON at ``path``, checked (`check_results`); `BadResults` naming what is wrong otherwise."""
+    try:
+        if not path.is_file():
+            raise BadResults("not a regular file")
+        if path.stat().st_size > MAX_PUBLISHED:
+            raise BadResults(f"over {MAX_PUBLISHED >> 20} MiB: not a run's results")
+        return check_results(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadResults(f"{path}: {exc}" if not isinstance(exc, RecursionError) else
+                         f"{path}: nested too deep to be a run's results") from None
 
 
 def publish(combined: dict[str, Any]) -> None:
@@ -189,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="interpreter with accelerate / lightning / ignite installed, for the launch and import peers")
     args = p.parse_args(argv)
     if args.redraw:
-        publish(json.loads(PUBLISHED.read_text(encoding="utf-8")))
+        try:
+            combined = load_published(PUBLISHED)
+        except BadResults as exc:
+            p.exit(2, f"bench/run.py --redraw: {exc}\n(rebuild it with a whole run: python bench/run.py)\n")
+        publish(combined)
         return 0
     names = discover()
     if args.only:

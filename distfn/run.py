@@ -332,7 +332,8 @@ class _TrackWindows:
     def __call__(self, table: Any) -> None:
         from .timings_plot import metrics  # already loaded: rank 0's first window loaded it for its history
 
-        self.session.log_beside(metrics(table))
+        if self.session.beside_due:  # one row per user step: the others are not even built
+            self.session.log_beside(metrics(table))
 
 
 def _quietly(step: Callable[..., Any], *args: Any, what: str = "a service", **kwargs: Any) -> None:

@@ -448,6 +448,8 @@ class Timings:
     _retry: tuple[int, int] = (0, 0)  # rank 0: (step of the next read attempt, gap after it), while a window waits
     _totals: int = 0  # whole-run tables asked for so far
     _summarised: int = -1  # steps the last whole-run table covered (the end-of-run log skips a repeat)
+    _plot_warned: set[tuple[str, str]] = attrs.field(factory=set)  # (path, error) already said by `plot`
+    _plotted: tuple[str, int] | None = None  # (path, windows) `plot` last drew
 
     @property
     def recorder(self) -> Recorder | None:
@@ -574,11 +576,37 @@ class Timings:
 
     def plot(self, path: str | os.PathLike[str]) -> Path | None:
         """Rank 0: write the picture of every window so far to ``path`` (`distfn.timings_plot.write`); the path
-        written, or ``None`` before the first window."""
+        written, or ``None`` before the first window, on the other ranks, and when the write failed.
+
+        What the path alone tells (a suffix other than ``.svg``/``.png``, a ``.png`` without matplotlib, no text)
+        is a `ConfigError` on every rank, at the first call. A write that fails on rank 0 (a folder in the way, no
+        permission, a full disk, the drawing itself) is a warning (once per path and error) and ``None``: the
+        picture is side work, and an exception on rank 0 alone would leave the other ranks waiting at their next
+        collective."""
         from .timings_plot import check, write
 
-        check(path)  # a wrong suffix fails on every rank, from the first call
-        return None if self.history is None else write(self.history.points, path)
+        target = check(path)
+        if not self.enabled and ("off", "") not in self._plot_warned:
+            self._plot_warned.add(("off", ""))
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                logger.warning("ctx.timings(plot={}): {}=0 switches the timings off, so there is no picture to draw; "
+                               "unset it to measure", str(target), ENV_SWITCH)
+        if self.history is None:
+            return None
+        drawn = (str(target), self.history.added)
+        if drawn == self._plotted and target.is_file():
+            return target  # called every step: the picture is drawn again only once a new window came in
+        try:
+            written = write(self.history.points, target)
+            self._plotted = drawn
+            return written
+        except Exception as exc:  # noqa: BLE001 - the picture must never fail (or desynchronise) the training
+            said = (str(target), type(exc).__name__)
+            if said not in self._plot_warned:
+                self._plot_warned.add(said)
+                logger.warning("timings: the picture could not be written to {} ({}: {}); training goes on",
+                               target, type(exc).__name__, exc)
+            return None
 
     # -- the whole run ----------------------------------------------------------------------------------------
     def whole_run(self, *, wait: float = FINAL_WAIT_S) -> TimingTable | None:

@@ -24,13 +24,15 @@ Imports: `stragglers` (the table's types), `errors`.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import math
 import os
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from html import escape
 from pathlib import Path
-from typing import Final
+from typing import BinaryIO, Final
 
 import attrs
 
@@ -111,16 +113,34 @@ class History:
     Attributes:
         points: the windows (or merged stretches), oldest first; at most `MAX_POINTS`.
         limit: the most points kept.
+        added: windows recorded so far (`distfn.timings.Timings.plot` redraws only when it grew).
     """
 
     points: list[Point] = attrs.field(factory=list)
     limit: int = MAX_POINTS
+    added: int = 0  # windows recorded so far: a picture drawn at this count needs no redraw
 
     def add(self, table: TimingTable) -> None:
         """Record one window's table (its ``window`` set)."""
         self.points.append(point_of(table))
+        self.added += 1
         if len(self.points) > self.limit:
             self.points = halve(self.points)
+
+
+#: Each rank's metric names, made once: a window's row at 512 ranks holds 2,049 of them, and the same strings are
+#: shared by every row a tracker keeps while it cannot send (halves a buffered row's memory).
+_NAMES: dict[int, tuple[str, ...]] = {}
+MAX_NAMED: Final = 100_000
+
+
+def _names(rank: int) -> tuple[str, ...]:
+    found = _NAMES.get(rank)
+    if found is None:
+        found = tuple(f"timings/rank{rank}/{part}_ms" for part in (*PARTS, "step"))
+        if len(_NAMES) < MAX_NAMED:  # the ranks' own numbers: a corrupted row's rank does not grow it for ever
+            _NAMES[rank] = found
+    return found
 
 
 def metrics(table: TimingTable) -> dict[str, float]:
@@ -128,8 +148,8 @@ def metrics(table: TimingTable) -> dict[str, float]:
     window, ms per step) for every rank, and ``timings/straggler_rank`` (the rank the rule names, -1 for none)."""
     out: dict[str, float] = {}
     for row in table.ranks:
-        for part in (*PARTS, "step"):
-            out[f"timings/rank{row.rank}/{part}_ms"] = 1000.0 * getattr(row, part).mean
+        for name, part in zip(_names(row.rank), (row.data, row.compute, row.comm, row.step), strict=True):
+            out[name] = 1000.0 * part.mean
     out["timings/straggler_rank"] = float(table.straggler.rank) if table.straggler is not None else -1.0
     return out
 
@@ -359,73 +379,94 @@ def svg(points: Sequence[Point], *, title: str = "Where each rank's step time go
 
 
 
-def png(points: Sequence[Point], path: Path, *, title: str = "Where each rank's step time goes") -> None:
-    """The same picture through matplotlib (``pip install matplotlib``), as a PNG at ``path``."""
+def png(points: Sequence[Point], path: Path | BinaryIO, *, title: str = "Where each rank's step time goes") -> None:
+    """The same picture through matplotlib (``pip install matplotlib``), as a PNG at ``path`` (or into a file)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg", force=False)
         from matplotlib import pyplot as plt
     except ImportError:
-        raise ConfigError(f"ctx.timings(plot={str(path)!r}): a .png needs matplotlib (pip install matplotlib); a "
-                          ".svg path needs nothing") from None
+        raise ConfigError(f"ctx.timings(plot={str(getattr(path, 'name', path))!r}): a .png needs matplotlib (pip "
+                          "install matplotlib); a .svg path needs nothing") from None
     s = _summary(points)
     ranks, _ = _shown(s)
     fig, axes = plt.subplots(4, 1, figsize=(7.6, 2 + 0.25 * len(ranks) + 4.5),
                              gridspec_kw={"height_ratios": [max(1.0, 0.25 * len(ranks)), 1, 1, 1]})
-    left = [0.0] * len(ranks)
-    for k, part in enumerate(PARTS):
-        vals = [1000 * float(s.means[r][1 + k]) for r in ranks]
-        axes[0].barh([str(r) for r in ranks], vals, left=left, color=COLORS[part], label=part)
-        left = [a + b for a, b in zip(left, vals, strict=True)]
-    axes[0].set_xlabel("mean ms per step")
-    axes[0].set_ylabel("rank")
-    axes[0].legend(loc="lower right", fontsize=8)
-    axes[0].set_title(title if s.marked is None else f"{title}: straggler rank {s.marked} ({s.cause})", fontsize=10)
-    xs = [_mid(p) for p in s.points]
-    for k, part in enumerate(PARTS):
-        ax = axes[1 + k]
-        for rank in ranks:  # the busiest ranks (the straggler among them), as the bars
-            ys = [next((_value(r[2 + k]) for r in p.ranks if r[0] == rank), None) for p in s.points]
-            pairs = [(x, 1000 * v) for x, v in zip(xs, ys, strict=True) if v is not None and x is not None]
-            if pairs:
-                red = rank == s.marked
-                ax.plot(*zip(*pairs, strict=True), color=STRAGGLER_COLOR if red else COLORS[part],
-                        linewidth=2 if red else 0.8, alpha=1 if red else 0.6)
-        ax.set_ylabel(f"{part} ms")
-    axes[-1].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
+    try:
+        left = [0.0] * len(ranks)
+        for k, part in enumerate(PARTS):
+            vals = [1000 * float(s.means[r][1 + k]) for r in ranks]
+            axes[0].barh([str(r) for r in ranks], vals, left=left, color=COLORS[part], label=part)
+            left = [a + b for a, b in zip(left, vals, strict=True)]
+        axes[0].set_xlabel("mean ms per step")
+        axes[0].set_ylabel("rank")
+        axes[0].legend(loc="lower right", fontsize=8)
+        axes[0].set_title(title if s.marked is None else f"{title}: straggler rank {s.marked} ({s.cause})", fontsize=10)
+        xs = [_mid(p) for p in s.points]
+        for k, part in enumerate(PARTS):
+            ax = axes[1 + k]
+            for rank in ranks:  # the busiest ranks (the straggler among them), as the bars
+                ys = [next((_value(r[2 + k]) for r in p.ranks if r[0] == rank), None) for p in s.points]
+                pairs = [(x, 1000 * v) for x, v in zip(xs, ys, strict=True) if v is not None and x is not None]
+                if pairs:
+                    red = rank == s.marked
+                    ax.plot(*zip(*pairs, strict=True), color=STRAGGLER_COLOR if red else COLORS[part],
+                            linewidth=2 if red else 0.8, alpha=1 if red else 0.6)
+            ax.set_ylabel(f"{part} ms")
+        axes[-1].set_xlabel("step")
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
+    finally:  # a figure left open stays in pyplot's list for the life of the process
+        plt.close(fig)
 
 
 def check(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a `Path` when it names a ``.svg`` or ``.png`` file, else a `ConfigError` saying so."""
+    """``path`` as a `Path` (``~`` expanded) when it names a ``.svg`` file, or a ``.png`` one with matplotlib
+    installed, else a `ConfigError` saying what to change. Every rank calls it at every ``ctx.timings(plot=...)``,
+    so what can be known from the path alone fails on every rank at once, never on rank 0 alone (which would leave
+    the others waiting at their next collective)."""
     try:
-        target = Path(os.fspath(path))
+        raw = os.fspath(path)
     except TypeError:
-        raise ConfigError(f"ctx.timings(plot={path!r}): plot is a file path (str or pathlib.Path)") from None
-    if target.suffix.lower() not in (".svg", ".png"):
-        raise ConfigError(f"ctx.timings(plot={str(path)!r}): the picture is a .svg (no dependency) or a .png "
+        raw = None
+    if not isinstance(raw, str):  # bytes too: a picture's name is text
+        raise ConfigError(f"ctx.timings(plot={path!r}): plot is a file path (str or pathlib.Path)")
+    if "\x00" in raw:
+        raise ConfigError(f"ctx.timings(plot={raw!r}): a file path holds no NUL character")
+    target = Path(raw).expanduser()
+    suffix = target.suffix.lower()
+    if suffix not in (".svg", ".png"):
+        raise ConfigError(f"ctx.timings(plot={raw!r}): the picture is a .svg (no dependency) or a .png "
                           "(needs matplotlib); name the file so")
+    if suffix == ".png" and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(f"ctx.timings(plot={raw!r}): a .png needs matplotlib (pip install matplotlib); a .svg "
+                          "path needs nothing")
     return target
 
 
 def write(points: Sequence[Point], path: str | os.PathLike[str], *, title: str | None = None) -> Path:
     """Write the picture of ``points`` to ``path``: SVG for ``.svg``, PNG (matplotlib) for ``.png``; any other
-    suffix is a `ConfigError`. The file is written beside and renamed, so a reader never sees half of it."""
+    suffix is a `ConfigError`. Missing parent folders are made. The file is written beside, under a name that is
+    created afresh (a file, link or FIFO planted there is removed, never written through or opened), and renamed,
+    so a reader never sees half of it. An `OSError` (a folder at the path, no room, no permission) is raised:
+    `distfn.timings.Timings.plot` turns it into a warning."""
     target = check(path)
     suffix = target.suffix.lower()
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     kwargs = {} if title is None else {"title": title}
     try:
-        if suffix == ".svg":
-            tmp.write_text(svg(points, **kwargs), encoding="utf-8")
-        else:
-            png(points, tmp, **kwargs)
+        tmp.unlink(missing_ok=True)
+        with tmp.open("xb") as f:  # O_EXCL: never through a link planted after the unlink
+            if suffix == ".svg":
+                f.write(svg(points, **kwargs).encode("utf-8"))
+            else:
+                png(points, f, **kwargs)
         os.replace(tmp, target)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return target
 
 

@@ -381,3 +381,103 @@ def test_mesh_bench_smoke(tmp_path: Path) -> None:
         "distfn ctx.wrap (HSDP)", "distfn ctx.wrap(parallelize=plan)", "distfn sharded save"]
     assert {r["variant"] for r in load["rows"]} == {"same-mesh load (TP 2 x DP 2)",
                                                     "reshard load (HSDP 2x2 -> TP 2 x DP 2)"}
+
+
+# -- --redraw of a damaged docs/assets/benchmarks.json: a clear error naming the field, never matplotlib's traceback
+def _bench_modules() -> tuple[object, object]:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import run  # bench/run.py
+
+        import charts  # bench/charts.py
+    finally:
+        sys.path.remove(str(BENCH))
+    return run, charts
+
+
+def _one(**row: object) -> dict[str, object]:
+    base = {"variant": "distfn, 2 ranks", "median": 1.0, "min": None, "samples": [1.0], "runs": 1, "ratio": 1.0,
+            "note": ""}
+    target = {"variant": "distfn, 2 ranks", "max_ratio": 1.1, "ratio": 1.0, "met": True}
+    return {"machine": {}, "benchmarks": [{"benchmark": "b", "notes": [], "tables": [
+        {"title": "t", "unit": "s", "baseline": None, "rows": [{**base, **row}], "targets": [target]}]}]}
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("{", "Expecting"), ("[]", "the file is"), ('{"machine": {}}', "benchmarks is null"),
+    (json.dumps(_one(median="1.0")), r"benchmarks\[0\]\.tables\[0\]\.rows\[0\]\.median is \"1\.0\", not an integer"),
+    (json.dumps(_one(median=float("nan"))), r"median is NaN, not a finite number"),
+    (json.dumps(_one(median=1e300)), r"median is 1e\+300, not a finite number within"),
+    (json.dumps(_one(median=-1.0)), r"median is -1\.0, not a time"),
+    (json.dumps(_one(variant=None)), r"rows\[0\]\.variant is null, not a text"),
+    (json.dumps(_one(samples=[0.0] * 10**6)), r"samples holds 1,000,000 items"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+    (json.dumps({"machine": {}, "benchmarks": [_one()["benchmarks"][0]] * 2100}), "4,200 rows and targets in all"),
+])
+def test_a_damaged_results_json_is_a_clear_error_naming_the_field(tmp_path: Path, text: str, said: str) -> None:
+    run, _ = _bench_modules()
+    path = tmp_path / "benchmarks.json"
+    path.write_text(text)
+    with pytest.raises(run.BadResults, match=said):  # type: ignore[attr-defined]
+        run.load_published(path)  # type: ignore[attr-defined]
+
+
+def test_redraw_of_a_damaged_file_exits_with_the_message_and_writes_nothing(tmp_path: Path) -> None:
+    """The command a user runs: exit status 2, one line naming the file's fault, no traceback, the page untouched."""
+    copy = tmp_path / "bench"
+    subprocess.run(["cp", "-r", str(BENCH), str(copy)], check=True)
+    assets = tmp_path / "docs" / "assets"
+    assets.mkdir(parents=True)
+    (assets / "benchmarks.json").write_text(json.dumps(_one(ratio="fast")))
+    (assets / "benchmarks.md").write_text("page")
+    done = subprocess.run([sys.executable, str(copy / "run.py"), "--redraw"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "rows[0].ratio is \"fast\", not an integer or a number or null" in done.stderr
+    assert (assets / "benchmarks.md").read_text() == "page"
+
+
+def test_markup_and_dollars_in_the_results_are_text_on_the_page_and_in_the_charts(tmp_path: Path) -> None:
+    """``import <PRELOAD>`` in a note was read by the browser as a tag (the word vanished from the page); an unpaired
+    ``$`` in a variant was matplotlib mathtext (a ValueError from inside matplotlib)."""
+    pytest.importorskip("matplotlib", reason="the charts need matplotlib (the bench and docs extras)")
+    run, charts = _bench_modules()
+    combined = _one(note="python -c 'import <PRELOAD>' | more")
+    table = combined["benchmarks"][0]["tables"][0]  # type: ignore[index]
+    table["rows"] += [{**table["rows"][0], "variant": "peer $x, 2 ranks"},  # type: ignore[index]
+                      {**table["rows"][0], "variant": "distfn, 4 ranks", "median": 2.0},
+                      {**table["rows"][0], "variant": "peer $x, 4 ranks", "median": 3.0}]
+    table["targets"][0]["variant"] = "<script>alert(1)</script> $a"  # type: ignore[index]
+    run.check_results(combined)  # type: ignore[attr-defined]
+    page = run.markdown(combined["benchmarks"], {}, [])  # type: ignore[attr-defined,index]
+    assert "<PRELOAD>" not in page and "&lt;PRELOAD&gt;" in page and "<script>" not in page
+    assert "import &lt;PRELOAD&gt;' &#124; more" in page  # no cell ended by the "|"
+    assert charts.draw(combined["benchmarks"], {}, tmp_path) == list(charts.NAMES)  # type: ignore[attr-defined]
+    assert "peer $x" in (tmp_path / "bench-scaling.svg").read_text()
+
+
+hypothesis = pytest.importorskip("hypothesis", reason="the property tests need hypothesis (the 'test' extra)")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json = st.recursive(st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=30)
+_keys = ("variant", "median", "min", "samples", "runs", "ratio", "note")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(damage=st.dictionaries(st.sampled_from(_keys), _json, max_size=3), whole=_json)
+def test_property_any_damage_is_refused_or_drawn(tmp_path_factory: pytest.TempPathFactory, damage: dict,
+                                                   whole: object) -> None:
+    """Whatever a damaged file holds: `BadResults`, or a page (and, with matplotlib, charts) drawn without error."""
+    run, charts = _bench_modules()
+    for combined in (_one(**damage), whole):
+        try:
+            run.check_results(combined)  # type: ignore[attr-defined]
+        except run.BadResults:  # type: ignore[attr-defined]
+            continue
+        run.markdown(combined["benchmarks"], combined["machine"], [])  # type: ignore[attr-defined,index]
+        if importlib.util.find_spec("matplotlib"):
+            charts.draw(combined["benchmarks"], combined["machine"],  # type: ignore[attr-defined,index]
+                        tmp_path_factory.mktemp("charts"))

@@ -316,6 +316,7 @@ def test_a_rank_with_a_slow_dataset_is_named_for_data(tmp_path: Path) -> None:
     heads = ("steps 0–60, 2 rank(s); straggler: rank 1 (", "steps 0–70, 2 rank(s); straggler: rank 1 (")
     assert any(t.startswith(heads) and t.endswith(", data") for t in texts), texts[:3]  # window 6 may be pending
     assert any(t.startswith("rank 1 (") for t in texts) and any(t.startswith("rank 0 (") for t in texts)
+    assert "the picture could not be written to" in stderr and (tmp_path / "blocked.svg").is_dir()  # and no hang
     if (tmp_path / "timings.png").exists():
         assert (tmp_path / "timings.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # ... and the trackers': each window's per-rank numbers at the user's step of that moment

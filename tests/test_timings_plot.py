@@ -6,10 +6,14 @@ tests/test_timings.py (``test_a_rank_with_a_slow_dataset_is_named_for_data``).""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import itertools
 import math
+import os
+import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -138,6 +142,108 @@ def test_the_windows_reach_the_history_and_the_trackers_at_the_users_step(tmp_pa
     assert run.on_table is None and len(run.history.points) == 4
 
 
+def _drawn(tmp_path: Path) -> Timings:
+    run = Timings(enabled=True, window=2)
+    recorder = run.start(0, 1, None, HostClock())
+    for _ in range(5):
+        recorder.boundary()
+    return run
+
+
+def test_a_plot_that_cannot_be_written_is_a_warning_never_an_exception(tmp_path: Path,
+                                                                        warnings_seen: list[str]) -> None:
+    """Only rank 0 writes: an exception there alone would leave the other ranks at their next collective."""
+    run = _drawn(tmp_path)
+    (tmp_path / "dir.svg").mkdir()
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where a folder should be")
+    for path in (tmp_path / "dir.svg", blocked / "x.svg", tmp_path / ("a" * 300 + ".svg")):
+        assert run.plot(path) is None
+        assert run.plot(path) is None  # said once per path and error, not at every call
+    assert len(warnings_seen) == 3 and all("could not be written" in w for w in warnings_seen)
+    assert (tmp_path / "dir.svg").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["dir.svg", "file"]
+
+    def drawing_fails(*args: object, **kwargs: object) -> str:
+        raise ValueError("a drawing bug")
+
+    original = timings_plot.svg
+    timings_plot.svg = drawing_fails  # type: ignore[assignment]
+    try:
+        assert run.plot(tmp_path / "t.svg") is None and not (tmp_path / "t.svg").exists()
+    finally:
+        timings_plot.svg = original
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # no half-written picture left
+
+
+def test_what_the_path_alone_tells_fails_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank without history (every rank but 0, or rank 0 before its first window) raises what rank 0 would."""
+    other = Timings(enabled=True)
+    for bad, said in ((b"t.svg", "plot is a file path"), ("t\x00.svg", "no NUL"), ("t.SVG.txt", r"\.svg"),
+                      (tmp_path, r"\.svg")):
+        with pytest.raises(ConfigError, match=said):
+            other.plot(bad)  # type: ignore[arg-type]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # a bare venv: no matplotlib
+                        lambda name, *a, **k: None if name == "matplotlib" else real(name, *a, **k))
+    with pytest.raises(ConfigError, match=r"a \.png needs matplotlib \(pip install matplotlib\)"):
+        other.plot(tmp_path / "t.png")  # no window yet: raised all the same, on every rank alike
+    assert other.plot(tmp_path / "t.svg") is None
+
+
+def test_odd_but_valid_paths_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _drawn(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert run.plot("~/runs/t.svg") == tmp_path / "home" / "runs" / "t.svg"  # ~ expanded, parents made
+    assert run.plot(tmp_path / "new" / "deep" / "T.SVG") == tmp_path / "new" / "deep" / "T.SVG"
+    real = tmp_path / "real.svg"
+    real.write_text("kept")
+    (tmp_path / "link.svg").symlink_to(real)
+    assert run.plot(tmp_path / "link.svg") is not None
+    assert real.read_text() == "kept" and not (tmp_path / "link.svg").is_symlink()  # the link replaced, not followed
+    os.mkfifo(tmp_path / "fifo.svg")
+    assert run.plot(tmp_path / "fifo.svg") is not None and (tmp_path / "fifo.svg").is_file()
+    for path in (tmp_path / "home" / "runs" / "t.svg", tmp_path / "fifo.svg"):
+        assert ET.parse(path).getroot().tag == f"{SVG}svg"
+
+
+def test_a_plot_with_the_timings_switched_off_says_so_once(tmp_path: Path, warnings_seen: list[str]) -> None:
+    off = Timings(enabled=False)
+    assert off.plot(tmp_path / "t.svg") is None and off.plot(tmp_path / "t.svg") is None
+    assert len(warnings_seen) == 1 and "DISTFN_TIMINGS=0 switches the timings off" in warnings_seen[0]
+    assert not (tmp_path / "t.svg").exists()
+
+
+def test_a_plot_asked_for_every_step_is_drawn_once_a_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 512 ranks a picture takes about 0.15 s to draw: asked for at every step it is drawn again only when a new
+    window came in (or the file is gone), not at every call."""
+    drawn: list[int] = []
+    real = timings_plot.write
+    monkeypatch.setattr(timings_plot, "write", lambda points, path: drawn.append(len(points)) or real(points, path))
+    run = Timings(enabled=True, window=4)
+    recorder = run.start(0, 1, None, HostClock())
+    target = tmp_path / "t.svg"
+    answers = []
+    for _ in range(4 * 5 + 1):
+        recorder.boundary()
+        answers.append(run.plot(target))
+    assert drawn == [1, 2, 3, 4, 5] and answers.count(target) == 4 * 4 + 1  # five windows, five pictures
+    target.unlink()
+    assert run.plot(target) == target and target.is_file() and drawn[-1] == 5  # gone: drawn again
+
+
+def test_a_file_planted_at_the_temporary_name_is_never_written_through(tmp_path: Path) -> None:
+    """The picture is written beside, then renamed: a link or FIFO already at that name (another user's, in a
+    shared folder) is removed, never followed (which would overwrite its target) nor opened (a FIFO blocks)."""
+    run = _drawn(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("victim")
+    (tmp_path / f".a.svg.{os.getpid()}.tmp").symlink_to(victim)
+    os.mkfifo(tmp_path / f".b.svg.{os.getpid()}.tmp")
+    assert run.plot(tmp_path / "a.svg") == tmp_path / "a.svg" and run.plot(tmp_path / "b.svg") == tmp_path / "b.svg"
+    assert victim.read_text() == "victim"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.svg", "b.svg", "victim"]
+
+
 class _Backend:
     name, on_error, log_cfg = "fake", "buffer", False
 
@@ -149,9 +255,77 @@ def test_log_beside_waits_for_the_users_first_step_and_never_moves_it() -> None:
     session._start = lambda: setattr(session, "_thread", object())  # type: ignore[method-assign]
     session.log_metrics({"loss": 1.0}, step=7)
     session.log_beside({"timings/rank0/data_ms": 2.0})
-    assert list(session._queue)[-1] == ("metrics", (7, {"timings/rank0/data_ms": 2.0})) and session.high == 7
+    assert list(session._queue)[-1] == ("beside", (7, {"timings/rank0/data_ms": 2.0})) and session.high == 7
     session.log_metrics({"loss": 0.5})  # the user's next step follows, undisturbed
     assert session.high == 8
+
+
+def test_no_timings_rows_pile_up_while_the_trackers_cannot_take_them() -> None:
+    """A tracker down (``on_error="buffer"``) keeps the user's rows for later, not distfn's: at 512 ranks a timings
+    row is 2,049 values and `MAX_PENDING` counts rows. Nor are they queued while the thread is stuck."""
+    from distfn.tracking.session import BESIDE_BACKLOG
+
+    class Down:
+        name, on_error, log_cfg = "down", "buffer", False
+
+        def open(self, run: object) -> object:
+            raise ConnectionError("server unreachable")
+
+    session = Session([Down()], cfg={}, env={}, flush_every=0.01)  # type: ignore[list-item]
+    channel = session._channels[0]
+
+    def wait(until: Callable[[], bool]) -> None:
+        for _ in range(1000):
+            if until():
+                return
+            time.sleep(0.01)
+
+    session.log_metrics({"loss": 1.0}, step=1)
+    wait(lambda: channel.failing)
+    session.log_metrics({"loss": 1.0}, step=2)
+    assert not session.beside_due
+    session.log_beside({"timings/rank0/data_ms": 1.0})
+    wait(lambda: not session._queue and len(channel.rows) >= 2)
+    rows = list(channel.rows)
+    assert [step for step, _ in rows] == [1, 2] and all("loss" in values for _, values in rows)  # the user's, kept
+    stuck = Session([_Backend()], cfg={}, env={})  # type: ignore[list-item]
+    stuck._start = lambda: setattr(stuck, "_thread", object())  # type: ignore[method-assign]
+    for step in range(BESIDE_BACKLOG):
+        stuck.log_metrics({"loss": 1.0}, step=step)
+    assert not stuck.beside_due  # nothing drains the queue: no side row joins it
+    session.close("FINISHED")
+
+
+def test_one_timings_row_per_user_step_and_the_users_own_names_stay_the_users(tmp_path: Path,
+                                                                             warnings_seen: list[str]) -> None:
+    """A user who logs once an epoch (many windows per step) gets one timings row at that step, not a stack of
+    values at one x; a name the user logs too under ``timings/`` is left to the user. Through the CSV backend."""
+    from distfn.tracking import CSV
+
+    session = Session([CSV(root=str(tmp_path))], cfg={}, env={"DISTFN_JOB_KEY": "k"}, flush_every=0.02)
+    run = Timings(enabled=True, window=2)
+    run.on_table = lambda table: session.log_beside(metrics(table))
+    recorder = run.start(0, 1, None, HostClock())
+    for epoch in range(3):
+        session.log_metrics({"loss": 1.0 / (epoch + 1)}, step=epoch)
+        if epoch == 2:
+            session.log_metrics({"timings/rank0/data_ms": -5.0}, step=epoch)  # the user's own, same name
+            session.flush(10)
+        for _ in range(10):  # five windows within each epoch
+            recorder.boundary()
+    session.log_metrics({"loss": 0.1}, step=3)
+    recorder.boundary()
+    recorder.boundary()
+    session.close("FINISHED")
+    rows = list(csv.DictReader(next(tmp_path.glob("*/metrics.csv")).open()))
+    mine = [(int(r["step"]), float(r["value"])) for r in rows if r["name"] == "timings/rank0/data_ms"]
+    assert [s for s, _ in mine] == [0, 1, 2] and mine[2] == (2, -5.0)  # from then on, only the user's
+    beside = [int(r["step"]) for r in rows if r["name"] == "timings/rank0/compute_ms"]
+    assert beside == [0, 1, 2, 3]  # one per step, never stacked
+    steps = [int(r["step"]) for r in rows]
+    assert steps == sorted(steps)  # never backwards
+    assert sum("leaves those names to you" in w for w in warnings_seen) == 1, warnings_seen
+    assert run.history is not None and sum(p.steps for p in run.history.points) == 30  # every window
 
 
 # -- hostile input: any numbers, any names, any sizes --------------------------------------------------------------
@@ -190,3 +364,15 @@ def test_one_rank_to_512_and_many_windows_stay_bounded(world: int, windows: int)
     text = svg(history.points)
     ET.fromstring(text)
     assert len(text.encode()) < 150_000 and len(history.points) <= timings_plot.MAX_POINTS
+
+
+@settings(max_examples=200, deadline=None)
+@given(path=st.text(max_size=300) | st.binary(max_size=50) | st.integers() | st.none())
+def test_property_any_plot_argument_is_a_path_or_a_config_error(path: object) -> None:
+    """What the user passes as ``plot=`` is read on every rank: a `Path` or a `ConfigError`, nothing else."""
+    try:
+        found = timings_plot.check(path)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        assert "ctx.timings(plot=" in str(exc)
+        return
+    assert isinstance(found, Path) and found.suffix.lower() in (".svg", ".png") and "\x00" not in str(found)

@@ -47,6 +47,12 @@ from .base import Backend, Handle, Row, RunInfo, Status
 from .key import RECORD_KEY, BadRecord, job_key, key_in, record, tags
 from .params import flatten
 
+#: The prefix of the names `Session.log_beside` writes (distfn's per-rank timings).
+BESIDE_PREFIX: Final = "timings/"
+
+#: Entries waiting for the tracking thread beyond which `Session.log_beside` queues nothing (the thread is stuck).
+BESIDE_BACKLOG: Final = 256
+
 #: Seconds between two sends of the tracking thread.
 FLUSH_EVERY: Final = 1.0
 
@@ -196,6 +202,8 @@ class Session:
         self._status: Status = "FINISHED"
         self._thread: threading.Thread | None = None
         self._warned: set[str] = set()
+        self._beside_step: int | None = None  # the user's step that `log_beside` last wrote at
+        self._users: set[str] = set()  # names the user logged under ``timings/``: `log_beside` leaves them alone
         # flushing for ctx.save: entries queued (training thread) and handled (drained, then sent or failed, by
         # the tracking thread); the thread notifies `_handled_cond` after each round
         self._queued = 0
@@ -248,13 +256,29 @@ class Session:
         self._queue.append(("metrics", (step, values)))
         self._queued += 1
 
+    @property
+    def beside_due(self) -> bool:
+        """Whether `log_beside` would queue a row now (a user's step with none yet): the caller may skip building
+        it (at 512 ranks a window's row is 2,049 values, about 1 ms to build)."""
+        if not self.backends or self.high is None or self._thread is None or self.high == self._beside_step:
+            return False
+        # Not while no backend takes rows, nor while the thread is behind (a backend that blocks): the user's rows
+        # are kept for later (``on_error="buffer"``), distfn's side rows are not: at 512 ranks each is 2,049 values,
+        # and `MAX_PENDING` counts rows, so buffering them could hold gigabytes on rank 0.
+        return len(self._queue) < BESIDE_BACKLOG and not all(c.failing or c.off for c in self._channels)
+
     def log_beside(self, metrics: Mapping[str, float]) -> None:
         """Queue ``metrics`` (floats) at the latest step the user logged, without moving it: distfn's own numbers
         (the per-rank timings of each window) beside the user's curves. Nothing is queued before the user's first
-        ``ctx.log_metrics`` (distfn does not open a run by itself, nor choose a step the user's would contradict)."""
-        if not self.backends or self.high is None or self._thread is None:
+        ``ctx.log_metrics`` (distfn does not open a run by itself, nor choose a step the user's would contradict),
+        and at most one row per user step: a user who logs once an epoch would otherwise get every window of the
+        epoch stacked at one step (several values at one x in TensorBoard and MLflow); the first window done at
+        that step is sent, the others until the user's next step are not. A name the user logs too is left to the
+        user (`_drain`)."""
+        if not self.beside_due:
             return
-        self._queue.append(("metrics", (self.high, dict(metrics))))
+        self._beside_step = self.high
+        self._queue.append(("beside", (self.high, dict(metrics))))
         self._queued += 1
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -389,6 +413,12 @@ class Session:
         while self._queue:
             kind, item = self._queue.popleft()
             count += 1
+            if kind == "metrics":  # here, not in ctx.log_metrics: this thread's time is not the training's
+                self._users.update(name for name in item[1] if name.startswith(BESIDE_PREFIX))
+            elif kind == "beside":
+                item, kind = self._own(item), "metrics"
+                if not item[1]:
+                    continue
             for channel in self._channels:
                 if channel.off:
                     channel.dropped += kind == "metrics"
@@ -398,6 +428,17 @@ class Session:
                 elif kind == "params" or channel.backend.log_cfg:
                     channel.params.update(item)
         return count
+
+    def _own(self, row: Row) -> Row:
+        """A `log_beside` row without the names the user logs too (once said): the user's curve stays the user's."""
+        step, values = row
+        clash = self._users.intersection(values)
+        if not clash:
+            return row
+        self._warn_once("beside-clash", "tracking: you log {} (and maybe more) under a name distfn uses for its "
+                        "per-rank timings; distfn leaves those names to you and sends only its others",
+                        sorted(clash)[0])
+        return step, {k: v for k, v in values.items() if k not in clash}
 
     def _open(self, channel: _Channel, info: RunInfo) -> Handle | None:
         try:

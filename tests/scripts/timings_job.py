@@ -4,7 +4,8 @@ SCENARIO: ``data`` (rank 1's dataset sleeps 50 ms per item), ``compute`` (rank 1
 ``none`` (identical ranks, with the user's own DDP comm hook). Prints ``RESULT <json>`` with rank 0's view: the
 warnings logged during the loop, the last window's table and ``ctx.timings()`` on every rank. The end-of-run
 summary is logged to stderr. With OUT (a directory), the job also tracks ``track=CSV(root=OUT)`` (the loss at
-each step) and writes ``ctx.timings(plot=OUT/timings.svg)`` (and ``.png`` when matplotlib is installed) at the end.
+each step) and writes ``ctx.timings(plot=OUT/timings.svg)`` (and ``.png`` when matplotlib is installed) at the end, and
+once into a folder (a write that fails on rank 0 only).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib.util
 import json
 import sys
 import time
+from pathlib import Path
 
 import attrs
 import torch
@@ -75,6 +77,10 @@ def job(cfg: dict, ctx) -> dict:
             break
     logger.remove(sink)
     table = ctx.timings(plot=f"{out}/timings.svg" if out else None)
+    if out:  # a folder where rank 0 writes: a warning there, and every rank goes on to the gather below
+        if ctx.is_main:
+            Path(out, "blocked.svg").mkdir(exist_ok=True)
+        ctx.timings(plot=f"{out}/blocked.svg")
     if out and importlib.util.find_spec("matplotlib"):
         ctx.timings(plot=f"{out}/timings.png")
     return {"rank": ctx.rank, "warnings": warnings, "table": None if table is None else attrs.asdict(table),
