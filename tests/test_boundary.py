@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from loguru import logger
 
 from distfn import CheckpointError, ConfigError, checkpoint
@@ -25,6 +23,10 @@ from distfn.options import Options
 from distfn.rankstore import Channel
 from distfn.rng import rng_state
 from distfn.run import Run
+
+hypothesis = pytest.importorskip("hypothesis", reason="the property tests need hypothesis (the 'test' extra)")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 from s3server import S3Server, needs_s3, s3, s3_module
 from safetensors import safe_open
 from torch import nn
@@ -21,6 +19,10 @@ from distfn.plan import plan_call
 from distfn.tensor_parallel import check_plan, resolve
 
 from conftest import SCRIPTS, run_python
+
+hypothesis = pytest.importorskip("hypothesis", reason="the property tests need hypothesis (the 'test' extra)")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 __all__ = ["s3", "s3_module"]  # the fixtures, imported from tests/s3server.py
 
