@@ -382,3 +382,24 @@ def test_torchrun_two_agents_four_ranks(out_dir: Path, tmp_path: Path) -> None:
                                        f"after the wait); the agents' output:\n" +
                                        "\n".join(f"--- agent {i}\n{o[-5000:]}" for i, o in enumerate(outputs)))
     check_job(out_dir, world=4, nodes=2, launcher="torchrun", context="\n".join(outputs))
+
+
+def test_srun_two_nodes_mesh_auto_replicates_across_nodes_and_shards_within(out_dir: Path) -> None:
+    """Issue 45: ``mesh="auto"`` on 2 nodes x 2 tasks is HSDP 2 x 2: the replica dimension runs across the nodes
+    (a node's ranks share a ``dp_replicate`` coordinate and shard the weights between them), every rank ends
+    with the same full weights and the same losses."""
+    require_slurm(2)
+    name = job_name()
+    job = str(Path(__file__).resolve().parent / "mesh_auto_job.py")
+    res = run(srun("-J", name, "-N2", "--ntasks-per-node=2", sys.executable, job), launch_env(out_dir),
+              SRUN_TIMEOUT, slurm_job=name)
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["names"] == ["dp_replicate", "dp_shard"] and r["shape"] == [2, 2] for r in ranks), res.stdout
+    for r in ranks:  # outermost the node, innermost the rank within it
+        assert r["coordinate"] == [r["node_rank"], r["rank"] % 2], r
+        assert (r["dp_rank"], r["dp_size"]) == (r["rank"], 4)
+        assert r["placements"] == ["R", "S(0)"], r["placements"]  # replicated across nodes, sharded within
+    assert len({r["host"] for r in ranks}) == 2 and ranks[0]["host"] == ranks[1]["host"] != ranks[2]["host"]
+    assert all(r["full"] == ranks[0]["full"] and r["losses"] == ranks[0]["losses"] for r in ranks)
+    # the weights are those of the same model trained in one process on the 4 ranks' batches together
+    assert all(r["gap_to_one_process"] < 1e-5 for r in ranks), [r["gap_to_one_process"] for r in ranks]
