@@ -160,6 +160,7 @@ def distributed(
     max_restarts: int = 0,
     requeue: bool = False,
     track: str | Any | Sequence[str | Any] | None = None,
+    keep_alive: bool = False,
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -210,6 +211,14 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             ``max_restarts``, ``requeue`` and a re-run that ``ctx.resume``-s; the cfg is logged as its parameters.
             A missing extra is a `ConfigError` naming it (``pip install 'distfn[mlflow]'``). See
             docs/tracking.md.
+        keep_alive: keep a self-spawned job's ranks (processes, process group, CUDA contexts) alive after a call
+            that succeeded, and run the next call of this function with the same options on them: only the
+            function, ``cfg`` and the per-call options travel (for notebooks and interactive sessions that call
+            the function again and again). A call that fails, hangs, is interrupted or changes ``nprocs``,
+            ``mode``, ``devices``, ``backend``, ``timeout`` or the start method ends the ranks; the next call
+            starts fresh ones. The ranks end with this process. What stays in them between calls (module globals,
+            imports) is described in docs/notebooks.md; ``seed=`` reseeds every call. Default False (each call
+            starts fresh processes); no effect under torchrun / srun / mpirun, Ray or one-process modes.
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take
@@ -223,7 +232,7 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     (checked the same way), e.g. ``train.options(precision="16" if cfg.use_amp else "32")(cfg)``; and the
     environment overrides them at each call: ``DISTFN_NPROCS``, ``DISTFN_PRECISION``, ``DISTFN_BACKEND``,
     ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), ``DISTFN_MAX_RESTARTS``, ``DISTFN_REQUEUE`` (1/0),
-    ``DISTFN_LAUNCHER``, over
+    ``DISTFN_LAUNCHER``, ``DISTFN_KEEP_ALIVE`` (1/0), over
     both the decorator and ``fn.options``.
     """
     opts = make_options(options)

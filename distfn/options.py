@@ -84,6 +84,7 @@ ENV_OVERRIDES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "DISTFN_MAX_RESTARTS": ("max_restarts", int),
     "DISTFN_REQUEUE": ("requeue", lambda text: parse_flag(text)),
     "DISTFN_LAUNCHER": ("launcher", str.strip),
+    "DISTFN_KEEP_ALIVE": ("keep_alive", lambda text: parse_flag(text)),
 }
 
 #: Set by distfn's launcher in the environment of its workers: which attempt of the job they run (see
@@ -278,6 +279,13 @@ def check_requeue(value: Any) -> bool:
     return value
 
 
+def check_keep_alive(value: Any) -> bool:
+    """A bool: keep a self-spawned job's ranks alive between calls (see `distfn.launch.pool`)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"keep_alive must be True or False, got {value!r}")
+    return value
+
+
 def check_max_restarts(value: Any) -> int:
     """A non-negative int: how many times a failed self-spawned job is started again."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -356,6 +364,7 @@ class Options:
     max_restarts: int = attrs.field(default=0, converter=check_max_restarts)
     requeue: bool = attrs.field(default=False, converter=check_requeue)
     track: tuple[Backend, ...] = attrs.field(default=None, converter=check_track)
+    keep_alive: bool = attrs.field(default=False, converter=check_keep_alive)
 
     def __attrs_post_init__(self) -> None:
         if self.one_process and self.nprocs not in (None, 1):

@@ -70,10 +70,13 @@ def _prepare(opts: Options, topology: Topology) -> tuple[torch.device, str]:
     return device, threads
 
 
-def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any) -> str:
-    """Start this rank's process group; returns its backend."""
+def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any, reuse: bool = False) -> str:
+    """Start this rank's process group (``reuse``: keep the one an earlier call of a kept-alive job left up, whose
+    options were the same: `distfn.launch.pool`); returns its backend."""
     # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept
     backend = fsdp.required_backend(opts.fsdp, opts.backend or devices.default_backend(device))
+    if reuse and dist.is_initialized():
+        return backend
     if store is None and topology.launcher == "local" and opts.init_method is None:
         store = dist.HashStore()  # a world of one needs no network at all
     # under NCCL a little longer than distfn's timeout, so the hang report is collected before the watchdog aborts
@@ -121,8 +124,9 @@ def _log_start(log: Any, topology: Topology, device: Any, backend: str | None, t
 
 
 def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
-        report: Callable[[BaseException], None] | None = None) -> Any:
-    """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always left.
+        report: Callable[[BaseException], None] | None = None, keep_group: bool = False) -> Any:
+    """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is left (``keep_group``:
+    kept up after a success, for the next call of a kept-alive job, and reused if one is up).
 
     A failure is reported before the process group is torn down (aborted, not destroyed: NCCL's destroy waits
     for pending work, see `distfn.rendezvous.leave_process_group`): through ``report`` when given (the spawn
@@ -137,7 +141,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     try:
         device, threads = _prepare(opts, topology)
         if opts.multi_rank:
-            backend = _join_group(opts, topology, device, store)
+            backend = _join_group(opts, topology, device, store, reuse=keep_group)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
         _log_start(log, topology, device, backend, threads)
         ctx = _context(topology, device=device, backend=backend, opts=opts, log=log, run=life)
@@ -152,7 +156,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         raise
     finally:
         life.close(error)  # peers waiting in a check-in learn that this rank will never join it
-        if backend is not None:
+        if backend is not None and (error is not None or not keep_group):
             rendezvous.leave_process_group(failed=error is not None)
         logs.teardown()
         preemption.restore_handlers(stop_handlers)
