@@ -133,8 +133,16 @@ def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | 
         checked like the decorator's own: ``train.options(precision="16" if cfg.amp else "32")(cfg)``."""
         return _decorate(func, make_options(changes, opts), origin or wrapper)
 
+    def shutdown() -> None:
+        """End the ranks kept alive for this function (``keep_alive=True``) now, rather than at exit: e.g. to
+        give their GPU memory back, or after editing a module they imported. A no-op where none are kept."""
+        kept = sys.modules.get("distfn.launch.pool")  # loaded by the first kept-alive call, not at decoration
+        if kept is not None:
+            kept.shutdown(origin or wrapper)
+
     wrapper.distfn_options = opts  # type: ignore[attr-defined]
     wrapper.options = options  # type: ignore[attr-defined]
+    wrapper.shutdown = shutdown  # type: ignore[attr-defined]
     _start_early(opts)  # a fork server now, where the call will launch workers with forkserver
     return wrapper
 

@@ -103,6 +103,7 @@ def test_a_script_reuses_the_ranks_and_every_call_that_does_not_succeed_ends_the
         assert ended["old_alive"] == [] and ended["next_ok"] and ended["next_fresh"] and ended["pool_after"], how
     assert got["killed"] == {"next": True, "victim_alive": [], "fresh": True}  # a rank killed between calls
     assert "keep_alive: starting fresh ranks (a rank died since the last call)" in done.stderr
+    assert got["shutdown"] == {"pool": False, "alive": [], "had": 2} and got["last_pids"]  # job.shutdown()
     # nothing outlives the script: no process of its session, no temp entry (sockets, shm files live there)
     assert processes(pid, session=True) == []
     assert not any(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))

@@ -92,13 +92,14 @@ def pool_key(sendable: Callable[..., Any], opts: Options, nprocs: int) -> tuple[
     return sendable, nprocs, fixed, os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def shutdown() -> None:
-    """End the kept ranks, if any: each leaves the process group and exits (killed after a grace); the store
+def shutdown(fn: Callable[..., Any] | None = None) -> None:
+    """End the kept ranks, if any (``fn``: only where they were kept for that decorated function, what
+    ``train.shutdown()`` asks): each leaves the process group and exits (killed after a grace); the store
     closes. Runs at this process's exit; call it to free the ranks' memory (GPU memory included) sooner."""
     global _current
-    pool, _current = _current, None
-    if pool is None:
+    if _current is None or (fn is not None and _current.key[0] is not fn):
         return
+    pool, _current = _current, None
     pool.group.release()
     pool.group.teardown()
     logger.debug("keep_alive: {} ranks ended after {} call(s)", pool.group.nprocs, pool.calls)

@@ -120,7 +120,10 @@ def main() -> None:
     time.sleep(0.5)
     out["killed"] = {"next": job({"do": "train"})["same"], "victim_alive": alive([victim]),
                      "fresh": victim not in pids()}
-    out["last_pids"] = pids()
+    last = pids()
+    job.options(seed=5).shutdown()  # a variant's shutdown ends the ranks kept for the function
+    out["shutdown"] = {"pool": pool.current() is not None, "alive": alive(last), "had": len(last)}
+    out["last_pids"] = job({"do": "train"})["pid"] not in last
     print("RESULT", json.dumps(out), flush=True)
 
 
