@@ -80,7 +80,8 @@ def test_a_script_reuses_the_ranks_and_every_call_that_does_not_succeed_ends_the
     got, done, pid = _run_job(tmp, timeout=480)
     reuse = got["reuse"]
     first, second = reuse["first"], reuse["second"]
-    # the same processes, the same results as the first call and as a fresh launch (seed= reseeds every call)
+    # the same processes, the same results as the first call and as a fresh launch (seed= reseeds every call),
+    # no descriptor or thread more in the ranks
     assert reuse["same_pids"] and first["pid"] == second["pid"] and (first["calls"], second["calls"]) == (1, 2)
     assert first["same"] and {k: v for k, v in second.items() if k != "calls"} == \
         {k: v for k, v in first.items() if k != "calls"}

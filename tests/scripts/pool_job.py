@@ -56,7 +56,8 @@ def job(cfg: dict[str, Any], ctx: Any) -> Any:
     dist.all_gather(every, w)
     return {"w": [round(v, 6) for v in w.tolist()], "same": all(torch.equal(every[0], t) for t in every),
             "draws": [random.random(), float(np.random.rand()), torch.rand(1).item()],
-            "pid": os.getpid(), "calls": CALLS, "world": ctx.world_size}
+            "pid": os.getpid(), "calls": CALLS, "world": ctx.world_size,
+            "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}  # no growth per call
 
 
 def alive(pids: list[int]) -> list[int]:
