@@ -99,7 +99,10 @@ def test_a_script_reuses_the_ranks_and_every_call_that_does_not_succeed_ends_the
         got["hang"]["seen"]  # the hang report as without a pool
     assert got["interrupt"]["seen"] == "KeyboardInterrupt"
     assert got["exit"]["seen"] == "returned"  # sys.exit(0) on every rank: no error, but the ranks are ended
-    for how in ("fail", "hang", "interrupt", "exit"):
+    unloadable = got["unloadable"]["seen"]  # reported as the call's failure by the ranks, not a rank dying
+    assert unloadable.startswith("WorkerError: rank ") and unloadable.count("failed with ModuleNotFoundError: No "
+                                                                            "module named 'made_here'") == 2
+    for how in ("fail", "hang", "interrupt", "exit", "unloadable"):
         ended = got[how]
         assert ended["old_alive"] == [] and ended["next_ok"] and ended["next_fresh"] and ended["pool_after"], how
     assert got["killed"] == {"next": True, "victim_alive": [], "fresh": True}  # a rank killed between calls

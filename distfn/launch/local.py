@@ -42,6 +42,7 @@ import faulthandler
 import functools
 import importlib
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -203,7 +204,7 @@ def _serve_calls(conn: Connection, topology: Topology, store: Any,
     message: protocol.Message = ("ok", None)
     while message[0] == "ok" and (job := protocol.next_call(conn, topology)) is not None:
         try:
-            fn, cfg, opts = shipping.unpack(job[0]), shipping.unpack(job[1]), job[2]
+            fn, cfg, opts = shipping.unpack(pickle.loads(job[0])), shipping.unpack(pickle.loads(job[1])), job[2]
         except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
             message = protocol.classify(topology.rank, exc)
             deliver(message)

@@ -149,11 +149,16 @@ def _job(pool: Pool, sendable: Callable[..., Any], cfg: Any, opts: Options) -> b
     """The next call as the ranks read it (`protocol.next_call`), pickled once for all of them."""
     cfg = protocol.compact_views(cfg)
     fn, cfg, _ = shipping.pack(preflight.sendable(sendable), cfg, pool.method, opts.start_method)
+    if isinstance(fn, shipping.Parcel):  # the environment goes as its changes, below, not whole
+        fn = attrs.evolve(fn, environ=None)
     now = dict(os.environ)
     changed = {k: v for k, v in now.items() if pool.environ.get(k) != v}
     gone = [k for k in pool.environ if k not in now]
     pool.environ = now
-    return pickle.dumps((fn, cfg, opts, changed, gone), protocol=pickle.HIGHEST_PROTOCOL)
+    # the function and cfg as bytes of their own: a rank that cannot load them (a class it cannot import) reports
+    # that as the call's failure, instead of dying while it reads the call
+    parts = (pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL), pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL))
+    return pickle.dumps((*parts, opts, changed, gone), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _again(pool: Pool, sendable: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, key: tuple[Any, ...],

@@ -158,11 +158,11 @@ def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology
     return delivered[0]
 
 
-def next_call(conn: Connection, topology: Topology) -> tuple[Any, Any, Options] | None:
+def next_call(conn: Connection, topology: Topology) -> tuple[bytes, bytes, Options] | None:
     """In a rank of a kept-alive job, between calls: free what the last call left (its cycles, CUDA's cached
-    blocks), then wait for the next call, ``(function parcel, cfg parcel, options)``, and take on the launching
-    process's environment changes sent with it; ``None``: the pool ends (the launching process closed the pipe or
-    is gone). The parcels are unpacked by the caller: a failure to is the call's."""
+    blocks), then wait for the next call, ``(pickled function parcel, pickled cfg parcel, options)``, and take on
+    the launching process's environment changes sent with it; ``None``: the pool ends (the launching process
+    closed the pipe or is gone). The parcels are loaded by the caller: a failure to is the call's."""
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

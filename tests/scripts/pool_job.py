@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,12 @@ def main() -> None:
     timer.start()
     out["interrupt"] = ended_by("sleep")
     out["exit"] = ended_by("exit")
+    # a cfg the ranks cannot load (its class's module exists only in this process, made after they started)
+    made_here = types.ModuleType("made_here")
+    exec("class Thing:\n    pass", made_here.__dict__)
+    made_here.Thing.__module__ = "made_here"
+    sys.modules["made_here"] = made_here
+    out["unloadable"] = ended_by("train", thing=made_here.Thing())
     victim = pids()[1]
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)
