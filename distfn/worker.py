@@ -70,19 +70,20 @@ def _prepare(opts: Options, topology: Topology) -> tuple[torch.device, str]:
     return device, threads
 
 
-def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any, reuse: bool = False) -> str:
+def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any,
+                reuse: bool = False) -> tuple[str, bool]:
     """Start this rank's process group (``reuse``: keep the one an earlier call of a kept-alive job left up, whose
-    options were the same: `distfn.launch.pool`); returns its backend."""
+    options were the same: `distfn.launch.pool`); returns its backend and whether it was kept."""
     # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept
     backend = fsdp.required_backend(opts.fsdp, opts.backend or devices.default_backend(device))
     if reuse and dist.is_initialized():
-        return backend
+        return backend, True
     if store is None and topology.launcher == "local" and opts.init_method is None:
         store = dist.HashStore()  # a world of one needs no network at all
     # under NCCL a little longer than distfn's timeout, so the hang report is collected before the watchdog aborts
     rendezvous.init_process_group(topology, backend, hangs.group_timeout(opts.timeout, backend), store=store,
                                   init_method=opts.init_method, device=device)
-    return backend
+    return backend, False
 
 
 def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None:
@@ -114,11 +115,12 @@ def _context(topology: Topology, *, device: torch.device, backend: str | None, o
                    restart=restart_attempt(os.environ), run=run)
 
 
-def _log_start(log: Any, topology: Topology, device: Any, backend: str | None, threads: str) -> None:
-    """Rank 0's one start-up line: who launched the job and why, the world, the device, the backend."""
+def _log_start(log: Any, topology: Topology, device: Any, backend: str | None, threads: str, kept: bool) -> None:
+    """Rank 0's one start-up line: who launched the job and why, the world, the device, the backend (``kept``: a
+    later call on kept-alive ranks, which said it at their first call: a debug line, not the same line again)."""
     if topology.rank == 0:
         # "self-spawned", not the launcher's name "spawn", which would read as the start method (issue 44)
-        log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}",
+        (log.debug if kept else log.info)("launcher: {} ({}); world size {}, device {}, backend {}, {}",
                  "self-spawned" if topology.launcher == "spawn" else topology.launcher,
                  topology.reason, topology.world_size, device, backend, threads)
 
@@ -137,13 +139,13 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     log = logs.setup(topology.rank, topology.world_size)
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
     stop, stop_handlers = preemption.install(opt_in=preemption.polls(fn))
-    life, backend, error = Run.open(opts, cfg, topology, stop=stop), None, None
+    life, backend, error, kept = Run.open(opts, cfg, topology, stop=stop), None, None, False
     try:
         device, threads = _prepare(opts, topology)
         if opts.multi_rank:
-            backend = _join_group(opts, topology, device, store, reuse=keep_group)
+            backend, kept = _join_group(opts, topology, device, store, reuse=keep_group)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
-        _log_start(log, topology, device, backend, threads)
+        _log_start(log, topology, device, backend, threads, kept)
         ctx = _context(topology, device=device, backend=backend, opts=opts, log=log, run=life)
         result = fn(cfg, ctx)
         life.saves.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
