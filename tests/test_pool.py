@@ -213,3 +213,37 @@ def test_a_jupyter_kernel_reuses_the_ranks_and_leaves_none_after_it_shuts_down(t
     if kernel_pid is not None:
         assert not _alive(kernel_pid)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("pymp-", "torch_"))] == []
+
+
+KILLED = '''
+import os, signal
+from distfn import distributed
+from distfn.launch import pool
+
+@distributed(mode="ddp", nprocs=2, keep_alive=True)
+def f(cfg, ctx):
+    return os.getpid()
+
+if __name__ == "__main__":
+    f(None)
+    f(None)
+    print("PIDS", *pool.current().pids, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no clean-up of its own: the ranks must go by themselves
+'''
+
+
+@pytest.mark.slow
+def test_kept_ranks_die_with_a_launching_process_killed_by_sigkill(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          env=clean_env(TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(
+                              [str(SCRIPTS.parent.parent), os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == -9 and "PIDS " in done.stdout, done.stdout + done.stderr[-3000:]
+    ranks = [int(p) for p in done.stdout.split("PIDS ", 1)[1].split()]
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(ranks) == 2 and not any(_alive(p) for p in ranks)  # PR_SET_PDEATHSIG
