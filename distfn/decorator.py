@@ -133,8 +133,16 @@ def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | 
         checked like the decorator's own: ``train.options(precision="16" if cfg.amp else "32")(cfg)``."""
         return _decorate(func, make_options(changes, opts), origin or wrapper)
 
+    def shutdown() -> None:
+        """End the ranks kept alive for this function (``keep_alive=True``) now, rather than at exit: e.g. to
+        give their GPU memory back, or after editing a module they imported. A no-op where none are kept."""
+        kept = sys.modules.get("distfn.launch.pool")  # loaded by the first kept-alive call, not at decoration
+        if kept is not None:
+            kept.shutdown(origin or wrapper)
+
     wrapper.distfn_options = opts  # type: ignore[attr-defined]
     wrapper.options = options  # type: ignore[attr-defined]
+    wrapper.shutdown = shutdown  # type: ignore[attr-defined]
     _start_early(opts)  # a fork server now, where the call will launch workers with forkserver
     return wrapper
 
@@ -162,6 +170,7 @@ def distributed(
     track: str | Any | Sequence[str | Any] | None = None,
     mesh: Mapping[str, int] | str | None = None,
     rank_seeds: bool = False,
+    keep_alive: bool = False,
 ) -> Callable[[Callable[[Any, Any], R]], Callable[..., R]]: ...
 
 
@@ -222,6 +231,14 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
             sizes, one of them ``-1`` for the ranks left over, e.g. ``{"dp_replicate": 2, "dp_shard": -1}``
             (HSDP) or ``{"dp_shard": -1, "tp": 2}`` (FSDP x TP); ``"auto"``: replicate across nodes, shard
             within one. ``ctx.mesh`` is the ``DeviceMesh``. See docs/mesh.md.
+        keep_alive: keep a self-spawned job's ranks (processes, process group, CUDA contexts) alive after a call
+            that succeeded, and run the next call of this function with the same options on them: only the
+            function, ``cfg`` and the per-call options travel (for notebooks and interactive sessions that call
+            the function again and again). A call that fails, hangs, is interrupted or changes ``nprocs``,
+            ``mode``, ``devices``, ``backend``, ``timeout`` or the start method ends the ranks; the next call
+            starts fresh ones. The ranks end with this process. What stays in them between calls (module globals,
+            imports) is described in docs/notebooks.md; ``seed=`` reseeds every call. Default False (each call
+            starts fresh processes); no effect under torchrun / srun / mpirun, Ray or one-process modes.
 
     Raises:
         ConfigError: at decoration time, for any invalid argument or a function that cannot take
@@ -235,7 +252,7 @@ def distributed(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     (checked the same way), e.g. ``train.options(precision="16" if cfg.use_amp else "32")(cfg)``; and the
     environment overrides them at each call: ``DISTFN_NPROCS``, ``DISTFN_PRECISION``, ``DISTFN_BACKEND``,
     ``DISTFN_START_METHOD``, ``DISTFN_TIMEOUT`` (seconds), ``DISTFN_MAX_RESTARTS``, ``DISTFN_REQUEUE`` (1/0),
-    ``DISTFN_LAUNCHER``, ``DISTFN_MESH`` (``dp_replicate=2,dp_shard=-1`` or ``auto``), over
+    ``DISTFN_LAUNCHER``, ``DISTFN_MESH`` (``dp_replicate=2,dp_shard=-1`` or ``auto``), ``DISTFN_KEEP_ALIVE`` (1/0), over
     both the decorator and ``fn.options``.
     """
     opts = make_options(options)

@@ -25,7 +25,7 @@ from loguru import logger
 from . import devices, failures, preflight, rendezvous, topology, worker
 from .context import Context
 from .errors import ConfigError
-from .launch import forkserver, local, pernode
+from .launch import forkserver, local, pernode, pool
 from .options import Options
 from .plan import CallPlan
 
@@ -68,10 +68,13 @@ def _start_method(opts: Options) -> tuple[str, str, str | None]:
 
 
 def _launch(sendable: Callable[..., R], cfg: Any, plan: CallPlan) -> R:
-    """Start the plan's local workers (a self-spawned job, or this node's part of a per-node launch)."""
+    """Start the plan's local workers (a self-spawned job, or this node's part of a per-node launch); with
+    ``keep_alive`` a self-spawned job runs on the ranks an earlier call kept (`distfn.launch.pool`)."""
     preflight.check_main_guard(getattr(sendable, "__qualname__", "the function"))
-    method, reason, server = _start_method(plan.opts)
     assert plan.nprocs is not None
+    if plan.opts.keep_alive and plan.layout is None:
+        return pool.run(sendable, cfg, plan.opts, plan.nprocs, start=lambda: _start_method(plan.opts))
+    method, reason, server = _start_method(plan.opts)
     if plan.layout is not None:
         pernode.announce(plan.layout)
         return local.launch(sendable, cfg, plan.opts, plan.nprocs, method=method, reason=reason, server=server,

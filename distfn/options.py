@@ -86,6 +86,7 @@ ENV_OVERRIDES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "DISTFN_REQUEUE": ("requeue", lambda text: parse_flag(text)),
     "DISTFN_LAUNCHER": ("launcher", str.strip),
     "DISTFN_MESH": ("mesh", parse_text),
+    "DISTFN_KEEP_ALIVE": ("keep_alive", lambda text: parse_flag(text)),
 }
 
 #: Set by distfn's launcher in the environment of its workers: which attempt of the job they run (see
@@ -287,6 +288,13 @@ def check_rank_seeds(value: Any) -> bool:
     return value
 
 
+def check_keep_alive(value: Any) -> bool:
+    """A bool: keep a self-spawned job's ranks alive between calls (see `distfn.launch.pool`)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"keep_alive must be True or False, got {value!r}")
+    return value
+
+
 def check_max_restarts(value: Any) -> int:
     """A non-negative int: how many times a failed self-spawned job is started again."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -372,6 +380,7 @@ class Options:
     track: tuple[Backend, ...] = attrs.field(default=None, converter=check_track)
     mesh: MeshSpec | None = attrs.field(default=None, converter=check_mesh)
     rank_seeds: bool = attrs.field(default=False, converter=check_rank_seeds)
+    keep_alive: bool = attrs.field(default=False, converter=check_keep_alive)
 
     def __attrs_post_init__(self) -> None:
         if self.rank_seeds and self.seed is None:

@@ -67,27 +67,40 @@ def _prepare(opts: Options, topology: Topology) -> tuple[torch.device, str]:
     return device, threads
 
 
-def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any) -> str:
-    """Start this rank's process group; returns its backend."""
+def _join_group(opts: Options, topology: Topology, device: torch.device, store: Any,
+                reuse: bool = False) -> tuple[str, bool]:
+    """Start this rank's process group (``reuse``: keep the one an earlier call of a kept-alive job left up, whose
+    options were the same: `distfn.launch.pool`); returns its backend and whether it was kept."""
     # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept
     backend = fsdp.required_backend(opts.fsdp, opts.backend or devices.default_backend(device))
+    if reuse and dist.is_initialized():
+        return backend, True
     if store is None and topology.launcher == "local" and opts.init_method is None:
         store = dist.HashStore()  # a world of one needs no network at all
     # under NCCL a little longer than distfn's timeout, so the hang report is collected before the watchdog aborts
     rendezvous.init_process_group(topology, backend, hangs.group_timeout(opts.timeout, backend), store=store,
                                   init_method=opts.init_method, device=device)
-    return backend
+    return backend, False
 
 
-def _mesh(opts: Options, topology: Topology, device: torch.device, life: Run) -> mesh.Mesh:
+#: The mesh built on this process's process group, by its layout: a later call on kept-alive ranks (the group
+#: kept, `distfn.launch.pool`) with the same layout reuses it instead of making the mesh's groups again.
+_built_meshes: dict[Any, mesh.Mesh] = {}
+
+
+def _mesh(opts: Options, topology: Topology, device: torch.device, life: Run, kept: bool) -> mesh.Mesh:
     """The run's named mesh (``mesh=``, else one ``dp_shard`` dimension over every rank), built by every rank at
     the same point of start-up: a multi-dimensional mesh makes process groups. Sizes that do not fit the world are
     the same `ConfigError` on every rank, before any group is made (the plan checked them already where it knew the
-    world size)."""
+    world size). ``kept``: the process group is an earlier call's, whose mesh of the same layout is reused."""
     spec = opts.mesh if opts.mesh is not None else mesh.MeshSpec(sizes=(("dp_shard", -1),))
     layout = spec.resolve(topology.world_size, num_nodes=topology.num_nodes,
                           local_world_size=topology.local_world_size)
-    built = mesh.build(layout, device.type)
+    if not kept:
+        _built_meshes.clear()  # a new process group: the meshes of the old one are gone with it
+    built = _built_meshes.get((layout, device.type))
+    if built is None:
+        built = _built_meshes[(layout, device.type)] = mesh.build(layout, device.type)
     if layout.tp_size > 1:  # a tp group waits for its slowest member inside forward: not a straggler of itself
         life.timings.groups = tuple(tuple(g) for g in layout.groups(("tp",)))
     if opts.mesh is not None and topology.rank == 0:
@@ -125,18 +138,20 @@ def _context(topology: Topology, *, device: torch.device, backend: str | None, o
                    restart=restart_attempt(os.environ), run=run)
 
 
-def _log_start(log: Any, topology: Topology, device: Any, backend: str | None, threads: str) -> None:
-    """Rank 0's one start-up line: who launched the job and why, the world, the device, the backend."""
+def _log_start(log: Any, topology: Topology, device: Any, backend: str | None, threads: str, kept: bool) -> None:
+    """Rank 0's one start-up line: who launched the job and why, the world, the device, the backend (``kept``: a
+    later call on kept-alive ranks, which said it at their first call: a debug line, not the same line again)."""
     if topology.rank == 0:
         # "self-spawned", not the launcher's name "spawn", which would read as the start method (issue 44)
-        log.info("launcher: {} ({}); world size {}, device {}, backend {}, {}",
+        (log.debug if kept else log.info)("launcher: {} ({}); world size {}, device {}, backend {}, {}",
                  "self-spawned" if topology.launcher == "spawn" else topology.launcher,
                  topology.reason, topology.world_size, device, backend, threads)
 
 
 def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: Topology, *, store: Any = None,
-        report: Callable[[BaseException], None] | None = None) -> Any:
-    """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is always left.
+        report: Callable[[BaseException], None] | None = None, keep_group: bool = False) -> Any:
+    """Bootstrap this rank, call ``fn(cfg, ctx)`` and return its value; the process group is left (``keep_group``:
+    kept up after a success, for the next call of a kept-alive job, and reused if one is up).
 
     A failure is reported before the process group is torn down (aborted, not destroyed: NCCL's destroy waits
     for pending work, see `distfn.rendezvous.leave_process_group`): through ``report`` when given (the spawn
@@ -147,14 +162,14 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     log = logs.setup(topology.rank, topology.world_size)
     # SIGTERM/SIGUSR2 -> ctx.should_stop (main thread only); a function that polls it is not interrupted
     stop, stop_handlers = preemption.install(opt_in=preemption.polls(fn))
-    life, backend, error = Run.open(opts, cfg, topology, stop=stop), None, None
+    life, backend, error, kept = Run.open(opts, cfg, topology, stop=stop), None, None, False
     try:
         device, threads = _prepare(opts, topology)
         if opts.multi_rank:
-            backend = _join_group(opts, topology, device, store)
+            backend, kept = _join_group(opts, topology, device, store, reuse=keep_group)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
-            life.mesh = _mesh(opts, topology, device, life)
-        _log_start(log, topology, device, backend, threads)
+            life.mesh = _mesh(opts, topology, device, life, kept)
+        _log_start(log, topology, device, backend, threads, kept)
         ctx = _context(topology, device=device, backend=backend, opts=opts, log=log, run=life)
         result = fn(cfg, ctx)
         life.saves.wait()  # an asynchronous ctx.save completes (or fails this rank) before the group goes
@@ -167,7 +182,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         raise
     finally:
         life.close(error)  # peers waiting in a check-in learn that this rank will never join it
-        if backend is not None:
+        if backend is not None and (error is not None or not keep_group):
             rendezvous.leave_process_group(failed=error is not None)
         logs.teardown()
         preemption.restore_handlers(stop_handlers)

@@ -33,16 +33,16 @@ not need: the first one starts as soon as every worker is gone (`restart_delay`)
 settle window (`WorkerGroup.cause_is_known`), and under fork the new workers inherit what ``ctx.wrap`` imported
 (`WRAP_IMPORTS`). ``DISTFN_LAUNCH_TRACE`` (`TRACE_ENV`) times its parts for bench/bench_restart.py.
 
-(About 660 lines, over the ~500 the package aims at: both ends of the pipes live here, the worker's entry that
-sends the report and arms the stack pipe, and the launcher that reads them and restarts a failed job, so that they
-change together.)
+(About 750 lines: both ends of the pipes live here, so that they change together.)
 """
 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import importlib
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -55,7 +55,7 @@ import attrs
 import torch.multiprocessing as mp
 from loguru import logger
 
-from .. import preemption, preflight, worker
+from .. import preemption, preflight, rendezvous, worker
 from ..errors import ConfigError, Terminated, WorkerError
 from ..failures import Failure, innermost_user_frame, main_stack
 from ..options import Options
@@ -63,7 +63,7 @@ from ..topology import LOOPBACK, Topology
 from ..tracking import key as tracking_key
 from . import protocol, shipping
 
-__all__ = ["BOOTSTRAP", "TRACE_ENV", "WorkerGroup", "launch", "restart_delay"]
+__all__ = ["BOOTSTRAP", "TRACE_ENV", "WorkerGroup", "before_restart", "launch", "restart_delay"]
 
 #: Seconds the other workers get to exit after a failure or Ctrl-C before they are killed.
 STOP_GRACE = 5.0
@@ -131,12 +131,14 @@ def _entry(
     parent_pid: int,
     listen_fd: int,
     attempt: int = 0,
+    keep_alive: bool = False,
 ) -> None:
     """The first code a worker runs (module-level so spawn can find it). ``topology``: this rank's place;
     ``store_port``: the loopback port of the launching process's store, or ``None`` where the ranks meet on the
     launcher's master instead (a per-node launch, `distfn.launch.pernode`); ``parent_pid``: see
     `protocol.die_with_parent` (0 under forkserver, whose server is the parent); ``attempt``: see
-    `distfn.options.restart_attempt`."""
+    `distfn.options.restart_attempt`; ``keep_alive``: after a success, wait on ``conn`` for the next call
+    (`distfn.launch.pool`)."""
     shipping.arrive(fn)  # forkserver: the launching process's environment, as it is now
     protocol.die_with_parent(parent_pid)
     try:
@@ -162,16 +164,7 @@ def _entry(
             # env:// rank 0 would try to host a second store on the same port)
             opts = attrs.evolve(opts, init_method=None)
 
-    def deliver(message: protocol.Message) -> None:
-        """The one report to the launching process (result, failure or early exit)."""
-        # The function is over: a SIGTERM now (the launching process stopping the job) just ends the process,
-        # rather than raising Terminated into the report being sent or into interpreter shutdown.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
-            conn.send(message)
-            conn.close()
-        except (OSError, ValueError):
-            pass  # the launcher is gone; PDEATHSIG ends us
+    deliver = functools.partial(_deliver, conn, keep_alive)
 
     try:
         if store_port is not None:
@@ -182,10 +175,45 @@ def _entry(
         deliver(message)
     else:
         message = protocol.run_rank(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store,
-                                    deliver=deliver, pack=_pickle_result)
+                                    deliver=deliver, pack=_pickle_result, keep_group=keep_alive)
+        if keep_alive and message[0] == "ok":
+            message = _serve_calls(conn, topology, store, deliver)
     if message[0] == "error":
         _flush_stderr()
         os._exit(1)
+
+
+def _deliver(conn: Connection, keep: bool, message: protocol.Message) -> None:
+    """A worker's report of a call to the launching process (result, failure or early exit); ``keep``: the pipe
+    stays open for the next call of a kept-alive job."""
+    # The function is over: a SIGTERM now (the launching process stopping the job) just ends the process,
+    # rather than raising Terminated into the report being sent or into interpreter shutdown.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        conn.send(message)
+        if not keep:
+            conn.close()
+    except (OSError, ValueError):
+        pass  # the launcher is gone; PDEATHSIG ends us
+
+
+def _serve_calls(conn: Connection, topology: Topology, store: Any,
+                 deliver: Callable[[protocol.Message], None]) -> protocol.Message:
+    """A rank of a kept-alive job after its first call succeeded: run the calls that come on ``conn`` on the process
+    group already up, until one does not succeed or the pool ends (then leave the group); the last report."""
+    message: protocol.Message = ("ok", None)
+    while message[0] == "ok" and (job := protocol.next_call(conn, topology)) is not None:
+        try:
+            fn, cfg, opts = shipping.unpack(pickle.loads(job[0])), shipping.unpack(pickle.loads(job[1])), job[2]
+        except BaseException as exc:  # noqa: BLE001 - reported like a failure of the function
+            message = protocol.classify(topology.rank, exc)
+            deliver(message)
+            return message  # the process group goes with the process
+        message = protocol.run_rank(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store,
+                                    deliver=deliver, pack=_pickle_result, keep_group=True)
+    if message[0] == "ok":
+        rendezvous.leave_process_group(failed=False)  # the pool ended: the launching process closed ``conn``
+    return message
 
 
 def _flush_stderr() -> None:
@@ -252,8 +280,9 @@ class _Worker:
                 return False
             self.dump += chunk
 
-    def receive(self, failures: list[Failure]) -> None:
-        """Read the worker's one report (a result, or a failure appended to ``failures``)."""
+    def receive(self, failures: list[Failure], keep: bool = False) -> None:
+        """Read the worker's one report of this call (a result, or a failure appended to ``failures``); ``keep``:
+        the pipe stays open for the next call (a kept-alive job)."""
         assert self.conn is not None
         try:
             kind, data = self.conn.recv()
@@ -270,8 +299,9 @@ class _Worker:
             self.early_exit = data
         else:
             failures.append(data)
-        self.conn.close()
-        self.conn = None
+        if not keep:
+            self.conn.close()
+            self.conn = None
 
     @property
     def alive(self) -> bool:
@@ -345,11 +375,14 @@ class WorkerGroup:
     ``outcome``)."""
 
     def __init__(self, method: str, nprocs: int, opts: Options, attempt: int = 0, *,
-                 topology: Callable[[int], Topology] | None = None, own_store: bool = True) -> None:
+                 topology: Callable[[int], Topology] | None = None, own_store: bool = True,
+                 keep_alive: bool = False) -> None:
         """``topology``: the place of local worker ``i`` (default: worker ``i`` of ``nprocs`` self-spawned on this
         machine); ``own_store``: this process hosts the ranks' rendezvous store on a loopback port (``False``
-        where they meet elsewhere, e.g. on the master of a per-node launch)."""
+        where they meet elsewhere, e.g. on the master of a per-node launch); ``keep_alive``: the workers wait for
+        further calls after a success (`call`, `succeeded`, `release`; `distfn.launch.pool`)."""
         self.method = method
+        self.keep_alive = keep_alive
         self.own_store = own_store
         self.attempt = attempt  # 0 first, then one more for each restart (max_restarts)
         self.nprocs = nprocs
@@ -384,14 +417,15 @@ class WorkerGroup:
             self._listener = None  # the store owns the socket now and closes it when it is destroyed
 
     def _start_worker(self, rank: int, fn: Callable[..., Any], cfg: Any) -> _Worker:
-        reader, writer = self._context.Pipe(duplex=False)
+        # a kept-alive job's pipe carries the next calls to the worker too
+        reader, writer = self._context.Pipe(duplex=self.keep_alive)
         stack_reader, stack_writer = self._context.Pipe(duplex=False)
         process = self._context.Process(  # type: ignore[attr-defined]
             target=_entry,
             args=(fn, cfg, self.opts, self.topology(rank), self.port, writer, stack_writer,
                   os.getpid() if self.method != "forkserver" else 0,
                   self._listener.fileno() if self.method == "fork" and self._listener is not None else -1,
-                  self.attempt),
+                  self.attempt, self.keep_alive),
             name=f"{worker.WORKER_NAME}{rank}",  # marks the child as a worker (`worker.in_worker`)
             daemon=False,  # daemonic processes may not have children: DataLoader workers need them
         )
@@ -400,6 +434,34 @@ class WorkerGroup:
         stack_writer.close()
         os.set_blocking(stack_reader.fileno(), False)
         return _Worker(self.topology(rank).rank, process, reader, stack_reader)  # reports name the global rank
+
+    # -- the next call of a kept-alive job ----------------------------------------------------------------------
+    def call(self, job: bytes, opts: Options) -> None:
+        """Start the next call on the live workers of a kept-alive job (``job``: what `protocol.next_call` reads),
+        then `wait` as for the first. Raises ``OSError`` where a worker's pipe is gone."""
+        self.opts, self.interrupted, self.started = opts, False, time.time()
+        self.failures.clear()
+        self.stopped.clear()
+        self.forwarder.received = self.forwarder.deadline = None
+        for w in self.workers:
+            w.reported, w.ok, w.result, w.early_exit, w.dump = False, False, None, None, b""
+            assert w.conn is not None
+            w.conn.send_bytes(job)
+        self.forwarder.install()
+
+    def succeeded(self) -> bool:
+        """Every rank returned normally (no failure, no ``sys.exit``, no Ctrl-C, no stop signal forwarded): the
+        workers of a kept-alive job are then fit for another call."""
+        return not self.failures and not self.interrupted and self.forwarder.received is None \
+            and all(w.ok and w.early_exit is None and w.conn is not None and w.alive for w in self.workers)
+
+    def release(self) -> None:
+        """End a kept-alive job: close the workers' pipes, so that each leaves the process group and exits;
+        `teardown` then waits for them (and kills what does not go)."""
+        for w in self.workers:
+            if w.conn is not None:
+                w.conn.close()
+                w.conn = None
 
     # -- poll -------------------------------------------------------------------------------------------------
     def wait(self) -> None:
@@ -440,7 +502,7 @@ class WorkerGroup:
         for w in self.workers:
             if not w.alive and not w.reported:
                 if w.conn is not None and w.conn.poll():
-                    w.receive(reported)
+                    w.receive(reported, keep=self.keep_alive)
                 if not w.reported:
                     w.reported = True
                     w.read_stacks()  # a crash (SIGSEGV, SIGABRT, ...) left its Python stack there
@@ -449,7 +511,7 @@ class WorkerGroup:
         for obj in ready:
             found = conns.get(obj)
             if found is not None and found.conn is not None:
-                found.receive(reported)
+                found.receive(reported, keep=self.keep_alive)
         self.failures.extend(deaths)
         self.failures.extend(sorted(reported, key=lambda f: f.time))
 
@@ -578,7 +640,9 @@ class WorkerGroup:
 
 
 def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, *, method: str, reason: str,
-           server: str | None = None, topology: Callable[[int], Topology] | None = None) -> Any:
+           server: str | None = None, topology: Callable[[int], Topology] | None = None,
+           keep: Callable[[WorkerGroup], None] | None = None, first: int = 0,
+           earlier: list[Failure] | None = None) -> Any:
     """Run ``fn`` on ``nprocs`` new local workers and return rank 0's value (or raise ``WorkerError``).
 
     ``method``: the start method (`distfn.preflight.choose_start_method`) and ``reason`` why; ``server``: under
@@ -588,6 +652,10 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, *, meth
 
     A job that fails by itself is started again on fresh workers and a fresh rendezvous, up to
     ``opts.max_restarts`` times, after a back-off; never after a ConfigError or a stop from outside.
+
+    ``keep``: the workers are kept alive (`distfn.launch.pool`): the group of an attempt that succeeded is handed to
+    ``keep`` instead of torn down. ``first`` and ``earlier``: the attempt to start with and the root causes of
+    the attempts before (a kept job's later call that failed, restarted on fresh workers).
     """
     preflight.check_port_free(opts.init_method)
     # every attempt of this job logs into one tracked run (distfn.tracking.key); set before the packing, which
@@ -600,25 +668,35 @@ def launch(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, *, meth
             fn, cfg, how = shipping.pack(preflight.sendable(fn), cfg, method, opts.start_method)
             logger.info("starting {} workers, start method {}: {}; {}", nprocs, method, reason,
                         f"{server}; {how}" if server else how)
-        return _attempts(fn, cfg, opts, nprocs, method, topology)
+        return _attempts(fn, cfg, opts, nprocs, method, topology, keep, first, list(earlier or ()))
 
 
 def _attempts(fn: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, method: str,
-              topology: Callable[[int], Topology] | None) -> Any:
-    """`launch`'s attempts: the first, then up to ``opts.max_restarts`` more after a failure."""
-    earlier: list[Failure] = []  # the root cause of each failed attempt before this one
-    for attempt in range(opts.max_restarts + 1):
-        group = WorkerGroup(method, nprocs, opts, attempt, topology=topology, own_store=topology is None)
+              topology: Callable[[int], Topology] | None, keep: Callable[[WorkerGroup], None] | None,
+              first: int, earlier: list[Failure]) -> Any:
+    """`launch`'s attempts: the first, then up to ``opts.max_restarts`` more after a failure (``earlier``: the
+    root cause of each failed attempt before this one)."""
+    for attempt in range(first, opts.max_restarts + 1):
+        group = WorkerGroup(method, nprocs, opts, attempt, topology=topology, own_store=topology is None,
+                            keep_alive=keep is not None)
+        kept = False
         try:
             with shipping.main_for_workers(method):
                 group.start(fn, cfg)
             group.wait()
+            kept = keep is not None and group.succeeded()
         finally:
-            group.teardown()
+            if kept:
+                group.forwarder.restore()  # the workers wait for the next call
+            else:
+                group.teardown()
+        if keep is not None and kept:
+            keep(group)
+            return group.outcome(earlier)
         if attempt == opts.max_restarts or not group.retryable():
             return group.outcome(earlier)
         earlier.append(group.failures[0])
-        _before_restart(group, opts.max_restarts)
+        before_restart(group, opts.max_restarts)
         _warm_for_restart(method, opts)
         _trace("imported", attempt + 1)
     raise AssertionError("unreachable: the last attempt returns or raises")
@@ -638,7 +716,7 @@ def restart_delay(failed_attempt: int) -> float:
     return min(RESTART_BACKOFF_MAX, RESTART_BACKOFF * 2 ** (failed_attempt - 1))
 
 
-def _before_restart(group: WorkerGroup, max_restarts: int) -> None:
+def before_restart(group: WorkerGroup, max_restarts: int) -> None:
     """Log the failed attempt (rank, traceback) and wait the back-off before fresh workers start."""
     delay = restart_delay(group.attempt)
     logger.warning("attempt {} of {} failed; starting the job again on fresh workers in {:g} s (max_restarts={}):"

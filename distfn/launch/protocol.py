@@ -24,9 +24,12 @@ Imports the rank bootstrap (`distfn.worker`), the failure records (`distfn.failu
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import pickle
 import socket
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from typing import Any, Final, Literal
 
 import torch
@@ -49,6 +52,7 @@ __all__ = [
     "export_rank_env",
     "host_store",
     "join_store",
+    "next_call",
     "root_cause_first",
     "run_rank",
     "to_cpu",
@@ -130,13 +134,13 @@ def classify(rank: int, exc: BaseException) -> Message:
 
 
 def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology, *, store: Any,
-             deliver: Callable[[Message], None], pack: Callable[[Any], Any]) -> Message:
+             deliver: Callable[[Message], None], pack: Callable[[Any], Any], keep_group: bool = False) -> Message:
     """Run this rank through the bootstrap (`distfn.worker.run`) and deliver its one report.
 
     ``deliver`` is called exactly once: with the failure as soon as the function failed (before the process group
     goes), else with ``("ok", pack(value))`` on rank 0 and ``("ok", None)`` elsewhere (only rank 0's value reaches
-    the caller). ``pack`` may raise (a value that cannot be sent): that is this rank's failure. Returns the
-    message delivered.
+    the caller). ``pack`` may raise (a value that cannot be sent): that is this rank's failure. ``keep_group``:
+    see `distfn.worker.run` (a rank of a kept-alive job). Returns the message delivered.
     """
     delivered: list[Message] = []
 
@@ -146,12 +150,31 @@ def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology
             deliver(message)
 
     try:
-        result = worker.run(fn, cfg, opts, topology, store=store,
+        result = worker.run(fn, cfg, opts, topology, store=store, keep_group=keep_group,
                             report=lambda exc: once(classify(topology.rank, exc)))
         once(("ok", pack(result) if topology.rank == 0 else None))
     except BaseException as exc:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
         once(classify(topology.rank, exc))
     return delivered[0]
+
+
+def next_call(conn: Connection, topology: Topology) -> tuple[bytes, bytes, Options] | None:
+    """In a rank of a kept-alive job, between calls: free what the last call left (its cycles, CUDA's cached
+    blocks), then wait for the next call, ``(pickled function parcel, pickled cfg parcel, options)``, and take on
+    the launching process's environment changes sent with it; ``None``: the pool ends (the launching process
+    closed the pipe or is gone). The parcels are loaded by the caller: a failure to is the call's."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    try:
+        fn, cfg, opts, changed, gone = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError, KeyboardInterrupt):  # Ctrl-C: the launching process stops the idle ranks too
+        return None
+    for name in gone:
+        os.environ.pop(name, None)
+    os.environ.update(changed)
+    export_rank_env(topology, 0)  # a later call is attempt 0 of a job of its own
+    return fn, cfg, opts
 
 
 # -- the verdict -----------------------------------------------------------------------------------------------------
