@@ -354,37 +354,39 @@ def mesh_picture() -> str:
     assert spec is not None
     layout = spec.resolve(8, num_nodes=2, local_world_size=4)
     rows = 8  # fc1.weight's rows: ColwiseParallel splits them over tp, FSDP then each tp half over dp_shard
-    svg = Svg(900, 350, "mesh={'dp_replicate': 2, 'dp_shard': 2, 'tp': 2} on 8 ranks: which rank holds what")
-    svg.text(20, 28, "@distributed(mode=\"fsdp\", mesh={\"dp_replicate\": 2, \"dp_shard\": 2, \"tp\": 2})  on 2 nodes "
-                     "of 4 ranks", mono=True, size=13)
+    # one node a row, 690 px wide: the docs' content column at 1280 px (tests/test_docs.py renders it)
+    svg = Svg(690, 560, "mesh={'dp_replicate': 2, 'dp_shard': 2, 'tp': 2} on 8 ranks: which rank holds what")
+    svg.text(20, 26, "@distributed(mode=\"fsdp\", mesh={\"dp_replicate\": 2, \"dp_shard\": 2, \"tp\": 2})", mono=True,
+             size=12)
+    svg.text(20, 44, "on 2 nodes of 4 ranks", size=12, color=MUTED)
     tp, shard = layout.size("tp"), layout.size("dp_shard")
     for node in range(layout.size("dp_replicate")):
-        x0 = 20 + node * 440
-        svg.box(x0, 48, 420, 230, fill=FILL2)
-        svg.text(x0 + 12, 70, f"node {node}  =  dp_replicate {node}: a whole replica", bold=True, size=13)
+        y0 = 58 + node * 212
+        svg.box(20, y0, 650, 200, fill=FILL2)
+        svg.text(32, y0 + 22, f"node {node}  =  dp_replicate {node}: a whole replica", bold=True, size=13)
         for rank in range(layout.world_size):
             where = layout.coords(rank)
             if where["dp_replicate"] != node:
                 continue
             col = where["dp_shard"] * tp + where["tp"]
-            x, y = x0 + 12 + col * 101, 86
-            svg.box(x, y, 95, 176)
+            x, y = 32 + col * 159, y0 + 36
+            svg.box(x, y, 150, 152)
             svg.text(x + 8, y + 20, f"rank {rank}", bold=True)
-            svg.text(x + 8, y + 42, f"dp_shard {where['dp_shard']}", size=12, mono=True)
-            svg.text(x + 8, y + 58, f"tp {where['tp']}", size=12, mono=True)
-            svg.text(x + 8, y + 84, f"batch {layout.dp_rank(rank)}", size=13)
+            svg.text(x + 8, y + 40, f"dp_shard {where['dp_shard']}", size=12, mono=True)
+            svg.text(x + 8, y + 56, f"tp {where['tp']}", size=12, mono=True)
+            svg.text(x + 8, y + 80, f"batch {layout.dp_rank(rank)}", size=13)
             per_tp = rows // tp
             first = where["tp"] * per_tp + where["dp_shard"] * (per_tp // shard)
-            svg.text(x + 8, y + 110, "fc1.weight", size=12, mono=True, color=MUTED)
-            svg.text(x + 8, y + 126, f"rows {first}-{first + per_tp // shard - 1}", size=12, mono=True)
-            svg.text(x + 8, y + 152, "tp pair:" if where["tp"] == 0 else "", size=11, color=MUTED)
-            svg.text(x + 8, y + 166, "same batch" if where["tp"] == 0 else "", size=11, color=MUTED)
+            svg.text(x + 8, y + 104, "fc1.weight", size=12, mono=True, color=MUTED)
+            svg.text(x + 8, y + 120, f"rows {first}-{first + per_tp // shard - 1}", size=12, mono=True)
+            svg.text(x + 8, y + 142, "tp pair: same batch" if where["tp"] == 0 else "", size=11, color=MUTED)
     dp_groups = layout.groups(DP_DIMS)
-    svg.text(20, 300, f"tp groups {layout.groups(('tp',))}: one batch per group, a layer's columns split in it",
+    svg.text(20, 496, f"tp groups {layout.groups(('tp',))}: one batch per group, a layer's columns split in it",
              size=12)
-    svg.text(20, 318, f"dp groups {dp_groups}: the batches; gradients averaged over them", size=12)
-    svg.text(20, 336, "FSDP all-gathers within a node (dp_shard), replicas all-reduce across nodes (dp_replicate); "
-                      "a checkpoint stores each row once", size=12)
+    svg.text(20, 514, f"dp groups {dp_groups}: the batches; gradients averaged over them", size=12)
+    svg.text(20, 532, "FSDP all-gathers within a node (dp_shard), replicas all-reduce across nodes (dp_replicate);",
+             size=12)
+    svg.text(20, 550, "a checkpoint stores each row once", size=12)
     return svg.done()
 
 
