@@ -180,7 +180,7 @@ class CheckIn:
         self.progress += 1
         self._post()  # post first, then look: with the waiting rank doing the opposite, one of the two notices
         pending = f"call/{self.calls + 1}"
-        if self.channel.has(pending):
+        if self.channel.has(pending) and self._went_past(self.calls + 1):
             what = self.channel.get(pending + "/what").decode() if self.channel.has(pending + "/what") else "ctx.save"
             rule = RULES.get(what, RULES["ctx.save"])
             raise CheckpointError(
@@ -188,6 +188,14 @@ class CheckIn:
                 f"(checkpoint call #{self.calls + 1}), which this rank never called. {what}{rule.scope} must be "
                 f"called on every rank ({rule.why}), not under `if ctx.is_main:`."
             )
+
+    def _went_past(self, number: int) -> bool:
+        """Whether this rank's sync points now outnumber those of a rank waiting in checked call ``number`` when
+        it entered it: only then did this rank go on without the call. A rank whose sync points are collectives of
+        a subgroup (``ctx.all_reduce`` over the data-parallel ranks of a tensor-parallel mesh) may still be on its
+        way to the call, at a sync point the waiting rank passed before it: that is no skipped call."""
+        waiting = [progress for calls, progress in self._read_all().values() if calls >= number]
+        return bool(waiting) and self.progress > min(waiting)
 
     def check_in(self, what: Call) -> None:
         """Wait until every rank has entered this checked call (all kinds share one count), or raise
