@@ -434,7 +434,10 @@ def check(path: str | os.PathLike[str]) -> Path:
         raise ConfigError(f"ctx.timings(plot={path!r}): plot is a file path (str or pathlib.Path)")
     if "\x00" in raw:
         raise ConfigError(f"ctx.timings(plot={raw!r}): a file path holds no NUL character")
-    target = Path(raw).expanduser()
+    try:
+        target = Path(raw).expanduser()
+    except RuntimeError as exc:  # '~someone' for a user this machine does not have
+        raise ConfigError(f"ctx.timings(plot={raw!r}): {exc}: write the home directory's path instead") from None
     suffix = target.suffix.lower()
     if suffix not in (".svg", ".png"):
         raise ConfigError(f"ctx.timings(plot={raw!r}): the picture is a .svg (no dependency) or a .png "

@@ -179,7 +179,7 @@ def test_what_the_path_alone_tells_fails_on_every_rank(tmp_path: Path, monkeypat
     """A rank without history (every rank but 0, or rank 0 before its first window) raises what rank 0 would."""
     other = Timings(enabled=True)
     for bad, said in ((b"t.svg", "plot is a file path"), ("t\x00.svg", "no NUL"), ("t.SVG.txt", r"\.svg"),
-                      (tmp_path, r"\.svg")):
+                      (tmp_path, r"\.svg"), ("~no-such-user-44/t.svg", "home directory")):
         with pytest.raises(ConfigError, match=said):
             other.plot(bad)  # type: ignore[arg-type]
     real = importlib.util.find_spec
