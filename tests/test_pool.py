@@ -24,7 +24,7 @@ from distfn.errors import ConfigError
 from distfn.launch import pool
 from distfn.options import Options, with_env
 
-from conftest import SCRIPTS, clean_env, requires
+from conftest import SCRIPTS, alive, clean_env, requires
 
 sys.path.insert(0, str(SCRIPTS))
 from rel_leftovers import processes
@@ -139,14 +139,6 @@ def job(cfg, ctx):
 '''
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @requires("nbclient", "test")
@@ -204,14 +196,14 @@ def test_a_jupyter_kernel_reuses_the_ranks_and_leaves_none_after_it_shuts_down(t
     assert after_error[0][:2] == one[0][:2] and not set(after_error[1]) & set(one[1])
     assert after_interrupt[0][:2] == one[0][:2] and not set(after_interrupt[1]) & set(after_error[1])
     sleepers = [int(p.read_text()) for p in pids.iterdir()]
-    assert len(sleepers) == 2 and not any(_alive(p) for p in sleepers)
+    assert len(sleepers) == 2 and not any(alive(p) for p in sleepers)
     # the kernel is gone: so are its kept ranks, and whatever of them lay in its TMPDIR
     deadline = time.monotonic() + 20
-    while any(_alive(p) for p in after_interrupt[1]) and time.monotonic() < deadline:
+    while any(alive(p) for p in after_interrupt[1]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in after_interrupt[1])
+    assert not any(alive(p) for p in after_interrupt[1])
     if kernel_pid is not None:
-        assert not _alive(kernel_pid)
+        assert not alive(kernel_pid)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("pymp-", "torch_"))] == []
 
 
@@ -244,6 +236,6 @@ def test_kept_ranks_die_with_a_launching_process_killed_by_sigkill(tmp_path: Pat
     assert done.returncode == -9 and "PIDS " in done.stdout, done.stdout + done.stderr[-3000:]
     ranks = [int(p) for p in done.stdout.split("PIDS ", 1)[1].split()]
     deadline = time.monotonic() + 20
-    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+    while any(alive(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(ranks) == 2 and not any(_alive(p) for p in ranks)  # PR_SET_PDEATHSIG
+    assert len(ranks) == 2 and not any(alive(p) for p in ranks)  # PR_SET_PDEATHSIG

@@ -21,7 +21,7 @@ import pytest
 
 from distfn.launch import forkserver, shipping
 
-from conftest import clean_env, run_python
+from conftest import alive, clean_env, run_python
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -40,14 +40,6 @@ def _children(pid: int) -> dict[int, str]:
         if fields[0] != "Z" and int(fields[1]) == pid:
             found[int(entry)] = comm
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 PROBE = """
@@ -154,7 +146,7 @@ def test_the_copy_made_at_decoration_is_gone_before_the_launcher_exits(tmp_path:
     assert result["nice"] == [result["own"], result["own"]]  # not the preparing thread's 19
     assert ("start method forkserver" in done.stderr) == (path == "op")
     assert "Traceback" not in done.stderr, done.stderr
-    assert not _alive(result["copy"])
+    assert not alive(result["copy"])
     assert list(tmp.iterdir()) == []  # the standard library's pymp-* directory, with the server's socket
 
 
@@ -227,9 +219,9 @@ def test_server_and_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGKILL)  # no chance to clean up
         proc.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in [*servers, *workers]) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in [*servers, *workers]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(pid) for pid in [*servers, *workers])
+        assert not any(alive(pid) for pid in [*servers, *workers])
         assert [str(p.relative_to(tmp)) for p in tmp.rglob("*") if "pymp-" in str(p)] == []
     finally:
         if proc.poll() is None:
