@@ -110,6 +110,15 @@ def decode_answer(raw: bytes) -> tuple[int, dict[str, Any] | None, dict[str, tor
         raise CheckpointError(f"a rank's boundary snapshot is malformed: {exc!r}") from exc
 
 
+def _entries_to_save(states: list[Any], values: list[Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Every rank's snapshot as a checkpoint holds it: the combined ``rng`` entry, and the ``per_rank`` values
+    entry (``None`` when no rank kept any)."""
+    per_rank = None
+    if any(v is not None for v in values):
+        per_rank = {"world_size": len(values), "ranks": [v or {} for v in values]}
+    return combine_rng_states(states), per_rank
+
+
 class Boundaries:
     """This rank's snapshots at its ``ctx.step`` boundaries; on ranks other than 0, the thread that answers rank
     0's requests for them (see the module docstring).
@@ -234,10 +243,7 @@ class Boundaries:
             for _, state, vals, _ in answers:
                 states.append(state)
                 values.append(vals)
-        per_rank = None
-        if any(v is not None for v in values):
-            per_rank = {"world_size": len(values), "ranks": [v or {} for v in values]}
-        return combine_rng_states(states), per_rank
+        return _entries_to_save(states, values)
 
     def gathered(self) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """Every rank, inside a save that every rank calls (sharded, ``mode="fsdp"``): like `collect`, but each rank's
@@ -254,11 +260,7 @@ class Boundaries:
                                    "off), so the ranks' random streams are not saved; ctx.save(..., rng=True) saves "
                                    "them as they are at the call")
             return None
-        values = [v for _, v in entries]
-        per_rank = None
-        if any(v is not None for v in values):
-            per_rank = {"world_size": len(values), "ranks": [v or {} for v in values]}
-        return combine_rng_states([state for state, _ in entries]), per_rank
+        return _entries_to_save([state for state, _ in entries], [v for _, v in entries])
 
     def _ask(self, n: int) -> list[Any] | None:
         channel = self._channel
