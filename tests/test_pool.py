@@ -27,7 +27,7 @@ from distfn.options import Options, with_env
 from conftest import SCRIPTS, alive, clean_env, requires
 
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import processes
+from rel_leftovers import outliving
 
 
 def test_keep_alive_is_a_bool_checked_at_decoration_and_the_environment_overrides_it() -> None:
@@ -109,7 +109,7 @@ def test_a_script_reuses_the_ranks_and_every_call_that_does_not_succeed_ends_the
     assert "keep_alive: starting fresh ranks (a rank died since the last call)" in done.stderr
     assert got["shutdown"] == {"pool": False, "alive": [], "had": 2} and got["last_pids"]  # job.shutdown()
     # nothing outlives the script: no process of its session, no temp entry (sockets, shm files live there)
-    assert processes(pid, session=True) == []
+    assert outliving(pid) == []
     assert not any(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
     assert not any(str(pid) in name for name in os.listdir("/dev/shm"))
 

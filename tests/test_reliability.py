@@ -23,7 +23,7 @@ from distfn import Terminated, distributed
 from conftest import SCRIPTS, clean_env
 
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import alive, decode_addr, listening, processes
+from rel_leftovers import alive, decode_addr, listening, outliving
 
 JOB = str(SCRIPTS / "rel_job.py")
 HOST = socket.gethostname()
@@ -103,8 +103,7 @@ def test_forkserver_reports_crashes_and_leaves_nothing_after_exit(tmp_path: Path
     assert "was killed by SIGSEGV" in segv["error"] and " in body" in segv["error"]
     assert ok["ok"] and "'ranks': [0, 1]" in ok["value"]
     assert all(r["leftovers"] == [] for r in recs), recs
-    time.sleep(0.5)  # the fork server and resource tracker exit with the launching process
-    assert processes(proc.pid, session=True) == []
+    assert outliving(proc.pid) == []  # the fork server and resource tracker exit with the launching process
     assert [n for n in os.listdir(tmp_path) if not n.startswith("torchinductor_")] == []
 
 

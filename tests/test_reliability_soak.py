@@ -19,7 +19,7 @@ import pytest
 from conftest import SCRIPTS, clean_env
 
 sys.path.insert(0, str(SCRIPTS))
-from rel_leftovers import EXACT, growth, processes
+from rel_leftovers import EXACT, growth, outliving
 
 JOB = SCRIPTS / "soak_job.py"
 #: RSS may move by the allocator's whims, not by a launch's worth each time.
@@ -39,7 +39,7 @@ def soak(tmp: Path, launches: int, restarts: int, timeout: float) -> list[dict[s
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0 and "DONE" in out, out[-2000:] + err[-3000:]
-    assert processes(proc.pid, session=True) == []  # nothing of the session outlives it
+    assert outliving(proc.pid) == []  # nothing of the session outlives it
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert "RESTART FAILED" not in done.stdout, done.stdout
     return [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("SAMPLE ")]

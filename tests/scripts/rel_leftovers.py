@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 from typing import Any
 
 _SHM = "/dev/shm"
@@ -84,6 +85,22 @@ def processes(pid: int, *, session: bool | None = None) -> list[str]:
                 continue  # Python's own helpers: they live as long as the launching process (see above)
             found.append(f"process {entry} ({cmd})")
     return found
+
+
+def outliving(pid: int, *, within: float = 10.0) -> list[str]:
+    """``processes(pid, session=True)`` once they are gone, or as they are after ``within`` seconds.
+
+    For the check after the launching process ended: its helpers (the resource tracker, the fork server) and the
+    ranks see it end only then (a pipe's end of file) and may still be exiting: a process past its last line whose
+    memory is released already (an empty command line) but not yet a zombie. A process that has not gone after
+    ``within`` seconds outlived the job.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        found = processes(pid, session=True)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 def listening(pid: int) -> list[str]:
