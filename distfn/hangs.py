@@ -56,7 +56,7 @@ from . import failures
 from .ledger import LEDGER, Ledger, RankState, disagreement
 from .rankstore import Channel, poll
 
-__all__ = ["ANSWER_WAIT_S", "EXIT_GRACE_S", "NCCL_MARGIN_S", "POLL_S", "EndedByHang", "Responder",
+__all__ = ["ANSWER_WAIT_S", "EXIT_GRACE_S", "NCCL_MARGIN_S", "POLL_S", "STOP_WAIT_S", "EndedByHang", "Responder",
            "group_timeout", "nccl_abort_after"]
 
 #: Seconds between two looks of a rank's responder at the store.
@@ -67,6 +67,8 @@ CLAIM_WINDOW_S: Final = 0.5
 ANSWER_WAIT_S: Final = 5.0
 #: Seconds a rank that only answered waits for its launcher to stop it before it ends itself.
 EXIT_GRACE_S: Final = 5.0
+#: How long the end of a run waits for the responder's thread to leave its store call (one ``check``: milliseconds).
+STOP_WAIT_S: Final = 5.0
 #: Seconds NCCL's own timeout is set after distfn's, so that the report is collected before the watchdog aborts.
 NCCL_MARGIN_S: Final = 15.0
 #: torch's default of ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (ProcessGroupNCCL.cpp, ``HeartbeatMonitor``: 15 * 1000).
@@ -230,9 +232,19 @@ class Responder:
         return self.channel.rank
 
     def stop(self) -> None:
-        """End the thread (the run is over); it is a daemon, so a thread stuck on a dead store never blocks exit."""
+        """End the thread (the run is over) and wait for it, at most `STOP_WAIT_S`.
+
+        Waited for because the thread calls the store's C++ code with the GIL released: a thread still there when
+        the interpreter finalises is ended by ``pthread_exit`` as it takes the GIL back, and that unwinding through
+        pybind11's ``noexcept`` frames aborts the process ("terminate called without an active exception", the
+        way a gloo thread outliving its group did: `distfn.worker.leave_group`). A thread stuck on a dead store is
+        not waited for longer: it is a daemon and never blocks the exit.
+        """
         self._stop.set()
         self.ledger.gpu_event = None
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(STOP_WAIT_S)
 
     # -- the thread -------------------------------------------------------------------------------------------
     def _serve(self, ch: Channel) -> None:

@@ -88,6 +88,19 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
 _built_meshes: dict[Any, mesh.Mesh] = {}
 
 
+def leave_group(*, failed: bool) -> None:
+    """Leave the process group (`distfn.rendezvous.leave_process_group`) and drop the meshes built on it.
+
+    The cached meshes hold the group: kept, they kept its C++ object and its threads (gloo's work loops, NCCL's
+    communicators) alive after ``destroy_process_group`` until the interpreter's own end, where a gloo thread
+    releasing a finished collective's tensor took the GIL during finalisation and aborted the process
+    ("terminate called without an active exception", SIGABRT after the function had returned; 1 run in 10 of a
+    torchrun job under load).
+    """
+    _built_meshes.clear()
+    rendezvous.leave_process_group(failed=failed)
+
+
 def _mesh(opts: Options, topology: Topology, device: torch.device, life: Run, kept: bool) -> mesh.Mesh:
     """The run's named mesh (``mesh=``, else one ``dp_shard`` dimension over every rank), built by every rank at
     the same point of start-up: a multi-dimensional mesh makes process groups. Sizes that do not fit the world are
@@ -183,7 +196,8 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
     finally:
         life.close(error)  # peers waiting in a check-in learn that this rank will never join it
         if backend is not None and (error is not None or not keep_group):
-            rendezvous.leave_process_group(failed=error is not None)
+            life.mesh = None  # the mesh holds the group (see leave_group)
+            leave_group(failed=error is not None)
         logs.teardown()
         preemption.restore_handlers(stop_handlers)
         mark_active(False)

@@ -55,7 +55,7 @@ import attrs
 import torch.multiprocessing as mp
 from loguru import logger
 
-from .. import preemption, preflight, rendezvous, worker
+from .. import preemption, preflight, worker
 from ..errors import ConfigError, Terminated, WorkerError
 from ..failures import Failure, innermost_user_frame, main_stack
 from ..options import Options
@@ -212,7 +212,7 @@ def _serve_calls(conn: Connection, topology: Topology, store: Any,
         message = protocol.run_rank(getattr(fn, "__wrapped__", fn), cfg, opts, topology, store=store,
                                     deliver=deliver, pack=_pickle_result, keep_group=True)
     if message[0] == "ok":
-        rendezvous.leave_process_group(failed=False)  # the pool ended: the launching process closed ``conn``
+        worker.leave_group(failed=False)  # the pool ended: the launching process closed ``conn``
     return message
 
 
