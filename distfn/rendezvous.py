@@ -11,12 +11,14 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import torch
 import torch.distributed as dist
+from loguru import logger
 
 from .errors import LauncherError
 from .topology import Topology
@@ -166,8 +168,56 @@ def leave_process_group(*, failed: bool) -> None:
     if failed and abort is not None:
         try:
             abort()
-            return
         except Exception:  # noqa: BLE001 - a backend without abort: the plain destroy below
-            if not dist.is_initialized():
-                return
-    dist.destroy_process_group()
+            pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if not gloo_threads_idle():
+        logger.debug("gloo's work threads still busy {} s after the process group was left", GLOO_IDLE_WAIT_S)
+
+
+#: How long leaving the process group waits for gloo's work threads to go idle (normally under a millisecond).
+GLOO_IDLE_WAIT_S: Final = 2.0
+
+
+def gloo_threads_idle(timeout: float = GLOO_IDLE_WAIT_S, *, task_dir: str = "/proc/self/task") -> bool:
+    """Wait until every gloo work thread of this process sleeps (at most ``timeout`` s); ``True`` when they do.
+
+    Why: a gloo group outlives ``destroy_process_group`` while anything still holds it (DDP's C++ reducer does,
+    for as long as the model lives), and its threads release each finished collective's tensors *after* the
+    collective has returned to Python. A thread descheduled there (a loaded machine) may do it during the
+    interpreter's finalisation, where taking the GIL ends the thread with ``pthread_exit`` and its unwinding
+    through ``noexcept`` frames aborts the process: "terminate called without an active exception", SIGABRT
+    after the function returned (read in a core dump of a torchrun rank). A thread that sleeps twice in a row,
+    the GIL given up in between (so one waiting for it gets it), has nothing left to release. Linux only (thread
+    states in ``/proc``); elsewhere it returns ``True`` at once.
+    """
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while True:
+        states = _gloo_thread_states(task_dir)
+        quiet = quiet + 1 if all(state in "SI" for state in states) else 0
+        if quiet >= 2:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)  # gives up the GIL: a gloo thread waiting for it finishes its release
+
+
+def _gloo_thread_states(task_dir: str) -> list[str]:
+    """The scheduler states (``R``, ``S``, ...) of this process's gloo work threads (named by torch)."""
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return []
+    states = []
+    for tid in tids:
+        try:
+            with open(os.path.join(task_dir, tid, "stat")) as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        if name.startswith("pt_gloo_runloop"):
+            states.append(stat[stat.rfind(")") + 2:stat.rfind(")") + 3])
+    return states

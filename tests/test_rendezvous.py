@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -14,7 +15,9 @@ import torch.distributed as dist
 
 from distfn.errors import LauncherError
 from distfn.rendezvous import (
+    _gloo_thread_states,
     free_port,
+    gloo_threads_idle,
     init_method_url,
     init_process_group,
     leave_process_group,
@@ -121,3 +124,46 @@ def test_leaving_after_a_failure_aborts_instead_of_destroying(monkeypatch: pytes
     leave_process_group(failed=False)
     assert not dist.is_initialized() and destroyed == [True]
     leave_process_group(failed=False)  # no group: nothing to do
+
+
+def _task_dir(tmp: Path, threads: list[tuple[str, str]]) -> Path:
+    """A stand-in for ``/proc/self/task``: one ``stat`` per (name, state), as the kernel writes it."""
+    tmp.mkdir(exist_ok=True)
+    for tid, (name, state) in enumerate(threads, start=100):
+        (tmp / str(tid)).mkdir()
+        (tmp / str(tid) / "stat").write_text(f"{tid} ({name}) {state} 1 1 1 0 -1 4194560 0 0\n")
+    return tmp
+
+
+def test_leaving_a_gloo_group_waits_until_its_threads_have_nothing_left_to_release(tmp_path: Path) -> None:
+    """A gloo thread that releases a finished collective's tensors during the interpreter's finalisation aborts the
+    process: leaving the group waits (bounded) until each of them sleeps, twice in a row."""
+    _one_rank_group()
+    dist.all_reduce(torch.ones(3))
+    leave_process_group(failed=False)
+    assert gloo_threads_idle(timeout=5.0)  # a real group's threads, after a real collective
+    busy = _task_dir(tmp_path / "busy", [("pt_gloo_runloop", "R"), ("pt_gloo_runloop", "S"), ("python", "R")])
+    assert not gloo_threads_idle(timeout=0.05, task_dir=str(busy))  # one still running: bounded, then False
+    idle = _task_dir(tmp_path / "idle", [("pt_gloo_runloop", "S"), ("gloo_tcp_loop", "R"), ("py) R (x", "R")])
+    assert gloo_threads_idle(timeout=0.05, task_dir=str(idle))  # only the work loops count, names parsed from ')'
+    assert gloo_threads_idle(timeout=0.05, task_dir=str(tmp_path / "gone"))  # no /proc: nothing to wait for
+
+
+def test_gloo_thread_states_read_any_thread_name_the_kernel_may_show(tmp_path: Path) -> None:
+    """Thread names are any 15 bytes a program sets (spaces, parentheses included): only the work loops' states."""
+    pytest.importorskip("hypothesis", reason="the property tests need hypothesis (the 'test' extra)")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    names = st.one_of(st.just("pt_gloo_runloop"), st.text(st.characters(blacklist_characters="\0\n/",
+                                                                         codec="utf-8"), max_size=15))
+    count = iter(range(10**9))
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(st.tuples(names, st.sampled_from("RSDZTI")), max_size=6))
+    def check(threads: list[tuple[str, str]]) -> None:
+        task = _task_dir(tmp_path / str(next(count)), threads)
+        got = sorted(_gloo_thread_states(str(task)))
+        assert got == sorted(state for name, state in threads if name.startswith("pt_gloo_runloop"))
+
+    check()
