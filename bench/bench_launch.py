@@ -161,6 +161,54 @@ if __name__ == "__main__":
         times.append(time.perf_counter() - start)
     print("OK", statistics.median(times))
 """,
+    # The peers' way of calling again, timed the same way (the first call untimed): Accelerate's
+    # notebook_launcher forks fresh workers at every call; Ray actors that joined a gloo group once are reused, the
+    # nearest peer to keep_alive (what Ray Train's workers are between calls).
+    "per_call_peers": """
+import os, socket, statistics, sys, time
+import torch
+import torch.distributed as dist
+
+N, CALLS, WHICH = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+def accelerate_job():
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    acc.reduce(torch.ones(1), reduction="sum")
+
+if __name__ == "__main__":
+    if WHICH == "accelerate":
+        from accelerate import notebook_launcher
+        call = lambda: notebook_launcher(accelerate_job, num_processes=N)
+    else:
+        import ray
+
+        @ray.remote(num_cpus=0)
+        class Rank:
+            def setup(self, rank, n, port):
+                torch.set_num_threads(1)
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+
+            def call(self):
+                t = torch.ones(1)
+                dist.all_reduce(t)
+                return t.item()
+
+        ray.init(num_cpus=N, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        actors = [Rank.remote() for _ in range(N)]
+        ray.get([a.setup.remote(r, N, port) for r, a in enumerate(actors)])
+        call = lambda: ray.get([a.call.remote() for a in actors])
+    call()
+    times = []
+    for _ in range(CALLS):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    print("OK", statistics.median(times))
+""",
     "raw": """
 import sys
 import torch
@@ -548,15 +596,15 @@ def launch_import_cost() -> float:
     return float(out.split("OK ", 1)[1])
 
 
-def _per_call(script: Path, n: int, which: str, **env: str) -> float:
-    out = subprocess.run([sys.executable, str(script), str(n), "6", which], env=c.clean_env(**env),
+def _per_call(script: Path, n: int, which: str, python: str = sys.executable, **env: str) -> float:
+    out = subprocess.run([python, str(script), str(n), "6", which], env=c.clean_env(**env),
                          capture_output=True, text=True, timeout=300)
     if out.returncode != 0 or "OK " not in out.stdout:
         raise RuntimeError(f"per-call script failed: {out.stderr.strip().splitlines()[-3:]}")
     return float(out.stdout.split("OK ", 1)[1])
 
 
-def per_call_table(workdir: Path, rounds: int, n: int = 2) -> dict[str, Any]:
+def per_call_table(workdir: Path, rounds: int, n: int = 2, peers_python: str | None = None) -> dict[str, Any]:
     """Later calls in one process, each timed in the process (median of 6 per round): distfn, distfn with
     loguru's per-sink work cached (a diagnostic), raw fork. What distfn adds per call, and how much of it its log
     sinks are (3 added per call in the launching process, 2 in each worker)."""
@@ -570,6 +618,15 @@ def per_call_table(workdir: Path, rounds: int, n: int = 2) -> dict[str, Any]:
                 first: partial(_per_call, script, n, "pool-first"),
                 failed: partial(_per_call, script, n, "pool-failed"),
                 "raw fork": partial(_per_call, script, n, "raw")}
+    peers = workdir / "launch_per_call_peers.py"
+    notes: dict[str, str] = {}
+    if peers_python is not None and _has(peers_python, "accelerate"):
+        variants["accelerate notebook_launcher, later call"] = partial(_per_call, peers, n, "accelerate", peers_python)
+        notes["accelerate notebook_launcher, later call"] = "forks fresh workers at every call (no reuse)"
+    if peers_python is not None and _has(sys.executable, "ray"):
+        variants["ray actors reused, later call"] = partial(_per_call, peers, n, "ray")
+        notes["ray actors reused, later call"] = ("N Ray actors that joined a gloo group once (untimed), one "
+                                                  "method call each per call: the peers' nearest to keep_alive")
     c.log(f"launch per call: {', '.join(variants)}; {rounds} round(s)")
     return c.table(f"One later call in a process that called before, {n} workers, fork (timed in the process)", "s",
                    c.interleave(variants, rounds, c.log), baseline="raw fork",
@@ -578,7 +635,8 @@ def per_call_table(workdir: Path, rounds: int, n: int = 2) -> dict[str, Any]:
                                   "distfn's per-call cost that is its log sinks (distfn/logs.py)",
                           later: "keep_alive=True: the ranks and process group of the call before (issue 46)",
                           first: "keep_alive=True, the kept ranks ended before the call: fresh ranks, kept after",
-                          failed: "keep_alive=True, after a call that failed (the failure ended the ranks)"})
+                          failed: "keep_alive=True, after a call that failed (the failure ended the ranks)",
+                          **notes})
 
 
 def torchrun_table(samples: dict[str, list[float]], tiny: bool) -> dict[str, Any]:
@@ -635,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             tables.append(scaling_table(work, [1, 2, 4, 8], args.scaling_rounds,
                                         {args.workers: (samples["distfn"], samples["raw fork"])}))
         if not args.tiny:
-            tables.append(per_call_table(work, max(1, args.scaling_rounds - 1)))
+            tables.append(per_call_table(work, max(1, args.scaling_rounds - 1), peers_python=args.peers_python))
         if not args.no_notebook and _has(sys.executable, "ipykernel") and _has(sys.executable, "jupyter_client"):
             tables.append(notebook_rows(1 if args.tiny else args.notebook_rounds, tiny=args.tiny))
     c.emit({"benchmark": "launch", "tables": tables,
