@@ -188,15 +188,19 @@ def _separate_run(name: str, run: dict[str, Any]) -> str:
     """The line under a section that ``--add`` put on the page: which run measured it."""
     load = (f"; load average {_h(run['load'])} when it started" if run.get("load") else "") + (
         f", {_h(run['load_end'])} when it ended" if run.get("load_end") else "")
-    return (f"*A separate run of this benchmark alone* (`python bench/run.py --only {_h(name)} --add`) at commit "
+    command = run.get("command") or f"python bench/run.py --only {name} --add"
+    return (f"*A separate run of this benchmark alone* (`{_h(command)}`) at commit "
             f"`{_h(run.get('commit', '?'))}`, {_h(run.get('when', '?'))}{load}.")
 
 
-def added(published: dict[str, Any], results: list[dict[str, Any]], machine: dict[str, Any]) -> dict[str, Any]:
+def added(published: dict[str, Any], results: list[dict[str, Any]], machine: dict[str, Any],
+          command: str | None = None) -> dict[str, Any]:
     """``published`` (a whole run's results) with ``results`` in place of the same benchmarks' (a benchmark the
-    whole run lacks goes last), each stamped with the run that measured it (``"run"``: its commit, time and
-    load), so that the page never credits these figures to the whole run's commit."""
+    whole run lacks goes last), each stamped with the run that measured it (``"run"``: its commit, time, load
+    and ``command``), so that the page never credits these figures to the whole run's commit."""
     stamp = {k: str(machine[k]) for k in ("commit", "when", "load", "load_end") if machine.get(k)}
+    if command:
+        stamp["command"] = command
     fresh = {r["benchmark"]: {**r, "run": stamp} for r in results}
     merged = [fresh.pop(r["benchmark"], r) for r in published["benchmarks"]]
     return {**published, "benchmarks": merged + list(fresh.values())}
@@ -376,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         publish(json.loads(json.dumps(combined, default=str)))
         c.log(f"docs: {ASSETS / 'benchmarks.md'}, its charts and {PUBLISHED.name}")
     elif published is not None:
-        publish(json.loads(json.dumps(added(published, results, machine), default=str)))
+        command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
+        publish(json.loads(json.dumps(added(published, results, machine, command), default=str)))
         c.log(f"docs: the section(s) {', '.join(names)} of {ASSETS / 'benchmarks.md'} replaced, stamped with this "
               f"run; its charts and {PUBLISHED.name} redrawn")
     else:

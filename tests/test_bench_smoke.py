@@ -458,6 +458,9 @@ def test_add_replaces_the_named_sections_alone_and_the_page_says_which_run_measu
     assert ("### mesh\n\n*A separate run of this benchmark alone* (`python bench/run.py --only mesh --add`) at commit "
             "`bbb2222`, now; load average 3.1 2.0 1.5 when it started, 4.0 3.0 2.0 when it ended.") in page
     assert page.count("*A separate run") == 2
+    again = run.added(published, fresh[:1], {"commit": "ccc"}, "python bench/run.py --only mesh --add --rounds 21")  # type: ignore[attr-defined]
+    assert "(`python bench/run.py --only mesh --add --rounds 21`) at commit `ccc`" in run.markdown(  # type: ignore[attr-defined]
+        again["benchmarks"], again["machine"], [])
     bad = {**combined, "benchmarks": [{**combined["benchmarks"][1], "run": {"commit": 7}}]}
     with pytest.raises(run.BadResults, match=r"benchmarks\[0\]\.run\.commit is 7, not a text"):  # type: ignore[attr-defined]
         run.check_results(bad)  # type: ignore[attr-defined]
