@@ -186,7 +186,8 @@ def draw(results: list[dict[str, Any]], machine: dict[str, Any], directory: Path
     except ImportError:
         print("bench/run.py: no charts (matplotlib is not installed: pip install -e '.[bench]')", flush=True)
         return []
-    subtitle = (f"commit {machine.get('commit', '?')}, {machine.get('cpus', '?')} CPUs, "
+    separate = "".join(f"; {r['benchmark']} at {r['run'].get('commit', '?')}" for r in results if r.get("run"))
+    subtitle = (f"commit {machine.get('commit', '?')}{separate}, {machine.get('cpus', '?')} CPUs, "
                 f"torch {machine.get('torch', '?')}")
     directory.mkdir(parents=True, exist_ok=True)
     drawn = []

@@ -4,6 +4,7 @@ and targets; JSON into ``bench/results/``; the documentation's results page from
     python bench/run.py                 # everything, default rounds (30-40 minutes on 2 cores): rewrites the docs
     python bench/run.py --rounds 3      # quicker, noisier: rewrites the docs too
     python bench/run.py --only launch,step   # JSON only: the docs keep the results of one whole run
+    python bench/run.py --only mesh --add    # these benchmarks' sections of the docs replaced, each stamped
     python bench/run.py --tiny          # one tiny round of each: a smoke test, results not kept in docs/
     python bench/run.py --redraw        # run nothing: redraw the page and its charts from the committed JSON
 
@@ -11,7 +12,9 @@ Each ``bench/bench_<name>.py`` runs in its own fresh process (so no benchmark in
 imports), with ``--json PATH`` and ``--tiny``/``--rounds`` (the convention in ``bench/_common.py``); inside
 each, the variants are interleaved over rounds. ``docs/assets/benchmarks.md`` (included by
 docs/benchmarks.md) is rewritten only by a run of every benchmark, so every figure on the page comes from one
-commit, stated at its top. The same run's JSON is kept beside it (``docs/assets/benchmarks.json``), and
+commit, stated at its top; ``--only NAMES --add`` replaces (or adds) those benchmarks' sections alone, and the page
+then states, on each such section, the run it came from (commit, time, load) and, at its top, that those sections
+are not the whole run's. The same run's JSON is kept beside it (``docs/assets/benchmarks.json``), and
 ``bench/charts.py`` draws its charts with matplotlib (the ``bench`` extra; without it the page has no charts and
 says nothing false): every ratio target against the floor, and the scaling curves with the floor drawn. Below
 them, one bar chart per question, drawn as an HTML table (legible at any size).
@@ -143,6 +146,7 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], charts: Seq
     """The results page the documentation includes: where and when (one commit), the targets, the charts drawn
     (`bench/charts.py`: names under docs/assets/), then one bar chart per question with its table."""
     load = machine.get("load")
+    separate = [res["benchmark"] for res in results if res.get("run")]
     md = [f"All figures below come from one run of `python bench/run.py` at commit `{machine.get('commit', '?')}`, "
           f"{machine.get('when', '?')}, on `{machine.get('host', '?')}`: {machine.get('cpus', '?')} CPUs, no GPU, "
           f"torch {machine.get('torch', '?')}, Python {machine.get('python', '?')}. "
@@ -151,7 +155,10 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], charts: Seq
           + (" (1-, 5- and 15-minute averages on these CPUs)" if load else "")
           + (f"; the run took {machine['minutes']} minutes" if machine.get("minutes") else "")
           + (". " if load or machine.get("minutes") else "")
-          + "Absolute times vary from run to run, the ratios (variants interleaved round by round) much less.",
+          + "Absolute times vary from run to run, the ratios (variants interleaved round by round) much less."
+          + ("" if not separate else f" Except the section(s) {', '.join(f'**{_h(n)}**' for n in separate)}: "
+             "each comes from a later run of that benchmark alone (`python bench/run.py --only NAME --add`), "
+             "whose commit and load it states."),
           "", "| benchmark | target | measured | met? |", "| --- | --- | ---: | --- |"]
     for res in results:
         for tab in res["tables"]:
@@ -164,6 +171,8 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], charts: Seq
         md += [f"![{CHART_ALT[name]}](assets/{name})", ""]
     for res in results:
         md.append(f"### {_h(res['benchmark'])}\n")
+        if res.get("run"):
+            md.append(_separate_run(res["benchmark"], res["run"]) + "\n")
         if res.get("error"):
             md.append(f"**{_h(res['error'])}**\n")
         for tab in res["tables"]:
@@ -173,6 +182,28 @@ def markdown(results: list[dict[str, Any]], machine: dict[str, Any], charts: Seq
             md += [f"- {n}" for n in notes] + ([""] if notes else [])
         md += [f"- {_h(n)}" for n in res.get("notes", [])] + [""]
     return "\n".join(md) + "\n"
+
+
+def _separate_run(name: str, run: dict[str, Any]) -> str:
+    """The line under a section that ``--add`` put on the page: which run measured it."""
+    load = (f"; load average {_h(run['load'])} when it started" if run.get("load") else "") + (
+        f", {_h(run['load_end'])} when it ended" if run.get("load_end") else "")
+    command = run.get("command") or f"python bench/run.py --only {name} --add"
+    return (f"*A separate run of this benchmark alone* (`{_h(command)}`) at commit "
+            f"`{_h(run.get('commit', '?'))}`, {_h(run.get('when', '?'))}{load}.")
+
+
+def added(published: dict[str, Any], results: list[dict[str, Any]], machine: dict[str, Any],
+          command: str | None = None) -> dict[str, Any]:
+    """``published`` (a whole run's results) with ``results`` in place of the same benchmarks' (a benchmark the
+    whole run lacks goes last), each stamped with the run that measured it (``"run"``: its commit, time, load
+    and ``command``), so that the page never credits these figures to the whole run's commit."""
+    stamp = {k: str(machine[k]) for k in ("commit", "when", "load", "load_end") if machine.get(k)}
+    if command:
+        stamp["command"] = command
+    fresh = {r["benchmark"]: {**r, "run": stamp} for r in results}
+    merged = [fresh.pop(r["benchmark"], r) for r in published["benchmarks"]]
+    return {**published, "benchmarks": merged + list(fresh.values())}
 
 
 # -- reading the published JSON back (--redraw): a damaged file is a clear error, never a traceback from matplotlib
@@ -232,6 +263,8 @@ def check_results(combined: Any) -> dict[str, Any]:
         _kind(res, dict, where)
         _kind(res.get("benchmark"), str, f"{where}.benchmark")
         _kind(res.get("error"), str, f"{where}.error", optional=True)
+        for key, value in _kind(res.get("run", {}), dict, f"{where}.run").items():
+            _kind(value, str, f"{where}.run.{key}")
         for i, note in enumerate(_kind(res.get("notes", []), list, f"{where}.notes")):
             _kind(note, str, f"{where}.notes[{i}]")
         for tab_at, tab in enumerate(_kind(res.get("tables"), list, f"{where}.tables")):
@@ -291,11 +324,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="one tiny round of each (smoke test); docs/ untouched")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
+    p.add_argument("--add", action="store_true",
+                   help="with --only: put these benchmarks' results on the docs' page in place of the published "
+                        "run's, each section stamped with this run's commit and load")
     p.add_argument("--redraw", action="store_true",
                    help="run nothing: redraw the docs' results page and charts from docs/assets/benchmarks.json")
     p.add_argument("--peers-python", default=None,
                    help="interpreter with accelerate / lightning / ignite installed, for the launch and import peers")
     args = p.parse_args(argv)
+    if args.add and (not args.only or args.tiny or args.redraw):
+        p.error("--add publishes the benchmarks named by --only (not with --tiny or --redraw)")
+    published: dict[str, Any] | None = None
+    if args.add:  # read (and checked) before anything runs: a damaged page is an error now, not after the run
+        try:
+            published = load_published(PUBLISHED)
+        except BadResults as exc:
+            p.exit(2, f"bench/run.py --add: {exc}\n(rebuild it with a whole run: python bench/run.py)\n")
     if args.redraw:
         try:
             combined = load_published(PUBLISHED)
@@ -335,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "latest.json").write_text(json.dumps(combined, indent=2, default=str) + "\n")
         publish(json.loads(json.dumps(combined, default=str)))
         c.log(f"docs: {ASSETS / 'benchmarks.md'}, its charts and {PUBLISHED.name}")
+    elif published is not None:
+        command = " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)])
+        publish(json.loads(json.dumps(added(published, results, machine, command), default=str)))
+        c.log(f"docs: the section(s) {', '.join(names)} of {ASSETS / 'benchmarks.md'} replaced, stamped with this "
+              f"run; its charts and {PUBLISHED.name} redrawn")
     else:
         c.log("--only: the docs keep the results of the last whole run (one commit for every figure)")
     return 1 if any(r.get("error") for r in results) else 0

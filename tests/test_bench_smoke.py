@@ -438,6 +438,36 @@ def test_redraw_of_a_damaged_file_exits_with_the_message_and_writes_nothing(tmp_
     assert (assets / "benchmarks.md").read_text() == "page"
 
 
+def test_add_replaces_the_named_sections_alone_and_the_page_says_which_run_measured_them() -> None:
+    """``bench/run.py --only mesh --add``: the mesh section (or a benchmark the whole run lacked, last) comes from
+    this run, stamped with its commit and load; every other section and the page's top line stay the whole run's."""
+    run, _ = _bench_modules()
+    published = _one()
+    published["machine"] = {"commit": "aaa1111", "when": "then", "cpus": 2}
+    old_mesh = {**published["benchmarks"][0], "benchmark": "mesh"}  # type: ignore[index]
+    published["benchmarks"].append(old_mesh)  # type: ignore[attr-defined]
+    fresh = [{**old_mesh, "notes": ["measured again"]}, {**old_mesh, "benchmark": "newer"}]
+    combined = run.added(published, fresh, {"commit": "bbb2222", "when": "now", "load": "3.1 2.0 1.5",  # type: ignore[attr-defined]
+                                            "load_end": "4.0 3.0 2.0", "cpus": 2})
+    run.check_results(combined)  # type: ignore[attr-defined]
+    assert [r["benchmark"] for r in combined["benchmarks"]] == ["b", "mesh", "newer"]
+    assert "run" not in combined["benchmarks"][0] and combined["benchmarks"][1]["notes"] == ["measured again"]
+    page = run.markdown(combined["benchmarks"], combined["machine"], [])  # type: ignore[attr-defined]
+    assert page.startswith("All figures below come from one run of `python bench/run.py` at commit `aaa1111`")
+    assert "Except the section(s) **mesh**, **newer**: each comes from a later run" in page
+    assert ("### mesh\n\n*A separate run of this benchmark alone* (`python bench/run.py --only mesh --add`) at commit "
+            "`bbb2222`, now; load average 3.1 2.0 1.5 when it started, 4.0 3.0 2.0 when it ended.") in page
+    assert page.count("*A separate run") == 2
+    again = run.added(published, fresh[:1], {"commit": "ccc"}, "python bench/run.py --only mesh --add --rounds 21")  # type: ignore[attr-defined]
+    assert "(`python bench/run.py --only mesh --add --rounds 21`) at commit `ccc`" in run.markdown(  # type: ignore[attr-defined]
+        again["benchmarks"], again["machine"], [])
+    bad = {**combined, "benchmarks": [{**combined["benchmarks"][1], "run": {"commit": 7}}]}
+    with pytest.raises(run.BadResults, match=r"benchmarks\[0\]\.run\.commit is 7, not a text"):  # type: ignore[attr-defined]
+        run.check_results(bad)  # type: ignore[attr-defined]
+    done = subprocess.run([sys.executable, str(BENCH / "run.py"), "--add"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--add publishes the benchmarks named by --only" in done.stderr
+
+
 def test_markup_and_dollars_in_the_results_are_text_on_the_page_and_in_the_charts(tmp_path: Path) -> None:
     """``import <PRELOAD>`` in a note was read by the browser as a tag (the word vanished from the page); an unpaired
     ``$`` in a variant was matplotlib mathtext (a ValueError from inside matplotlib)."""

@@ -296,15 +296,39 @@ def test_a_2d_checkpoint_whose_pieces_overlap_or_do_not_fit_is_refused(job: tupl
 
 
 @pytest.mark.slow
-def test_compile_true_compiles_per_unit_before_sharding_with_clean_keys(tmp_path: Path) -> None:
-    done = run_python([str(SCRIPTS / "mesh_compile_job.py"), str(tmp_path)], timeout=600)
+def test_compile_true_on_hsdp_and_tp_compiles_each_unit_keeps_keys_clean_and_reuses_the_cache(tmp_path: Path) -> None:
+    """One script, three launches of 4 ranks (tests/scripts/mesh_compile_job.py): HSDP 2 x 2 and TP 2 x DP 2, each
+    training a compiled and an eager copy of the same model on the same batches, then a second start (plain FSDP,
+    the same unit graphs) in the same compile cache."""
+    from distfn.checkpoint.names import INDEX
+
+    done = run_python([str(SCRIPTS / "mesh_compile_job.py"), str(tmp_path)], timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    compiled, eager = result["compiled"], result["eager"]
-    assert compiled["keys"] == eager["keys"] and not any("_orig_mod" in k for k in compiled["keys"])
-    assert torch.allclose(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), atol=1e-6)
-    with safe_open(str(next((tmp_path / "ckpt-1").glob("shard-*.safetensors"))), "pt") as f:
-        assert not any("_orig_mod" in k for k in f.keys())
+    for case, mesh in (("hsdp", ["dp_replicate", "dp_shard"]), ("tp", ["dp_shard", "tp"])):
+        ranks = result[case]
+        for r in ranks:
+            assert r["mesh"] == mesh
+            # every FSDP unit (the root too) runs its compiled forward: compiled before fully_shard wrapped it
+            assert r["units"] == r["compiled_forwards"] == ["", "0", "1"], case
+            # the only graph breaks are FSDP's own hooks (torch runs them under dynamo.disable) where the root's
+            # compiled forward calls a unit: nothing of distfn's, TP's or DTensor's breaks a graph
+            breaks = [k for k in r["cache"] if k.startswith("graph_break")]
+            assert all("function `disable`" in k for k in breaks), (case, breaks)
+            assert r["keys"] == r["eager_keys"] and not any("_orig_mod" in k for k in r["keys"])
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["eager_losses"]))
+            for k in r["weights"]:  # fp32, torch's default tolerances for inductor's fused kernels vs eager
+                torch.testing.assert_close(torch.tensor(r["weights"][k]), torch.tensor(r["eager_weights"][k]))
+        # a fresh cache: compiled, not found
+        assert ranks[0]["cache"].get("inductor.fxgraph_cache_miss", 0) > 0, ranks[0]["cache"]
+        assert ranks[0]["cache"].get("inductor.fxgraph_cache_hit", 0) == 0, ranks[0]["cache"]
+        index = json.loads((tmp_path / case / INDEX).read_text())
+        assert sorted(index["weight_map"]) == [f"model.{k}" for k in ranks[0]["keys"]]
+    # the second start finds every graph the first compiled (the logs show the seconds each took)
+    again = result["again"]
+    assert all(r["cache"].get("inductor.fxgraph_cache_hit", 0) > 0 and "inductor.fxgraph_cache_miss" not in r["cache"]
+               for r in again), again[0]["cache"]
+    assert again[0]["losses"] == result["hsdp"][0]["losses"]  # plain FSDP 4 = HSDP 2 x 2 on the same batches
 
 
 def test_a_tensor_parallel_group_is_not_a_straggler_of_itself() -> None:

@@ -177,20 +177,27 @@ class _Piece:
 def _pieces(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Piece]:
     """This rank's piece of every tensor: a ``DTensor``'s local shard at its offsets in the full tensor (nothing
     when the shard is empty), or a plain tensor whole. Every piece is checked to be storable here, before any
-    collective, so a bad value fails on every rank alike."""
+    collective, so a bad value fails on every rank alike.
+
+    Runs at every save over every tensor (a 2-D mesh's optimizer state too), so the per-tensor work is kept to the
+    lookups: one ``no_grad`` around the loop (``to_local`` records no autograd) and the rank read once (it keys
+    `_offsets`' memo); entering the one and reading the other per tensor took 200 DTensors 2.1 ms instead of 1.3
+    (best of 30, one process).
+    """
     out: dict[str, _Piece] = {}
-    for name, t in tensors.items():
-        if hasattr(t, "placements"):
-            dtensor: Any = t
-            with torch.no_grad():  # to_local without recording autograd (0.1 ms per tensor otherwise)
+    rank = _rank_world()[0]
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if hasattr(t, "placements"):
+                dtensor: Any = t
                 local = dtensor.to_local().detach()
-            if local.numel() == 0 and t.numel() != 0:
-                continue  # this rank holds none of it (an uneven split)
-            piece = _Piece(local, _offsets(name, dtensor, local))
-        else:
-            piece = _Piece(t.detach(), (0,) * t.dim())
-        fmt.entry(name, piece.tensor)  # raises the format's CheckpointError for what safetensors cannot hold
-        out[name] = piece
+                if local.numel() == 0 and t.numel() != 0:
+                    continue  # this rank holds none of it (an uneven split)
+                piece = _Piece(local, _offsets(name, dtensor, local, rank))
+            else:
+                piece = _Piece(t.detach(), (0,) * t.dim())
+            fmt.entry(name, piece.tensor)  # raises the format's CheckpointError for what safetensors cannot hold
+            out[name] = piece
     return out
 
 
@@ -199,16 +206,17 @@ _OFFSETS: dict[tuple[Any, ...], tuple[int, ...]] = {}
 _OFFSETS_MAX: Final = 65_536  # entries; more layouts than that in one process start the memo afresh
 
 
-def _offsets(name: str, dtensor: Any, local: torch.Tensor) -> tuple[int, ...]:
+def _offsets(name: str, dtensor: Any, local: torch.Tensor, rank: int) -> tuple[int, ...]:
     """Where this rank's shard of ``dtensor`` starts in the full tensor, by DCP's protocol
     (``__create_chunk_list__``: one chunk for every DTensor layout), memoised by layout.
 
     The chunk list costs 0.2 ms per tensor (DTensor's shape arithmetic in Python): 40 ms per save of a 200-tensor
     state, every save, though it only changes with the layout. The key is everything the offsets depend on: the
-    rank, the mesh, the placements, the full shape and strides and the local tensor's type.
+    rank (``rank``, this process's in the default group), the mesh, the placements, the full shape and strides
+    and the local tensor's type.
     """
-    key = (_rank_world()[0], dtensor.device_mesh, tuple(dtensor.placements), tuple(dtensor.shape),
-           tuple(dtensor.stride()), type(local))
+    key = (rank, dtensor.device_mesh, tuple(dtensor.placements), tuple(dtensor.shape), tuple(dtensor.stride()),
+           type(local))
     found = _OFFSETS.get(key)
     if found is not None:
         return found
