@@ -33,10 +33,12 @@ The RNGs are reseeded at each call when ``seed=`` is given, so results equal a f
 from __future__ import annotations
 
 import atexit
+import multiprocessing.process
 import os
 import pickle
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -47,7 +49,7 @@ from ..options import Options
 from ..tracking import key as tracking_key
 from . import local, protocol, shipping
 
-__all__ = ["Pool", "current", "pool_key", "run", "shutdown"]
+__all__ = ["PROCESS_ENV_PREFIXES", "Pool", "current", "pool_key", "run", "shutdown"]
 
 
 @attrs.define(eq=False)
@@ -67,6 +69,7 @@ class Pool:
     method: str
     environ: dict[str, str]
     calls: int = 1
+    owner: int = attrs.field(factory=os.getpid)  # the launching process: a fork of it (os.fork) owns no ranks
 
     @property
     def pids(self) -> list[int]:
@@ -75,8 +78,39 @@ class Pool:
 
 
 _current: Pool | None = None
-_lock = threading.Lock()  # one call at a time starts, reuses or ends the pool
+# One call at a time starts, reuses or ends the pool, `shutdown` included (re-entrant: `run` ends a pool that does
+# not fit through `shutdown`): a second thread's call, or its ``train.shutdown()``, waits for the call in flight.
+_lock = threading.RLock()
 _registered = False
+#: How long `shutdown` at exit waits for a call still in flight in another (daemon) thread before it ends the ranks.
+EXIT_WAIT_S = 5.0
+
+
+def _forget_in_child() -> None:
+    """In a child forked from the launching process (the user's ``os.fork``, a DataLoader or a rank forked while a
+    pool lives): the ranks are the parent's. Forget them without touching them (no call, no teardown at the
+    child's exit, which would end the parent's ranks) and close the child's copies of their pipes, so that they
+    still see the parent end the pool; a fresh lock (the parent's may have been held by another thread). The ranks
+    leave multiprocessing's list of this process's children too: at the child's exit it would join them (and
+    fail: "can only join a child process")."""
+    global _current, _lock
+    pool, _current, _lock = _current, None, threading.RLock()
+    if pool is None:
+        return
+    children = getattr(multiprocessing.process, "_children", None)  # private, stable since Python 3.4
+    for w in pool.group.workers:
+        if isinstance(children, set):
+            children.discard(w.process)
+        for conn in (w.conn, w.stacks):
+            if conn is not None:
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+        w.conn = w.stacks = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def current() -> Pool | None:
@@ -84,25 +118,78 @@ def current() -> Pool | None:
     return _current
 
 
-def pool_key(sendable: Callable[..., Any], opts: Options, nprocs: int) -> tuple[Any, ...]:
+#: Environment variables read once in a rank's life (by the process group, NCCL, gloo, CUDA, the OpenMP pool): a
+#: change to any of them between calls ends the kept ranks, as the next call's ranks must start with it.
+PROCESS_ENV_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_GLOO_",
+                        "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def pool_key(sendable: Callable[..., Any], opts: Options, nprocs: int,
+             environ: Mapping[str, str] | None = None) -> tuple[Any, ...]:
     """What a call must match to run on the kept ranks: the function (its decorated origin), the process count, the
     options fixed for a process's life (everything but the per-call ``seed``, ``precision``, ``track``,
-    ``max_restarts``, ``requeue``), and ``CUDA_VISIBLE_DEVICES``."""
+    ``max_restarts``, ``requeue``), and the environment variables read once per process (`PROCESS_ENV_PREFIXES`,
+    ``CUDA_VISIBLE_DEVICES`` among them) of ``environ`` (default: this process's)."""
     fixed = attrs.evolve(opts, seed=None, precision="32", track=None, max_restarts=0, requeue=False)
-    return sendable, nprocs, fixed, os.environ.get("CUDA_VISIBLE_DEVICES")
+    env = os.environ if environ is None else environ
+    process_env = tuple(sorted((k, v) for k, v in env.items() if k.startswith(PROCESS_ENV_PREFIXES)))
+    return sendable, nprocs, fixed, process_env
 
 
 def shutdown(fn: Callable[..., Any] | None = None) -> None:
     """End the kept ranks, if any (``fn``: only where they were kept for that decorated function, what
     ``train.shutdown()`` asks): each leaves the process group and exits (killed after a grace); the store
-    closes. Runs at this process's exit; call it to free the ranks' memory (GPU memory included) sooner."""
+    closes. Runs at this process's exit; call it to free the ranks' memory (GPU memory included) sooner. Waits for
+    a call in flight in another thread to end first."""
+    with _lock:
+        _end(fn)
+
+
+def _at_exit() -> None:
+    """`shutdown` at this process's exit; a call still in flight in a daemon thread is not waited for long."""
+    got = _lock.acquire(timeout=EXIT_WAIT_S)
+    try:
+        _end(None)
+    finally:
+        if got:
+            _lock.release()
+
+
+def _end(fn: Callable[..., Any] | None = None) -> None:
     global _current
     if _current is None or (fn is not None and _current.key[0] is not fn):
         return
     pool, _current = _current, None
+    if pool.owner != os.getpid():  # a copy of the parent's: its ranks are not ours to end (`_forget_in_child`)
+        return
     pool.group.release()
     pool.group.teardown()
     logger.debug("keep_alive: {} ranks ended after {} call(s)", pool.group.nprocs, pool.calls)
+
+
+def _unfit(pool: Pool, key: tuple[Any, ...]) -> str | None:
+    """Why the kept ranks cannot take the next call (then fresh ones do), or ``None``: other options or
+    process-level environment, a rank that died, or one stopped (SIGSTOP, a debugger) or a zombie, which would
+    stall the call until the collective timeout (30 min by default) instead of starting it."""
+    if pool.key[3] != key[3]:
+        was, now = dict(pool.key[3]), dict(key[3])
+        names = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+        return f"{', '.join(names)} changed, which a rank reads once when it starts"
+    if pool.key[0] is not key[0]:
+        return f"another function: {getattr(key[0], '__qualname__', key[0])}"
+    if pool.key != key:
+        return "options changed"
+    if not pool.group.succeeded():
+        return "a rank died since the last call"
+    for pid in pool.pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # no /proc (not Linux): the liveness check above is all there is
+        if state in ("T", "t", "Z", "X"):
+            return f"rank {pool.pids.index(pid)} (pid {pid}) is stopped or gone"
+    return None
 
 
 def run(sendable: Callable[..., Any], cfg: Any, opts: Options, nprocs: int,
@@ -113,10 +200,10 @@ def run(sendable: Callable[..., Any], cfg: Any, opts: Options, nprocs: int,
     key = pool_key(sendable, opts, nprocs)
     with _lock:
         pool = _current
-        if pool is not None and (pool.key != key or not pool.group.succeeded()):
-            why = "options changed" if pool.key != key else "a rank died since the last call"
+        why = None if pool is None else _unfit(pool, key)
+        if why is not None:
             logger.info("keep_alive: starting fresh ranks ({})", why)
-            shutdown()
+            _end()
             pool = None
         if pool is None:
             return _fresh(sendable, cfg, opts, nprocs, key, start)
@@ -140,39 +227,63 @@ def _fresh(sendable: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, k
         value = local.launch(sendable, cfg, opts, nprocs, method=method, reason=reason, server=server, keep=keep,
                              first=first, earlier=earlier)
     if not _registered:
-        atexit.register(shutdown)  # before multiprocessing's own exit handler, which would join the ranks
+        atexit.register(_at_exit)  # before multiprocessing's own exit handler, which would join the ranks
         _registered = True
     return value
 
 
 def _job(pool: Pool, sendable: Callable[..., Any], cfg: Any, opts: Options) -> bytes:
-    """The next call as the ranks read it (`protocol.next_call`), pickled once for all of them."""
+    """The next call as the ranks read it (`protocol.next_call`), pickled once for all of them: the function, the
+    ``cfg``, the options, and what a fresh launch would have taken from this process as it is now: the environment
+    (its changes), the working directory and ``sys.path``.
+
+    Forked ranks hold a copy of ``__main__`` from when they started: a function of ``__main__`` goes by value
+    (cloudpickle) with the current values of the globals it uses, as a fresh fork would see them.
+
+    Raises:
+        Exception: the call cannot be sent (a ``cfg`` or global neither pickle nor cloudpickle can send): `_again`
+            starts fresh ranks instead, where fork needs no pickle and any other start method reports it.
+    """
     cfg = protocol.compact_views(cfg)
-    fn, cfg, _ = shipping.pack(preflight.sendable(sendable), cfg, pool.method, opts.start_method)
+    sendable = preflight.sendable(sendable)
+    fn, cfg, _ = shipping.pack(sendable, cfg, pool.method, opts.start_method)
+    unwrapped = getattr(sendable, "__wrapped__", sendable)
+    if pool.method == "fork" and getattr(unwrapped, "__module__", None) == "__main__" \
+            and isinstance(fn, shipping.Parcel) and fn.payload is None:
+        fn = shipping.by_value(unwrapped, getattr(unwrapped, "__qualname__", "the function"), pool.method)
     if isinstance(fn, shipping.Parcel):  # the environment goes as its changes, below, not whole
         fn = attrs.evolve(fn, environ=None)
     now = dict(os.environ)
     changed = {k: v for k, v in now.items() if pool.environ.get(k) != v}
     gone = [k for k in pool.environ if k not in now]
-    pool.environ = now
     # the function and cfg as bytes of their own: a rank that cannot load them (a class it cannot import) reports
     # that as the call's failure, instead of dying while it reads the call
     parts = (pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL), pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL))
-    return pickle.dumps((*parts, opts, changed, gone), protocol=pickle.HIGHEST_PROTOCOL)
+    job = pickle.dumps((*parts, opts, changed, gone, os.getcwd(), list(sys.path)), protocol=pickle.HIGHEST_PROTOCOL)
+    pool.environ = now  # only once the call can go: a call that could not leaves the ranks' environment as it was
+    return job
 
 
 def _again(pool: Pool, sendable: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, key: tuple[Any, ...],
            start: Callable[[], tuple[str, str, str | None]]) -> Any:
-    """A later call on the live ranks; whatever does not succeed ends them (and may restart on fresh ones)."""
+    """A later call on the live ranks; whatever does not succeed ends them (and may restart on fresh ones). A call
+    that cannot reach them (it cannot be pickled, a rank's pipe is gone) runs on fresh ranks instead: nothing of it
+    ran yet, and a fresh launch may take what the kept ranks cannot (fork sends nothing by pickle)."""
     global _current
     group = pool.group
     try:
-        with tracking_key.exported():  # a job of its own: a tracked run of its own
-            job = _job(pool, sendable, cfg, opts)
-        group.call(job, opts)
+        try:
+            with tracking_key.exported():  # a job of its own: a tracked run of its own
+                job = _job(pool, sendable, cfg, opts)
+            group.call(job, opts)
+        except Exception as exc:  # noqa: BLE001 - any reason the call cannot reach the ranks: fresh ones take it
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            logger.info("keep_alive: starting fresh ranks (the call cannot reach the kept ones: {})", why)
+            _end()
+            return _fresh(sendable, cfg, opts, nprocs, key, start)
         group.wait()
     except BaseException:
-        shutdown()
+        _end()
         raise
     if group.succeeded():
         group.forwarder.restore()  # the workers wait for the next call
