@@ -56,10 +56,12 @@ def test_per_call_options_keep_the_ranks_and_process_level_ones_do_not() -> None
     assert pool.pool_key(other, base, 2) != key
 
 
-def _run_job(tmp: Path, timeout: float) -> tuple[dict[str, Any], subprocess.CompletedProcess[str], int]:
+def _run_job(tmp: Path, timeout: float, script: str = "pool_job.py") -> tuple[dict[str, Any],
+                                                                             subprocess.CompletedProcess[str], int]:
     env = clean_env(TMPDIR=str(tmp), OMP_NUM_THREADS="1",
                     PYTHONPATH=os.pathsep.join([str(SCRIPTS.parent.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "pool_job.py")], env=env, stdout=subprocess.PIPE,
+    env.pop("NCCL_DEBUG", None)  # the script changes it to check that the ranks start afresh
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / script)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -112,6 +114,37 @@ def test_a_script_reuses_the_ranks_and_every_call_that_does_not_succeed_ends_the
     assert outliving(pid) == []
     assert not any(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
     assert not any(str(pid) in name for name in os.listdir("/dev/shm"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_later_call_sees_what_a_fresh_launch_would_and_unfit_or_foreign_ranks_are_never_used(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    got, done, pid = _run_job(tmp, timeout=480, script="pool_hostile.py")
+    follows = got["follows"]
+    first, second = follows["first"], follows["second"]
+    assert follows["same_ranks"] and first["pid"] == second["pid"]
+    # a __main__ global rebound, the cwd and sys.path changed in the launching process: seen as a fresh fork would
+    assert (first["scale"], second["scale"], second["sum"]) == (1.0, 3.0, 3.0)
+    assert os.path.realpath(second["cwd"]) == follows["here"] and second["path"] and not first["path"]
+    # the first call changed torch's process-wide settings and a stop signal reached a rank between the calls: the
+    # second call starts from what the first started from
+    for name in ("grad", "dtype", "threads", "deterministic", "precision", "should_stop"):
+        assert second[name] == first[name], name
+    # what the kept ranks cannot take (a cfg only fork sends; NCCL_DEBUG changed; a stopped rank) runs on fresh ones
+    assert got["unpicklable"] == {"ok": 3.0, "fresh": True}
+    assert got["process_env"] == {"ok": 3.0, "fresh": True}
+    assert "starting fresh ranks (NCCL_DEBUG changed" in done.stderr
+    stopped = got["stopped"]
+    assert stopped["ok"] == 3.0 and stopped["fresh"] and stopped["seconds"] < 20  # not the collective timeout
+    # the child of an os.fork has no pool, and its exit left the parent's ranks alone
+    assert got["forked"] == {"child_exit": 0, "same_ranks": True}
+    # threads: one call at a time on the kept ranks; shutdown() from another thread waits for the call in flight
+    assert got["threads"] == {"a": ["a", True], "b": ["b", True]}
+    assert got["shutdown_mid_call"] == {"value": "slow", "pool": False}
+    assert outliving(pid) == []
+    assert not any(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
 
 
 # A notebook: a torch op first (fork is unsafe: the fork server starts the ranks, the cell's function and a class

@@ -15,19 +15,33 @@ Safety, each rule a test in ``tests/test_pool.py``:
 * **the same options or fresh ranks**: the ranks are reused only by a call of the same decorated function (or one
   of its ``fn.options(...)`` variants) whose process-level options are the same (`pool_key`: the process count,
   ``mode``, ``backend``, ``devices``, ``timeout``, ``init_method``, ``fsdp``, the start method asked for, and
-  ``CUDA_VISIBLE_DEVICES``); ``seed``, ``precision``, ``track``, ``max_restarts`` and ``requeue`` travel with each
-  call. Anything else ends the ranks and the call starts fresh ones (one pool per process at a time);
+  the environment variables a rank reads once, `PROCESS_ENV_PREFIXES`, ``CUDA_VISIBLE_DEVICES`` and ``NCCL_*``
+  among them); ``seed``, ``rank_seeds``, ``precision``, ``track``, ``max_restarts`` and ``requeue`` travel with
+  each call. Anything else ends the ranks and the call starts fresh ones (one pool per process at a time);
+* **a later call sees what a fresh launch would**: the environment, the working directory and ``sys.path`` as they
+  are at the call; under fork a function of ``__main__`` goes by value, with the current values of the globals it
+  uses (the ranks' ``__main__`` is a copy from their start); the torch settings a call changed (grad mode, default
+  dtype, threads, deterministic algorithms, matmul precision) are put back (`protocol.TorchState`). A call that
+  cannot reach the kept ranks (a ``cfg`` only fork can send, a pipe gone) runs on fresh ranks instead;
 * **a call that did not succeed ends them**: a failure, a hang (the hang report as without a pool), Ctrl-C, a
   forwarded stop signal or ``sys.exit`` in the function tears the pool down as a launch without it would; the next
   call starts fresh (a failed later call is restarted on fresh ranks where ``max_restarts`` allows);
-* **a rank that died between calls** (the OOM killer) is noticed before the next call, which then starts fresh;
+* **a rank unfit for a call** (dead since the last one: the OOM killer, its fork server killed; stopped by SIGSTOP
+  or a debugger; a zombie) is noticed before the next call, which then starts fresh instead of waiting for the
+  collective timeout;
+* **one owner, one call at a time**: calls from several threads run one after the other, and ``shutdown`` from
+  another thread waits for the call in flight; a child of the launching process (``os.fork``) forgets the pool
+  (`_forget_in_child`): its calls start ranks of its own, its exit leaves the parent's alone;
 * **nothing outlives this process**: `shutdown` runs at exit (``atexit``), and every rank dies with it anyway
   (``PR_SET_PDEATHSIG``, `distfn.launch.lifeline`), a kernel killed by SIGKILL included; no port (the store
   closes with the group), shared memory or file is left.
 
-What lives on in a rank between calls is the process: its imported modules, their globals, objects the function
-stored in them, the CUDA context and torch's caching allocator (emptied after each call, `protocol.next_call`).
-The RNGs are reseeded at each call when ``seed=`` is given, so results equal a fresh launch's.
+What lives on in a rank between calls is the process: its imported modules, their globals (under fork: of modules
+other than ``__main__``), objects the function stored in them, threads and child processes it left running, files
+it left open, signal handlers it set, the CUDA context and torch's caching allocator (emptied after each call,
+`protocol.next_call`). The RNGs are reseeded at each call when ``seed=`` is given, so results equal a fresh
+launch's; distfn's own per-call state (the `distfn.run.Run`: stop flags, timings, tracker, check-ins) is new each
+call.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import atexit
 import multiprocessing.process
 import os
 import pickle
+import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -127,10 +142,11 @@ PROCESS_ENV_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIB
 def pool_key(sendable: Callable[..., Any], opts: Options, nprocs: int,
              environ: Mapping[str, str] | None = None) -> tuple[Any, ...]:
     """What a call must match to run on the kept ranks: the function (its decorated origin), the process count, the
-    options fixed for a process's life (everything but the per-call ``seed``, ``precision``, ``track``,
-    ``max_restarts``, ``requeue``), and the environment variables read once per process (`PROCESS_ENV_PREFIXES`,
-    ``CUDA_VISIBLE_DEVICES`` among them) of ``environ`` (default: this process's)."""
-    fixed = attrs.evolve(opts, seed=None, precision="32", track=None, max_restarts=0, requeue=False)
+    options fixed for a process's life (everything but the per-call ``seed``, ``rank_seeds``, ``precision``,
+    ``track``, ``max_restarts``, ``requeue``), and the environment variables read once per process
+    (`PROCESS_ENV_PREFIXES`, ``CUDA_VISIBLE_DEVICES`` among them) of ``environ`` (default: this process's)."""
+    # rank_seeds with them: it only says how ``seed`` seeds each rank (and may not stay True without a seed)
+    fixed = attrs.evolve(opts, seed=None, rank_seeds=False, precision="32", track=None, max_restarts=0, requeue=False)
     env = os.environ if environ is None else environ
     process_env = tuple(sorted((k, v) for k, v in env.items() if k.startswith(PROCESS_ENV_PREFIXES)))
     return sendable, nprocs, fixed, process_env
@@ -162,6 +178,12 @@ def _end(fn: Callable[..., Any] | None = None) -> None:
     pool, _current = _current, None
     if pool.owner != os.getpid():  # a copy of the parent's: its ranks are not ours to end (`_forget_in_child`)
         return
+    for w in pool.group.workers:  # a stopped rank (SIGSTOP, `_unfit`) could not leave by itself: let it
+        if w.alive:
+            try:
+                os.kill(w.process.pid, signal.SIGCONT)
+            except OSError:
+                pass
     pool.group.release()
     pool.group.teardown()
     logger.debug("keep_alive: {} ranks ended after {} call(s)", pool.group.nprocs, pool.calls)

@@ -27,6 +27,7 @@ import datetime
 import gc
 import os
 import pickle
+import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from .. import worker
+from .. import preemption, worker
 from ..failures import Failure, diagnose, order_failures
 from ..options import RESTART_ENV, Options
 from ..topology import Topology
@@ -150,6 +151,7 @@ def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology
             _baseline.append(TorchState.now())
         else:
             _baseline[0].restore()
+            _fresh_stop_record()
 
     def once(message: Message) -> None:
         if not delivered:
@@ -230,6 +232,15 @@ class TorchState:
 
 
 _baseline: list[TorchState] = []  # a kept-alive rank's torch state before its first call
+
+
+def _fresh_stop_record() -> None:
+    """A kept-alive rank's later call starts with no stop signal on record, as a fresh rank would: the handler the
+    rank installed first thing (`distfn.preemption.install` keeps it for every run) still holds what came during
+    or after the last call (a SIGUSR2 sent to the rank itself, ``polled`` from a function that polled)."""
+    record = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if isinstance(record, preemption.StopSignals):
+        record.signal, record.polled, record.raised, record.stopped = None, False, False, False
 
 
 # -- the verdict -----------------------------------------------------------------------------------------------------
