@@ -213,6 +213,7 @@ def test_a_later_call_sees_what_a_fresh_launch_would_and_unfit_or_foreign_ranks_
     assert follows["same_ranks"] and first["pid"] == second["pid"]
     # a __main__ global rebound, the cwd and sys.path changed in the launching process: seen as a fresh fork would
     assert (first["scale"], second["scale"], second["sum"]) == (1.0, 3.0, 3.0)
+    assert (first["conf"], second["conf"]) == (1, 2)  # read by a helper, changed in place
     assert os.path.realpath(second["cwd"]) == follows["here"] and second["path"] and not first["path"]
     # the first call changed torch's process-wide settings and a stop signal reached a rank between the calls: the
     # second call starts from what the first started from

@@ -53,6 +53,7 @@ import pickle
 import signal
 import sys
 import threading
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -259,8 +260,8 @@ def _job(pool: Pool, sendable: Callable[..., Any], cfg: Any, opts: Options) -> b
     ``cfg``, the options, and what a fresh launch would have taken from this process as it is now: the environment
     (its changes), the working directory and ``sys.path``.
 
-    Forked ranks hold a copy of ``__main__`` from when they started: a function of ``__main__`` goes by value
-    (cloudpickle) with the current values of the globals it uses, as a fresh fork would see them.
+    Forked ranks hold a copy of ``__main__`` from when they started: a function of ``__main__`` goes by name along
+    (`_main_globals`) with the current values of the ``__main__`` globals it reads, as a fresh fork would see them.
 
     Raises:
         Exception: the call cannot be sent (a ``cfg`` or global neither pickle nor cloudpickle can send): `_again`
@@ -269,12 +270,10 @@ def _job(pool: Pool, sendable: Callable[..., Any], cfg: Any, opts: Options) -> b
     cfg = protocol.compact_views(cfg)
     sendable = preflight.sendable(sendable)
     fn, cfg, _ = shipping.pack(sendable, cfg, pool.method, opts.start_method)
-    unwrapped = getattr(sendable, "__wrapped__", sendable)
-    if pool.method == "fork" and getattr(unwrapped, "__module__", None) == "__main__" \
-            and isinstance(fn, shipping.Parcel) and fn.payload is None:
-        fn = shipping.by_value(unwrapped, getattr(unwrapped, "__qualname__", "the function"), pool.method)
     if isinstance(fn, shipping.Parcel):  # the environment goes as its changes, below, not whole
         fn = attrs.evolve(fn, environ=None)
+        if pool.method == "fork" and fn.payload is None:  # by name, found in the ranks' copy of __main__
+            fn = attrs.evolve(fn, main_globals=_main_globals(getattr(sendable, "__wrapped__", sendable)))
     now = dict(os.environ)
     changed = {k: v for k, v in now.items() if pool.environ.get(k) != v}
     gone = [k for k in pool.environ if k not in now]
@@ -284,6 +283,41 @@ def _job(pool: Pool, sendable: Callable[..., Any], cfg: Any, opts: Options) -> b
     job = pickle.dumps((*parts, opts, changed, gone, os.getcwd(), list(sys.path)), protocol=pickle.HIGHEST_PROTOCOL)
     pool.environ = now  # only once the call can go: a call that could not leaves the ranks' environment as it was
     return job
+
+
+def _main_globals(fn: Callable[..., Any]) -> bytes | None:
+    """The ``__main__`` globals that ``fn`` (a function of ``__main__``) and the ``__main__`` functions it calls read,
+    pickled, for forked kept ranks to take on before the call (`shipping.unpack`): their ``__main__`` is a copy
+    from their start, and a fresh fork would see the values as they are now (a global rebound or changed in place
+    between calls). Modules, functions and classes are left out (the ranks resolve them by name, as they resolve
+    ``fn``), and so is a value plain pickle cannot send (a lock, an open writer): the ranks keep their own copy.
+    Cheaper than sending ``fn`` by value (cloudpickle takes milliseconds on a function that uses torch)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(fn, "__module__", None) != "__main__":
+        return None
+    space = vars(main)
+    values: dict[str, Any] = {}
+    seen: set[int] = set()
+    todo = [getattr(fn, "__code__", None)]
+    while todo:
+        code = todo.pop()
+        if not isinstance(code, types.CodeType) or id(code) in seen:
+            continue
+        seen.add(id(code))
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))  # nested functions, lambdas
+        for name in code.co_names:
+            if name not in space or name in values or name.startswith("__"):
+                continue
+            value = space[name]
+            if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+                todo.append(value.__code__)  # a helper of the script: the globals it reads too
+            if isinstance(value, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)):
+                continue
+            try:
+                values[name] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # noqa: BLE001 - anything plain pickle refuses stays the ranks' own
+                continue
+    return pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL) if values else None  # {name: its own pickle}
 
 
 def _again(pool: Pool, sendable: Callable[..., Any], cfg: Any, opts: Options, nprocs: int, key: tuple[Any, ...],

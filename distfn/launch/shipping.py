@@ -29,8 +29,8 @@ import cloudpickle
 from .. import preflight
 from ..errors import ConfigError
 
-__all__ = ["Parcel", "arrive", "by_value", "dumps_result", "interactive_main", "loads_result", "main_for_workers",
-           "pack", "unpack"]
+__all__ = ["Parcel", "arrive", "dumps_result", "interactive_main", "loads_result", "main_for_workers", "pack",
+           "unpack"]
 
 
 @attrs.frozen
@@ -43,6 +43,9 @@ class Parcel:
     environ: dict[str, str] | None = None
     #: ``linecache`` entries of the cells that defined what ``payload`` holds, so tracebacks show their lines.
     sources: dict[str, Any] | None = None
+    #: pickled ``{name: pickled value}`` of ``__main__`` globals to set in the worker first (`distfn.launch.pool`:
+    #: forked kept ranks hold a copy of ``__main__`` from their start; what the function reads comes as it is now).
+    main_globals: bytes | None = None
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -79,13 +82,7 @@ def interactive_main() -> bool:
     return not (path and os.path.isfile(path))
 
 
-def by_value(obj: Any, path: str, method: str) -> Parcel:
-    """``obj`` by value (cloudpickle): a function of ``__main__`` goes with the current values of the globals it
-    uses (also what `distfn.launch.pool` sends to forked kept ranks, whose ``__main__`` is a copy from before).
-
-    Raises:
-        ConfigError: cloudpickle cannot send ``obj`` either, naming the part and the fix.
-    """
+def _by_value(obj: Any, path: str, method: str) -> Parcel:
     found = preflight.find_unpicklable(obj, path, dumps=cloudpickle.dumps)
     if found is not None:
         raise ConfigError(preflight.unpicklable_message(
@@ -113,9 +110,9 @@ def pack(fn: Any, cfg: Any, method: str, requested: str = "auto") -> tuple[Any, 
     name = getattr(fn, "__qualname__", "the function")
     unwrapped = getattr(fn, "__wrapped__", fn)  # the user's function: the worker calls it inside its own wrapper
     by_name = not interactive and preflight.find_unpicklable(fn, name) is None
-    sent = Parcel(value=fn) if by_name else by_value(unwrapped, name, method)
+    sent = Parcel(value=fn) if by_name else _by_value(unwrapped, name, method)
     cfg_by_name = not interactive and preflight.find_unpicklable(cfg, "cfg") is None
-    cfg = Parcel(value=cfg) if cfg_by_name else by_value(cfg, "cfg", method)
+    cfg = Parcel(value=cfg) if cfg_by_name else _by_value(cfg, "cfg", method)
     if interactive:
         how = "what was defined interactively is shipped by value (cloudpickle)"
     elif by_name and cfg_by_name:
@@ -159,6 +156,8 @@ def unpack(obj: Any) -> Any:
     global _received_by_value
     if not isinstance(obj, Parcel):
         return obj
+    if obj.main_globals is not None:
+        vars(sys.modules["__main__"]).update({k: pickle.loads(v) for k, v in pickle.loads(obj.main_globals).items()})
     if obj.payload is None:
         return obj.value
     _received_by_value = True

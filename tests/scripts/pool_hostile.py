@@ -25,6 +25,13 @@ from distfn import distributed
 from distfn.launch import pool
 
 SCALE = 1.0  # a __main__ global the function reads: rebound between calls
+CONF = {"k": 1}  # one a helper reads: changed in place between calls
+LOCK = threading.Lock()  # one plain pickle cannot send: the ranks keep their own
+
+
+def conf_k() -> int:
+    with LOCK:
+        return CONF["k"]
 
 
 @distributed(mode="ddp", nprocs=2, keep_alive=True, timeout=20)
@@ -36,7 +43,7 @@ def job(cfg: dict[str, Any], ctx: Any) -> Any:
             "threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
             "precision": torch.get_float32_matmul_precision(), "pid": os.getpid(),
             "sum": ctx.all_reduce(float(ctx.rank) * SCALE, op="sum"), "tag": cfg.get("tag"),
-            "should_stop": ctx.should_stop}
+            "should_stop": ctx.should_stop, "conf": conf_k()}
     if cfg.get("mess"):  # process-wide torch settings a fresh rank would not have
         torch.set_grad_enabled(False)
         torch.set_default_dtype(torch.float64)
@@ -60,6 +67,7 @@ def main() -> None:
     time.sleep(0.3)
     # what a fresh fork would see: the global as it is now, the cwd, sys.path; the torch state of a fresh rank
     SCALE = 3.0
+    CONF["k"] = 2
     here = tempfile.mkdtemp(prefix="pool-hostile-")
     os.chdir(here)
     marker = os.path.join(here, "on-path")
