@@ -157,7 +157,7 @@ def _run_job(tmp: Path, timeout: float, script: str = "pool_job.py") -> tuple[di
             proc.communicate()
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert proc.returncode == 0 and "RESULT " in out, out[-2000:] + err[-4000:]
-    return json.loads(out.split("RESULT ", 1)[1]), done, proc.pid
+    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0]), done, proc.pid
 
 
 @pytest.mark.slow
@@ -217,7 +217,7 @@ def test_a_later_call_sees_what_a_fresh_launch_would_and_unfit_or_foreign_ranks_
     assert os.path.realpath(second["cwd"]) == follows["here"] and second["path"] and not first["path"]
     # the first call changed torch's process-wide settings and a stop signal reached a rank between the calls: the
     # second call starts from what the first started from
-    for name in ("grad", "dtype", "threads", "deterministic", "precision", "should_stop"):
+    for name in ("grad", "dtype", "threads", "deterministic", "precision", "should_stop", "leak"):
         assert second[name] == first[name], name
     # what the kept ranks cannot take (a cfg only fork sends; NCCL_DEBUG changed; a stopped rank) runs on fresh ones
     assert got["unpicklable"] == {"ok": 3.0, "fresh": True}
@@ -230,6 +230,8 @@ def test_a_later_call_sees_what_a_fresh_launch_would_and_unfit_or_foreign_ranks_
     # threads: one call at a time on the kept ranks; shutdown() from another thread waits for the call in flight
     assert got["threads"] == {"a": ["a", True], "b": ["b", True]}
     assert got["shutdown_mid_call"] == {"value": "slow", "pool": False}
+    # a call from an exit handler that runs after the pool's: it runs, and keeps no ranks the exit would wait for
+    assert json.loads(done.stdout.split("LATE ", 1)[1].splitlines()[0]) == {"tag": "late", "pool": False}
     assert outliving(pid) == []
     assert not any(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
 

@@ -98,6 +98,7 @@ _current: Pool | None = None
 # not fit through `shutdown`): a second thread's call, or its ``train.shutdown()``, waits for the call in flight.
 _lock = threading.RLock()
 _registered = False
+_exiting = False  # `_at_exit` ran: later calls keep no ranks
 #: How long `shutdown` at exit waits for a call still in flight in another (daemon) thread before it ends the ranks.
 EXIT_WAIT_S = 5.0
 
@@ -163,7 +164,11 @@ def shutdown(fn: Callable[..., Any] | None = None) -> None:
 
 
 def _at_exit() -> None:
-    """`shutdown` at this process's exit; a call still in flight in a daemon thread is not waited for long."""
+    """`shutdown` at this process's exit; a call still in flight in a daemon thread is not waited for long. A call
+    made after it (from an exit handler that runs later) keeps no ranks: nothing would end them before
+    multiprocessing's own exit handler waits for them."""
+    global _exiting
+    _exiting = True
     got = _lock.acquire(timeout=EXIT_WAIT_S)
     try:
         _end(None)
@@ -221,6 +226,9 @@ def run(sendable: Callable[..., Any], cfg: Any, opts: Options, nprocs: int,
     when the call succeeds. ``start``: the start method, why, and the fork server, asked only for fresh ranks (a
     launching process that hosts the store has threads, so "auto" would say forkserver for later calls)."""
     key = pool_key(sendable, opts, nprocs)
+    if _exiting:
+        method, reason, server = start()
+        return local.launch(sendable, cfg, opts, nprocs, method=method, reason=reason, server=server)
     with _lock:
         pool = _current
         why = None if pool is None else _unfit(pool, key)

@@ -149,6 +149,7 @@ def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology
     if keep_group:  # a kept-alive rank: each call starts from the torch state the first one started from
         if not _baseline:
             _baseline.append(TorchState.now())
+            _baseline_env.update(os.environ)
         else:
             _baseline[0].restore()
             _fresh_stop_record()
@@ -170,7 +171,8 @@ def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology
 def next_call(conn: Connection, topology: Topology) -> tuple[bytes, bytes, Options] | None:
     """In a rank of a kept-alive job, between calls: free what the last call left (its cycles, CUDA's cached
     blocks), then wait for the next call, ``(pickled function parcel, pickled cfg parcel, options)``, and take on
-    what a fresh rank would take from the launching process as it is now: its environment changes, its working
+    what a fresh rank would take from the launching process as it is now: its environment changes (on top of the
+    environment the rank's first call started with: what a call set in its own is dropped), its working
     directory and its ``sys.path``; ``None``: the pool ends (the launching process closed the pipe or is gone).
     The parcels are loaded by the caller: a failure to is the call's."""
     gc.collect()
@@ -180,9 +182,18 @@ def next_call(conn: Connection, topology: Topology) -> tuple[bytes, bytes, Optio
         fn, cfg, opts, changed, gone, cwd, path = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError, KeyboardInterrupt):  # Ctrl-C: the launching process stops the idle ranks too
         return None
+    # the environment the first call started with (the rank's own variables included), with the launching
+    # process's changes since: what the last call set or removed in its own environment does not carry over
     for name in gone:
-        os.environ.pop(name, None)
-    os.environ.update(changed)
+        _baseline_env.pop(name, None)
+    _baseline_env.update(changed)
+    if _baseline_env and os.environ != _baseline_env:
+        os.environ.clear()
+        os.environ.update(_baseline_env)
+    else:
+        for name in gone:
+            os.environ.pop(name, None)
+        os.environ.update(changed)
     sys.path[:] = path
     try:
         os.chdir(cwd)
@@ -232,6 +243,7 @@ class TorchState:
 
 
 _baseline: list[TorchState] = []  # a kept-alive rank's torch state before its first call
+_baseline_env: dict[str, str] = {}  # and its environment then, with the launching process's changes since
 
 
 def _fresh_stop_record() -> None:

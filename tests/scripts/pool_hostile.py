@@ -5,11 +5,12 @@ Each step is something the launching process does between or around calls that a
 stride: a ``__main__`` global, the working directory and ``sys.path`` changed; torch settings changed by a call; a
 stop signal sent to a rank between calls; a ``cfg`` that only fork can send; a process-level environment variable
 changed; a rank stopped with SIGSTOP; a child of ``os.fork`` that exits; two threads calling at once;
-``shutdown()`` from another thread during a call.
+``shutdown()`` from another thread during a call; a call from an exit handler after the pool's own.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -44,7 +45,9 @@ def job(cfg: dict[str, Any], ctx: Any) -> Any:
             "precision": torch.get_float32_matmul_precision(), "pid": os.getpid(),
             "sum": ctx.all_reduce(float(ctx.rank) * SCALE, op="sum"), "tag": cfg.get("tag"),
             "should_stop": ctx.should_stop, "conf": conf_k()}
-    if cfg.get("mess"):  # process-wide torch settings a fresh rank would not have
+    seen["leak"] = os.environ.get("POOL_LEAK")
+    if cfg.get("mess"):  # process-wide state a fresh rank would not have: torch settings, a variable set here
+        os.environ["POOL_LEAK"] = "set by the first call"
         torch.set_grad_enabled(False)
         torch.set_default_dtype(torch.float64)
         torch.set_num_threads(torch.get_num_threads() + 1)
@@ -58,9 +61,16 @@ def pids() -> list[int]:
     return kept.pids if kept is not None else []
 
 
+def late() -> None:
+    """A call from an exit handler that runs after the pool's own: it must keep no ranks (nothing would end them)."""
+    value = job({"tag": "late"})["tag"]
+    print("LATE", json.dumps({"tag": value, "pool": pool.current() is not None}), flush=True)
+
+
 def main() -> None:
     global SCALE
     out: dict[str, Any] = {}
+    atexit.register(late)  # before the first call, so it runs after the pool's exit handler
     first = job({"mess": True})
     ranks = pids()
     os.kill(ranks[0], signal.SIGUSR2)  # straight to a rank between calls: a fresh rank would have no stop on record
