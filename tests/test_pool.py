@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from distfn import distributed
 from distfn.errors import ConfigError
@@ -56,10 +58,96 @@ def test_per_call_options_keep_the_ranks_and_process_level_ones_do_not() -> None
     assert pool.pool_key(other, base, 2) != key
 
 
-def _run_job(tmp: Path, timeout: float) -> tuple[dict[str, Any], subprocess.CompletedProcess[str], int]:
+_PER_CALL = {"seed": st.one_of(st.none(), st.integers(0, 2**31)), "precision": st.sampled_from(["32", "bf16", "16"]),
+             "max_restarts": st.integers(0, 3), "requeue": st.booleans(), "track": st.sampled_from([None, "csv"])}
+_PROCESS_LEVEL = {"mode": st.sampled_from(["ddp", "fsdp"]), "backend": st.sampled_from([None, "gloo"]),
+                  "timeout": st.integers(1, 3600), "start_method": st.sampled_from(["auto", "fork", "spawn"]),
+                  "init_method": st.sampled_from([None, "tcp://127.0.0.1:29400"])}
+_ENV_NAMES = st.sampled_from(["CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_IB_DISABLE", "GLOO_SOCKET_IFNAME",
+                              "TORCH_NCCL_BLOCKING_WAIT", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF",
+                              "HOME", "LR", "WANDB_MODE", "DISTFN_LOG_LEVEL", "PATH"])
+_ENV = st.dictionaries(_ENV_NAMES, st.sampled_from(["0", "1", "x"]), max_size=5)
+
+
+def _options(per_call: dict[str, Any], fixed: dict[str, Any]) -> Options:
+    seeded = per_call.get("seed") is not None
+    return Options(keep_alive=True, rank_seeds=seeded and per_call["max_restarts"] % 2 == 1, **per_call, **fixed)
+
+
+@settings(max_examples=80, deadline=None)
+@given(one=st.fixed_dictionaries(_PER_CALL), two=st.fixed_dictionaries(_PER_CALL),
+       fixed=st.fixed_dictionaries(_PROCESS_LEVEL), other=st.fixed_dictionaries(_PROCESS_LEVEL),
+       env=_ENV, env2=_ENV, nprocs=st.integers(1, 4))
+def test_pool_key_differs_exactly_where_a_process_level_option_or_variable_does(
+        one: dict[str, Any], two: dict[str, Any], fixed: dict[str, Any], other: dict[str, Any],
+        env: dict[str, str], env2: dict[str, str], nprocs: int) -> None:
+    def fn(cfg: Any, ctx: Any) -> None: ...
+
+    # per-call options (rank_seeds included: it once made every keep_alive call raise) never change the key
+    key = pool.pool_key(fn, _options(one, fixed), nprocs, env)
+    assert pool.pool_key(fn, _options(two, fixed), nprocs, env) == key
+    # a process-level option, the process count, or a variable read once per process does; nothing else does
+    assert (pool.pool_key(fn, _options(one, other), nprocs, env) == key) == (fixed == other)
+    assert pool.pool_key(fn, _options(one, fixed), nprocs + 1, env) != key
+    read_once = {k: v for k, v in env.items() if k.startswith(pool.PROCESS_ENV_PREFIXES)}
+    read_once2 = {k: v for k, v in env2.items() if k.startswith(pool.PROCESS_ENV_PREFIXES)}
+    assert (pool.pool_key(fn, _options(one, fixed), nprocs, env2) == key) == (read_once == read_once2)
+
+
+def test_a_forked_child_forgets_the_parents_pool_and_its_exit_leaves_the_ranks_alone() -> None:
+    # a stand-in for a live pool (a sleeping child as its rank): what the child of the user's os.fork sees
+    import multiprocessing as mp
+
+    from distfn.launch import local
+
+    group = local.WorkerGroup("fork", 1, Options(), keep_alive=True)
+    rank = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+    rank.start()
+    reader, writer = mp.Pipe()
+    group.workers.append(local._Worker(0, rank, reader))
+    fake = pool.Pool(("key",), group, "fork", {})
+    pool._current = fake
+    try:
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's side: no pool, a shutdown (at its exit too) ends nothing
+            ok = pool.current() is None and reader.closed
+            pool.shutdown()
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert pool.current() is fake and rank.is_alive() and not reader.closed
+    finally:
+        pool._current = None
+        rank.kill()
+        rank.join()
+        group.teardown()  # closes the parent's end of the pipe
+        writer.close()
+
+
+def test_a_kept_rank_puts_back_the_torch_settings_a_call_changed() -> None:
+    import torch
+
+    from distfn.launch import protocol
+
+    before = protocol.TorchState.now()
+    try:
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_float32_matmul_precision("medium")
+        assert protocol.TorchState.now() != before
+        before.restore()
+        assert protocol.TorchState.now() == before and torch.is_grad_enabled()
+    finally:
+        before.restore()
+
+
+def _run_job(tmp: Path, timeout: float, script: str = "pool_job.py") -> tuple[dict[str, Any],
+                                                                             subprocess.CompletedProcess[str], int]:
     env = clean_env(TMPDIR=str(tmp), OMP_NUM_THREADS="1",
                     PYTHONPATH=os.pathsep.join([str(SCRIPTS.parent.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "pool_job.py")], env=env, stdout=subprocess.PIPE,
+    env.pop("NCCL_DEBUG", None)  # the script changes it to check that the ranks start afresh
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / script)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -69,7 +157,7 @@ def _run_job(tmp: Path, timeout: float) -> tuple[dict[str, Any], subprocess.Comp
             proc.communicate()
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert proc.returncode == 0 and "RESULT " in out, out[-2000:] + err[-4000:]
-    return json.loads(out.split("RESULT ", 1)[1]), done, proc.pid
+    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0]), done, proc.pid
 
 
 @pytest.mark.slow
@@ -112,6 +200,40 @@ def test_a_script_reuses_the_ranks_and_every_call_that_does_not_succeed_ends_the
     assert outliving(pid) == []
     assert not any(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
     assert not any(str(pid) in name for name in os.listdir("/dev/shm"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_later_call_sees_what_a_fresh_launch_would_and_unfit_or_foreign_ranks_are_never_used(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    got, done, pid = _run_job(tmp, timeout=480, script="pool_hostile.py")
+    follows = got["follows"]
+    first, second = follows["first"], follows["second"]
+    assert follows["same_ranks"] and first["pid"] == second["pid"]
+    # a __main__ global rebound, the cwd and sys.path changed in the launching process: seen as a fresh fork would
+    assert (first["scale"], second["scale"], second["sum"]) == (1.0, 3.0, 3.0)
+    assert (first["conf"], second["conf"]) == (1, 2)  # read by a helper, changed in place
+    assert os.path.realpath(second["cwd"]) == follows["here"] and second["path"] and not first["path"]
+    # the first call changed torch's process-wide settings and a stop signal reached a rank between the calls: the
+    # second call starts from what the first started from
+    for name in ("grad", "dtype", "threads", "deterministic", "precision", "should_stop", "leak"):
+        assert second[name] == first[name], name
+    # what the kept ranks cannot take (a cfg only fork sends; NCCL_DEBUG changed; a stopped rank) runs on fresh ones
+    assert got["unpicklable"] == {"ok": 3.0, "fresh": True}
+    assert got["process_env"] == {"ok": 3.0, "fresh": True}
+    assert "starting fresh ranks (NCCL_DEBUG changed" in done.stderr
+    stopped = got["stopped"]
+    assert stopped["ok"] == 3.0 and stopped["fresh"] and stopped["seconds"] < 40  # not the collective timeout (60 s)
+    # the child of an os.fork has no pool, and its exit left the parent's ranks alone
+    assert got["forked"] == {"child_exit": 0, "same_ranks": True}
+    # threads: one call at a time on the kept ranks; shutdown() from another thread waits for the call in flight
+    assert got["threads"] == {"a": ["a", True], "b": ["b", True]}
+    assert got["shutdown_mid_call"] == {"value": "slow", "pool": False}
+    # a call from an exit handler that runs after the pool's: it runs, and keeps no ranks the exit would wait for
+    assert json.loads(done.stdout.split("LATE ", 1)[1].splitlines()[0]) == {"tag": "late", "pool": False}
+    assert outliving(pid) == []
+    assert not any(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
 
 
 # A notebook: a torch op first (fork is unsafe: the fork server starts the ranks, the cell's function and a class

@@ -27,15 +27,18 @@ import datetime
 import gc
 import os
 import pickle
+import signal
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Final, Literal
 
+import attrs
 import torch
 import torch.distributed as dist
 
-from .. import worker
+from .. import preemption, worker
 from ..failures import Failure, diagnose, order_failures
 from ..options import RESTART_ENV, Options
 from ..topology import Topology
@@ -143,6 +146,13 @@ def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology
     see `distfn.worker.run` (a rank of a kept-alive job). Returns the message delivered.
     """
     delivered: list[Message] = []
+    if keep_group:  # a kept-alive rank: each call starts from the torch state the first one started from
+        if not _baseline:
+            _baseline.append(TorchState.now())
+            _baseline_env.update(os.environ)
+        else:
+            _baseline[0].restore()
+            _fresh_stop_record()
 
     def once(message: Message) -> None:
         if not delivered:
@@ -161,20 +171,88 @@ def run_rank(fn: Callable[..., Any], cfg: Any, opts: Options, topology: Topology
 def next_call(conn: Connection, topology: Topology) -> tuple[bytes, bytes, Options] | None:
     """In a rank of a kept-alive job, between calls: free what the last call left (its cycles, CUDA's cached
     blocks), then wait for the next call, ``(pickled function parcel, pickled cfg parcel, options)``, and take on
-    the launching process's environment changes sent with it; ``None``: the pool ends (the launching process
-    closed the pipe or is gone). The parcels are loaded by the caller: a failure to is the call's."""
+    what a fresh rank would take from the launching process as it is now: its environment changes (on top of the
+    environment the rank's first call started with: what a call set in its own is dropped), its working
+    directory and its ``sys.path``; ``None``: the pool ends (the launching process closed the pipe or is gone).
+    The parcels are loaded by the caller: a failure to is the call's."""
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     try:
-        fn, cfg, opts, changed, gone = pickle.loads(conn.recv_bytes())
+        fn, cfg, opts, changed, gone, cwd, path = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError, KeyboardInterrupt):  # Ctrl-C: the launching process stops the idle ranks too
         return None
+    # the environment the first call started with (the rank's own variables included), with the launching
+    # process's changes since: what the last call set or removed in its own environment does not carry over
     for name in gone:
-        os.environ.pop(name, None)
-    os.environ.update(changed)
+        _baseline_env.pop(name, None)
+    _baseline_env.update(changed)
+    if _baseline_env and os.environ != _baseline_env:
+        os.environ.clear()
+        os.environ.update(_baseline_env)
+    else:
+        for name in gone:
+            os.environ.pop(name, None)
+        os.environ.update(changed)
+    sys.path[:] = path
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass  # removed since (the launching process's cwd too): the function's own paths will say so
     export_rank_env(topology, 0)  # a later call is attempt 0 of a job of its own
     return fn, cfg, opts
+
+
+@attrs.frozen
+class TorchState:
+    """The process-wide torch settings a function may change and a fresh rank would not have: grad mode, the default
+    dtype, the CPU thread count, deterministic algorithms, float32 matmul precision, anomaly detection and the
+    cuDNN / TF32 switches. A kept-alive rank takes them before its first call and puts them back before each later
+    one (`run_rank`), so a call that ran ``torch.set_grad_enabled(False)`` does not change the next call's result."""
+
+    grad: bool
+    dtype: torch.dtype
+    threads: int
+    deterministic: bool
+    deterministic_warn_only: bool
+    matmul_precision: str
+    anomaly: bool
+    cudnn: tuple[bool, bool, bool]
+    cuda_tf32: bool
+
+    @classmethod
+    def now(cls) -> TorchState:
+        cudnn = torch.backends.cudnn
+        return cls(torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_num_threads(),
+                   torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                   torch.get_float32_matmul_precision(), torch.is_anomaly_enabled(),
+                   (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32), torch.backends.cuda.matmul.allow_tf32)
+
+    def restore(self) -> None:
+        if TorchState.now() == self:
+            return
+        torch.set_grad_enabled(self.grad)
+        torch.set_default_dtype(self.dtype)
+        torch.set_num_threads(self.threads)
+        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
+        torch.set_float32_matmul_precision(self.matmul_precision)
+        torch.set_anomaly_enabled(self.anomaly)
+        cudnn = torch.backends.cudnn
+        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = self.cudnn
+        torch.backends.cuda.matmul.allow_tf32 = self.cuda_tf32
+
+
+_baseline: list[TorchState] = []  # a kept-alive rank's torch state before its first call
+_baseline_env: dict[str, str] = {}  # and its environment then, with the launching process's changes since
+
+
+def _fresh_stop_record() -> None:
+    """A kept-alive rank's later call starts with no stop signal on record, as a fresh rank would: the handler the
+    rank installed first thing (`distfn.preemption.install` keeps it for every run) still holds what came during
+    or after the last call (a SIGUSR2 sent to the rank itself, ``polled`` from a function that polled)."""
+    record = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if isinstance(record, preemption.StopSignals):
+        record.signal, record.polled, record.raised, record.stopped = None, False, False, False
 
 
 # -- the verdict -----------------------------------------------------------------------------------------------------

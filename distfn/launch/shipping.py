@@ -43,6 +43,9 @@ class Parcel:
     environ: dict[str, str] | None = None
     #: ``linecache`` entries of the cells that defined what ``payload`` holds, so tracebacks show their lines.
     sources: dict[str, Any] | None = None
+    #: pickled ``{name: pickled value}`` of ``__main__`` globals to set in the worker first (`distfn.launch.pool`:
+    #: forked kept ranks hold a copy of ``__main__`` from their start; what the function reads comes as it is now).
+    main_globals: bytes | None = None
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -153,6 +156,8 @@ def unpack(obj: Any) -> Any:
     global _received_by_value
     if not isinstance(obj, Parcel):
         return obj
+    if obj.main_globals is not None:
+        vars(sys.modules["__main__"]).update({k: pickle.loads(v) for k, v in pickle.loads(obj.main_globals).items()})
     if obj.payload is None:
         return obj.value
     _received_by_value = True

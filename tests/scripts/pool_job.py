@@ -25,13 +25,12 @@ import torch.distributed as dist
 from distfn import WorkerError, distributed
 from distfn.launch import pool
 
-CALLS = 0  # a module global of the ranks: kept between the calls of one pool
+import pool_state
 
 
 @distributed(mode="ddp", nprocs=2, seed=0, keep_alive=True, timeout=6)
 def job(cfg: dict[str, Any], ctx: Any) -> Any:
-    global CALLS
-    CALLS += 1
+    pool_state.CALLS += 1  # a global of an imported module: kept between the calls of one pool
     do = cfg["do"]
     if do == "fail" and ctx.rank == 1:
         raise ValueError("boom from rank 1")
@@ -57,7 +56,7 @@ def job(cfg: dict[str, Any], ctx: Any) -> Any:
     dist.all_gather(every, w)
     return {"w": [round(v, 6) for v in w.tolist()], "same": all(torch.equal(every[0], t) for t in every),
             "draws": [random.random(), float(np.random.rand()), torch.rand(1).item()],
-            "pid": os.getpid(), "calls": CALLS, "world": ctx.world_size,
+            "pid": os.getpid(), "calls": pool_state.CALLS, "world": ctx.world_size,
             "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}  # no growth per call
 
 
