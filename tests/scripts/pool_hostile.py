@@ -95,6 +95,11 @@ def main() -> None:
     # a rank stopped between calls: the next call starts fresh ranks at once, not after the collective timeout
     ranks = pids()
     os.kill(ranks[1], signal.SIGSTOP)
+    for _ in range(200):  # a signal is delivered when its target next runs: a loaded machine takes a while
+        with open(f"/proc/{ranks[1]}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+        time.sleep(0.05)
     began = time.monotonic()
     out["stopped"] = {"ok": job({})["sum"], "seconds": time.monotonic() - began, "fresh": not set(pids()) & set(ranks)}
     # a child of os.fork that exits normally (atexit runs): the parent's ranks are not its to end
