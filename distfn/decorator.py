@@ -91,6 +91,13 @@ def _forkserver_expected(start_method: StartMethod) -> bool:
     return start_method in ("auto", "forkserver")
 
 
+def _script_main() -> bool:
+    """Whether ``__main__`` is a script file (``python script.py``), not an interactive session, a notebook or
+    ``python -c``, where cells or lines run between definition and call."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return bool(path) and os.path.isfile(path)
+
+
 def _start_early(opts: Options) -> None:
     """At decoration: a fork server now, where calling the function here will launch workers with it. Never
     raises: whatever is wrong with the environment is the call's error. The start method is asked once, of the
@@ -102,7 +109,10 @@ def _start_early(opts: Options) -> None:
     except DistfnError:
         return  # the call explains what is wrong
     if plan.launches and _forkserver_expected(plan.opts.start_method):
-        forkserver.start_early()
+        # idle in a plain script: the call follows at once (nothing to prepare in the background for), and with
+        # "auto" it usually still forks, the copy a spare (`forkserver._await_first_use`); the call wakes it where
+        # it will be used. Ready at once (at the lowest priority) in a notebook, whose cells leave idle time.
+        forkserver.start_early(idle=_script_main())
 
 
 def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | None = None) -> Callable[..., R]:
@@ -116,6 +126,7 @@ def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | 
     def wrapper(*args: Any, **kwargs: Any) -> R:
         # frozen before the launch machinery's import: that import triggers a full collection (~100-300 ms)
         with process.frozen_heap():
+            forkserver.wake_if_needed(opts.start_method)  # an idle copy prepares while this process imports
             from . import execute  # deferred: the launch machinery loads at the first call (see `_call`)
 
             execute.check_arguments(func, args, kwargs)

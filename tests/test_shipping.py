@@ -150,6 +150,49 @@ def test_the_copy_made_at_decoration_is_gone_before_the_launcher_exits(tmp_path:
     assert list(tmp.iterdir()) == []  # the standard library's pymp-* directory, with the server's socket
 
 
+IDLE_COPY = """
+import json, os, sys, time
+import torch
+from distfn import distributed
+from distfn.launch import forkserver
+
+def cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+@distributed(mode="ddp", nprocs=2, backend="gloo")
+def job(cfg, ctx):
+    return ctx.all_reduce(ctx.rank + 1, op="sum")
+
+if __name__ == "__main__":
+    copy = forkserver._forkserver()._forkserver_pid
+    first = job(None)  # safe to fork: the workers fork from this process
+    time.sleep(1)  # time a preparing copy (at the lowest priority) would take to prepare
+    idle = cpu_ticks(copy)
+    torch.randn(600, 600) @ torch.randn(600, 600)  # an OpenMP pool: the next call's ranks fork from the copy
+    second = job(None)
+    print("RESULT", json.dumps({"first": first, "second": second, "idle": idle, "used": cpu_ticks(copy),
+                                "hz": os.sysconf("SC_CLK_TCK")}), flush=True)
+"""
+
+
+def test_the_copy_made_in_a_script_stays_idle_until_a_call_needs_it(tmp_path: Path) -> None:
+    """Issue 46 item 2: in a plain script the copy made at decoration is a spare while the calls still fork, so it
+    waits without preparing (its ~50-90 ms of CPU competed with the launch on 2 cores); the first call that
+    cannot fork wakes it, and its ranks fork from it with the right result."""
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE_COPY)
+    done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["first"] == result["second"] == 3
+    # idle: well under the preparation's CPU (the launch machinery's import alone is ~50 ms)
+    assert result["idle"] * 1000 / result["hz"] < 20, result
+    assert result["used"] > result["idle"], result  # woken: it prepared, then forked the second call's ranks
+    assert "start method forkserver" in done.stderr and "a copy of this process" in done.stderr, done.stderr
+
+
 LATE_ENV = """
 import os, sys
 import torch

@@ -22,6 +22,7 @@ import contextlib
 import gc
 import importlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -56,6 +57,8 @@ SERVER_NAME = "distfn-forksrv"
 # How the current fork server came to be: "forked" (a copy of this process, made while forking was safe),
 # "started" (a fresh interpreter that imported distfn), or None (none of ours).
 _server_kind: str | None = None
+# The write end of the pipe that wakes a copy made idle at decoration (`wake`), until it is written or the copy goes.
+_wake_fd: int | None = None
 _server_lock = threading.Lock()  # two threads launching at once start one server
 
 
@@ -86,6 +89,7 @@ def server_running() -> bool:
 
 def _forget(server: Any) -> None:
     global _server_kind
+    _close_wake()
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
@@ -101,7 +105,8 @@ def server_description() -> str:
     return "the standard library's fork server forks them"
 
 
-def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: bool = False) -> None:
+def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: bool = False,
+           wake_r: int | None = None) -> None:
     """The fork server's life: the standard library's loop, until the launching process is gone; then its socket
     (``TMPDIR/pymp-*/listener-*``) is removed, and the directory with it when nothing else is in it, or, when
     the launching process died, whole once its other users had time to end (`_remove_socket`).
@@ -109,6 +114,9 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: 
     The launching process may die by SIGKILL, when none of its own clean-up runs: the server then gets SIGTERM
     from the kernel (``PR_SET_PDEATHSIG``), and the standard library's loop ends anyway when the "alive" pipe
     closes. Either way the loop ends with ``SystemExit`` here, and the socket goes.
+
+    ``wake_r``: a copy made idle (`fork_server`) waits on it, the listener and the alive pipe before it prepares
+    (`_await_first_use`).
     """
     server = os.getpid()
 
@@ -129,7 +137,9 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: 
     try:
         if os.getppid() != parent_pid:  # it died before prctl took effect: clean up as for its SIGTERM
             raise SystemExit(0)
-        _prepare(copy)  # before the loop: a launch that comes sooner waits in the listener's queue
+        if wake_r is not None and not _await_first_use(listener_fd, alive_r, wake_r):
+            raise SystemExit(0)  # the launching process is gone without ever needing this copy
+        _prepare(copy, low_priority=copy and wake_r is None)  # before the loop: a launch waits in the queue
         gc.freeze()  # and what the preparation made
         forkserver.main(listener_fd, alive_r, [])  # preload nothing more: done above
     finally:
@@ -216,11 +226,33 @@ def _preload() -> None:
 PREPARE_NICE: Final = 19
 
 
-def _prepare(copy: bool) -> None:
+def _await_first_use(listener_fd: int, alive_r: int, wake_r: int) -> bool:
+    """In a copy made idle at decoration: block until the launching process needs it (it wrote to the wake pipe,
+    or a launch connected: the connection waits in the listener's queue for the loop), True; or until the launching
+    process is gone (the alive pipe's EOF, or the wake pipe's without a byte), False.
+
+    Idle costs nothing: in a plain script that is still safe to fork at the call, the workers fork from the
+    launching process and this copy never runs a line more. Its preparation (`_prepare`: ~50-90 ms of CPU, the
+    launch machinery's import among it) ran at once before, competing with the launching process's own import of
+    the same modules and its workers' start on a 2-core machine (bench/bench_launch.py)."""
+    while True:
+        ready, _, _ = select.select([listener_fd, alive_r, wake_r], [], [])
+        if alive_r in ready:
+            return False
+        if wake_r in ready:
+            woken = os.read(wake_r, 1) != b""
+            os.close(wake_r)  # the ranks forked from here must not hold it
+            return woken
+        return True  # a launch connected without waking it first (`ensure_server` wakes before it connects)
+
+
+def _prepare(copy: bool, low_priority: bool = False) -> None:
     """Get the server ready to fork ranks: in a copy, forget the user's modules; import `PRELOAD`; add the sink.
 
-    In a copy made at decoration (``copy``) this runs in a thread at the lowest CPU priority, joined before the
-    server serves. The copy is a spare: in a plain script that is still safe to fork at the call, the workers fork
+    ``low_priority``: in a copy made ready at once at decoration (an interactive session, or
+    ``start_method="forkserver"`` by name: it will be used, and a notebook's cells leave idle time to prepare in)
+    this runs in a thread at the lowest CPU priority, joined before the server serves. Such a copy may still be a
+    spare: in a plain script that is still safe to fork at the call, the workers fork
     from the launching process and the copy is never used, and its preparation (~50 ms of CPU: the realpath of
     every module, ``distfn.execute``'s import, a loguru sink) competed for the cores with the launching process
     importing the same modules and its workers starting (bench/bench_launch.py). At nice 19 it takes what the job
@@ -235,7 +267,7 @@ def _prepare(copy: bool) -> None:
         _preload()
         logs.install_sink()  # once here, so the ranks forked from this server do not each add one (~5 ms)
 
-    if not copy:  # a fresh interpreter: the launch is waiting for it, nothing to yield to
+    if not low_priority:  # a fresh interpreter or a woken copy: the launch is waiting for it, nothing to yield to
         work()
         return
     failed: list[BaseException] = []
@@ -289,25 +321,64 @@ def _forget_user_modules() -> None:
             del sys.modules[name]
 
 
-def fork_server() -> None:
-    """Fork the fork server from this process now (the caller checked that forking is safe)."""
+def fork_server(idle: bool = False) -> None:
+    """Fork the fork server from this process now (the caller checked that forking is safe). ``idle``: the copy
+    prepares only once a launch needs it (`wake`, `_await_first_use`), not at once at the lowest priority."""
+    global _wake_fd
     listener, address, alive_r, alive_w = _listen()
+    wake_r, wake_w = os.pipe() if idle else (None, None)
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the server's side
         try:
             os.close(alive_w)
+            if wake_w is not None:
+                os.close(wake_w)
             # The server's children re-import the user's script, as under spawn (multiprocessing skips that when
             # __main__ already has the script's file, which this copy of a half-run script has).
             sys.modules["__main__"] = types.ModuleType("__main__")
-            _serve(listener.fileno(), alive_r, address, parent, copy=True)
+            _serve(listener.fileno(), alive_r, address, parent, copy=True, wake_r=wake_r)
         except BaseException:  # noqa: BLE001 - whatever happens, the server must not return into user code
             pass
         os._exit(0)
     os.close(alive_r)
+    if wake_r is not None:
+        os.close(wake_r)
     listener.close()
     _register("forked", pid, address, alive_w)
+    _wake_fd = wake_w
     atexit.register(_stop_copy, pid)
+
+
+def wake() -> None:
+    """Have an idle copy (`fork_server`) prepare now, because a launch is about to use it. A no-op otherwise."""
+    fd = _wake_fd
+    if fd is None:
+        return
+    try:
+        os.write(fd, b"w")
+    except OSError:
+        pass  # the copy is gone: the launch finds out (`server_running`) and starts another
+    _close_wake()
+
+
+def wake_if_needed(start_method: str) -> None:
+    """At a call, before the launch machinery's import: wake an idle copy where the call will start its workers
+    from it (``start_method="forkserver"``, or ``"auto"`` in a process that started threads since ``import
+    distfn``: a torch op's OpenMP pool, `distfn.preflight.choose_start_method`), so that the copy prepares while
+    this process imports the same modules. Where forking is still safe the copy stays idle: the workers fork from
+    this process. (`ensure_server` wakes it in any case.)"""
+    if _wake_fd is not None and (start_method == "forkserver" or (
+            start_method == "auto" and preflight.thread_ids() - preflight.BASELINE_THREADS)):
+        wake()
+
+
+def _close_wake() -> None:
+    global _wake_fd
+    if _wake_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(_wake_fd)
+        _wake_fd = None
 
 
 def _stop_copy(pid: int) -> None:
@@ -353,13 +424,14 @@ def start_server() -> None:
     _register("started", pid, address, alive_w)
 
 
-def _start(kind: str) -> None:
-    """Start our fork server (``kind``: "fork" a copy of this process, else a fresh interpreter), unless one runs."""
+def _start(kind: str, idle: bool = False) -> None:
+    """Start our fork server (``kind``: "fork" a copy of this process, ``idle`` until a launch needs it (see
+    `fork_server`), else a fresh interpreter), unless one runs."""
     with _server_lock:
         if server_running():
             return
         if kind == "fork":
-            fork_server()
+            fork_server(idle)
         else:
             start_server()
 
@@ -385,24 +457,27 @@ def ensure_server() -> str:
             forkserver.ensure_running()
         else:
             _start("fresh")
+            wake()  # a copy made idle at decoration: prepare now (it would at the connection anyway)
     except OSError as exc:
         raise ConfigError(f"start_method='forkserver': the fork server cannot start: {_why_not(exc)}") from None
     return server_description()
 
 
-def start_early() -> None:
+def start_early(idle: bool = False) -> None:
     """At decoration, where the call will start workers with forkserver: get a fork server ready now.
 
     While forking is safe (no thread started since ``import distfn``, no CUDA driver call), the server is a copy
-    of this process (a fork: about 50 ms, nothing to import). Otherwise a fresh interpreter is started in the
-    background to import torch. Nothing happens when a server runs already. Never raises (this runs at the import
-    of the user's module): a server that cannot start is logged, and the call says why (`ensure_server`).
+    of this process (a fork: nothing to import); ``idle``: the copy prepares only when a launch needs it (a plain
+    script's call that is still safe to fork never does: `_await_first_use`), else at once at the lowest
+    priority. Otherwise a fresh interpreter is started in the background to import torch. Nothing happens when a
+    server runs already. Never raises (this runs at the import of the user's module): a server that cannot start
+    is logged, and the call says why (`ensure_server`).
     """
     if not _OWN_SERVER:
         return
     try:
         method, _ = preflight.choose_start_method("auto", reap=False)  # reaped below, after the copy's fork
-        _start(method)
+        _start(method, idle)
     except OSError as exc:
         logger.debug("no early fork server: {}", _why_not(exc))
         return
