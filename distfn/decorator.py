@@ -25,6 +25,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import Any, TypeVar, overload
 
 from . import devices, logs, process
@@ -96,6 +97,31 @@ def _script_main() -> bool:
     ``python -c``, where cells or lines run between definition and call."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     return bool(path) and os.path.isfile(path)
+
+
+def copy_at_import(caller: FrameType | None) -> None:
+    """At ``from distfn import distributed`` (``caller``: the frame that asked for the name): where a script's own
+    top level asks, and a self-spawned launch could start here, make the fork server's copy now, idle.
+
+    Why now and not at decoration: a script in the notebook order (imports, a torch op, then the decorated
+    function and its call) has no safe moment to copy itself after its first torch op (an OpenMP pool is alive);
+    its fork server was a fresh interpreter importing torch on the call's critical path (1.92x the raw-fork launch,
+    issue 46 item 3). Made here, before the script's first line of its own, the copy serves the call at fork speed.
+    It costs what the copy at decoration cost before, moved here (the pool probe and one fork, a few ms): it stays
+    idle until a call cannot fork (`distfn.launch.forkserver._await_first_use`), and decorating finds it running.
+    Only in a script (`_script_main`): a notebook has a pause between cells for a fresh server (and its kernel the
+    threads of its own), and a module that a script or a test imports is left alone. Never raises.
+    """
+    main = sys.modules.get("__main__")
+    if (sys.platform != "linux" or caller is None or caller.f_code.co_name != "<module>"
+            or caller.f_globals is not getattr(main, "__dict__", None) or not _script_main()):
+        return
+    try:
+        plan = _plan(make_options({"nprocs": 2}))  # could a self-spawned launch start here (not in place, not Ray)?
+    except DistfnError:
+        return
+    if plan.launches and plan.layout is None and _forkserver_expected(plan.opts.start_method):
+        forkserver.start_early(idle=True, at="at `from distfn import distributed`", copy_only=True)
 
 
 def _start_early(opts: Options) -> None:

@@ -57,6 +57,8 @@ SERVER_NAME = "distfn-forksrv"
 # How the current fork server came to be: "forked" (a copy of this process, made while forking was safe),
 # "started" (a fresh interpreter that imported distfn), or None (none of ours).
 _server_kind: str | None = None
+# When our copy was made, for the start-up log line (`server_description`).
+_copied_at = "when the function was defined"
 # The write end of the pipe that wakes a copy made idle at decoration (`wake`), until it is written or the copy goes.
 _wake_fd: int | None = None
 _server_lock = threading.Lock()  # two threads launching at once start one server
@@ -99,7 +101,7 @@ def _forget(server: Any) -> None:
 def server_description() -> str:
     """Which fork server the workers fork from, for the start-up log line."""
     if _server_kind == "forked":
-        return "the fork server (a copy of this process made when the function was defined, torch imported) forks them"
+        return f"the fork server (a copy of this process made {_copied_at}, torch imported) forks them"
     if _server_kind == "started":
         return "the fork server (a fresh interpreter that imported torch) forks them"
     return "the standard library's fork server forks them"
@@ -463,7 +465,7 @@ def ensure_server() -> str:
     return server_description()
 
 
-def start_early(idle: bool = False) -> None:
+def start_early(idle: bool = False, at: str = "when the function was defined", copy_only: bool = False) -> None:
     """At decoration, where the call will start workers with forkserver: get a fork server ready now.
 
     While forking is safe (no thread started since ``import distfn``, no CUDA driver call), the server is a copy
@@ -471,12 +473,19 @@ def start_early(idle: bool = False) -> None:
     script's call that is still safe to fork never does: `_await_first_use`), else at once at the lowest
     priority. Otherwise a fresh interpreter is started in the background to import torch. Nothing happens when a
     server runs already. Never raises (this runs at the import of the user's module): a server that cannot start
-    is logged, and the call says why (`ensure_server`).
+    is logged, and the call says why (`ensure_server`). ``at``: when this is, for the start-up log line;
+    ``copy_only``: where forking is unsafe already, start nothing (a fresh interpreter importing torch is worth
+    its CPU only where a call will surely launch: decoration asks again).
     """
+    global _copied_at
     if not _OWN_SERVER:
         return
+    if not server_running():
+        _copied_at = at
     try:
         method, _ = preflight.choose_start_method("auto", reap=False)  # reaped below, after the copy's fork
+        if copy_only and method != "fork":
+            return
         _start(method, idle)
     except OSError as exc:
         logger.debug("no early fork server: {}", _why_not(exc))
