@@ -96,7 +96,7 @@ def _script_main() -> bool:
     """Whether ``__main__`` is a script file (``python script.py``), not an interactive session, a notebook or
     ``python -c``, where cells or lines run between definition and call."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
-    return bool(path) and os.path.isfile(path)
+    return isinstance(path, str) and os.path.isfile(path)
 
 
 def copy_at_import(caller: FrameType | None) -> None:

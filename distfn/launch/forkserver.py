@@ -7,10 +7,14 @@ single-threaded, with no CUDA context, torch already imported; where forking is 
 that imports distfn (and so torch), started in the background. It runs the standard library's fork-server loop
 (`multiprocessing.forkserver`), so the workers fork from it later, however many threads or CUDA calls the
 launching process has made since. A launch with no server yet starts one and waits for it (`ensure_server`).
+A script gets its copy earlier, at its own ``from distfn import distributed`` (`distfn.decorator.copy_at_import`),
+so that a torch op between that import and the decoration (the notebook order, in a script) still finds one; a
+copy made in a script stays idle until a call needs it (`_await_first_use`, `wake`).
 
 The server is named ``distfn-forksrv``, dies with the launching process (``PR_SET_PDEATHSIG`` and the standard
 library's "alive" pipe; a copy is ended at the launching process's exit, `_stop_copy`) and never runs CUDA or user
-code, nor a thread once it serves (a copy readies itself in one low-priority thread first, `_prepare`). Nothing
+code, nor a thread once it serves (a copy in a notebook readies itself in one low-priority thread first,
+`_prepare`). Nothing
 here may fail at decoration: a server that cannot start then (``TMPDIR`` too long for a Unix socket's path, ...)
 is logged and tried again at the call, where it is a `ConfigError` naming the cause.
 """
@@ -251,12 +255,11 @@ def _await_first_use(listener_fd: int, alive_r: int, wake_r: int) -> bool:
 def _prepare(copy: bool, low_priority: bool = False) -> None:
     """Get the server ready to fork ranks: in a copy, forget the user's modules; import `PRELOAD`; add the sink.
 
-    ``low_priority``: in a copy made ready at once at decoration (an interactive session, or
-    ``start_method="forkserver"`` by name: it will be used, and a notebook's cells leave idle time to prepare in)
-    this runs in a thread at the lowest CPU priority, joined before the server serves. Such a copy may still be a
-    spare: in a plain script that is still safe to fork at the call, the workers fork
-    from the launching process and the copy is never used, and its preparation (~50 ms of CPU: the realpath of
-    every module, ``distfn.execute``'s import, a loguru sink) competed for the cores with the launching process
+    ``low_priority``: in a copy made ready at once at decoration (an interactive session: a notebook's cells
+    leave idle time to prepare in; a script's copy waits idle instead, `_await_first_use`) this runs in a thread
+    at the lowest CPU priority, joined before the server serves. Such a copy may still be a spare (a kernel that
+    is still safe to fork at the call forks), and its preparation (~50-110 ms of CPU: the realpath of every
+    module, ``distfn.execute``'s import, a loguru sink) would compete for the cores with the launching process
     importing the same modules and its workers starting (bench/bench_launch.py). At nice 19 it takes what the job
     leaves idle; where the copy is used (fork became unsafe before the call) the launching process waits for it,
     the cores are idle and the thread runs at full speed. The niceness is the thread's own (Linux keeps it per
@@ -274,7 +277,7 @@ def _prepare(copy: bool, low_priority: bool = False) -> None:
         return
     failed: list[BaseException] = []
 
-    def low_priority() -> None:
+    def niced() -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)  # this thread only
         except OSError:
@@ -284,7 +287,7 @@ def _prepare(copy: bool, low_priority: bool = False) -> None:
         except BaseException as exc:  # noqa: BLE001 - raised again in the server's main thread, below
             failed.append(exc)
 
-    thread = threading.Thread(target=low_priority, name="distfn-prepare")
+    thread = threading.Thread(target=niced, name="distfn-prepare")
     thread.start()
     thread.join()
     if failed:
