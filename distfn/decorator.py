@@ -107,8 +107,11 @@ def copy_at_import(caller: FrameType | None) -> None:
     function and its call) has no safe moment to copy itself after its first torch op (an OpenMP pool is alive);
     its fork server was a fresh interpreter importing torch on the call's critical path (1.92x the raw-fork launch,
     issue 46 item 3). Made here, before the script's first line of its own, the copy serves the call at fork speed.
-    It costs what the copy at decoration cost before, moved here (the pool probe and one fork, a few ms): it stays
-    idle until a call cannot fork (`distfn.launch.forkserver._await_first_use`), and decorating finds it running.
+    It costs what the copy at decoration cost before, moved here: two forks (the pool probe's, whose answer is read
+    only before the copy is relied on, `distfn.preflight.start_pool_probe`, and the copy's; ~25 ms together on
+    this 2-core VM, so a script's ``from distfn import distributed`` takes that much longer and its decoration that
+    much less). The copy stays idle until a call cannot fork (`distfn.launch.forkserver._await_first_use`), and
+    decorating finds it running.
     Only in a script (`_script_main`): a notebook has a pause between cells for a fresh server (and its kernel the
     threads of its own), and a module that a script or a test imports is left alone. Never raises.
     """

@@ -60,7 +60,8 @@ def list_children():
     for e in os.listdir("/proc"):
         if e.isdigit():
             try:
-                if int(open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                state, ppid = open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[:2]
+                if int(ppid) == os.getpid() and state != "Z":  # not the pool probe, answered, reaped later
                     out.append(open(f"/proc/{e}/comm").read().strip())
             except OSError:
                 pass
@@ -358,6 +359,28 @@ def test_a_torch_op_before_the_decoration(tmp_path: Path, where: str) -> None:
         assert "a fresh interpreter" in done.stderr, done.stderr
     else:
         assert "a copy of this process made at `from distfn import distributed`" in done.stderr, done.stderr
+
+
+NEVER_CALLS = """
+import torch
+torch.randn(600, 600) @ torch.randn(600, 600)  # an OpenMP pool before the import: the probe will hang
+from distfn import distributed
+from distfn import preflight
+from distfn.launch import forkserver
+print("RESULT", preflight._pending[0][0], forkserver._forkserver()._forkserver_pid, flush=True)
+"""
+
+
+def test_a_script_that_never_calls_leaves_neither_probe_nor_copy(tmp_path: Path) -> None:
+    """The pool probe and the copy started at a script's import are asked about only by a call: a script that
+    never calls exits at once all the same (the probe, hung on the OpenMP pool, is not waited for) and leaves
+    neither behind."""
+    script = tmp_path / "never.py"
+    script.write_text(NEVER_CALLS)
+    done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    probe, copy = map(int, done.stdout.split("RESULT ", 1)[1].split())
+    assert not alive(probe) and not alive(copy)
 
 
 LONG_TMPDIR_JOB = """

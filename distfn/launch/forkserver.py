@@ -61,6 +61,9 @@ SERVER_NAME = "distfn-forksrv"
 # How the current fork server came to be: "forked" (a copy of this process, made while forking was safe),
 # "started" (a fresh interpreter that imported distfn), or None (none of ours).
 _server_kind: str | None = None
+# A copy made at a script's import before the pool probe answered (`start_early`'s ``copy_only``): its pid, until
+# `_check_copy` read the answer.
+_unverified: int | None = None
 # When our copy was made, for the start-up log line (`server_description`).
 _copied_at = "when the function was defined"
 # The write end of the pipe that wakes a copy made idle at decoration (`wake`), until it is written or the copy goes.
@@ -375,7 +378,21 @@ def wake_if_needed(start_method: str) -> None:
     this process. (`ensure_server` wakes it in any case.)"""
     if _wake_fd is not None and (start_method == "forkserver" or (
             start_method == "auto" and preflight.thread_ids() - preflight.BASELINE_THREADS)):
+        _check_copy()
         wake()
+
+
+def _check_copy() -> None:
+    """Before a copy made at a script's import is relied on (at decoration, at the call): read the pool probe's
+    answer, started with it (`distfn.preflight.start_pool_probe`), and where an OpenMP pool was running already
+    (a torch op before the import) end the copy, whose forked ranks would hang: a fresh server replaces it."""
+    global _unverified
+    if _unverified is None:
+        return
+    pid, _unverified = _unverified, None
+    if preflight._pool_before_import() is not None:
+        _stop_copy(pid)
+    preflight.reap_probes()
 
 
 def _close_wake() -> None:
@@ -461,6 +478,7 @@ def ensure_server() -> str:
             forkserver.set_forkserver_preload(list(PRELOAD))  # not __main__: the user's script must not run in it
             forkserver.ensure_running()
         else:
+            _check_copy()
             _start("fresh")
             wake()  # a copy made idle at decoration: prepare now (it would at the connection anyway)
     except OSError as exc:
@@ -480,15 +498,27 @@ def start_early(idle: bool = False, at: str = "when the function was defined", c
     ``copy_only``: where forking is unsafe already, start nothing (a fresh interpreter importing torch is worth
     its CPU only where a call will surely launch: decoration asks again).
     """
-    global _copied_at
+    global _copied_at, _unverified
     if not _OWN_SERVER:
         return
+    if copy_only:
+        # at import: no thread can have started since (the baseline is now); whether an OpenMP pool ran before
+        # is the probe's to say, which is not waited for here (`_check_copy` reads it before the copy is used)
+        try:
+            if server_running() or preflight._cuda_blocks_fork() is not None:
+                return
+            preflight.start_pool_probe()
+            _copied_at = at
+            _start("fork", idle)
+            _unverified = _forkserver()._forkserver_pid
+        except OSError as exc:
+            logger.debug("no early fork server: {}", _why_not(exc))
+        return
+    _check_copy()
     if not server_running():
         _copied_at = at
     try:
         method, _ = preflight.choose_start_method("auto", reap=False)  # reaped below, after the copy's fork
-        if copy_only and method != "fork":
-            return
         _start(method, idle)
     except OSError as exc:
         logger.debug("no early fork server: {}", _why_not(exc))
