@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from . import logs as _logs  # noqa: F401 - its import is the rule "quiet outside a job" (logger.disable), ~0.1 s
@@ -72,6 +73,11 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     value = module if module_name == name else getattr(module, name)
     globals()[name] = value
+    if name == "distributed":  # a script's `from distfn import distributed`: its fork server's copy, now
+        caller: FrameType | None = sys._getframe(1)
+        while caller is not None and caller.f_code.co_filename.startswith("<frozen importlib"):
+            caller = caller.f_back  # `from distfn import ...` asks through importlib's _handle_fromlist
+        module.copy_at_import(caller)
     return value
 
 

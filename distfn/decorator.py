@@ -25,6 +25,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import Any, TypeVar, overload
 
 from . import devices, logs, process
@@ -91,6 +92,41 @@ def _forkserver_expected(start_method: StartMethod) -> bool:
     return start_method in ("auto", "forkserver")
 
 
+def _script_main() -> bool:
+    """Whether ``__main__`` is a script file (``python script.py``), not an interactive session, a notebook or
+    ``python -c``, where cells or lines run between definition and call."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path)
+
+
+def copy_at_import(caller: FrameType | None) -> None:
+    """At ``from distfn import distributed`` (``caller``: the frame that asked for the name): where a script's own
+    top level asks, and a self-spawned launch could start here, make the fork server's copy now, idle.
+
+    Why now and not at decoration: a script in the notebook order (imports, a torch op, then the decorated
+    function and its call) has no safe moment to copy itself after its first torch op (an OpenMP pool is alive);
+    its fork server was a fresh interpreter importing torch on the call's critical path (1.92x the raw-fork launch,
+    issue 46 item 3). Made here, before the script's first line of its own, the copy serves the call at fork speed.
+    It costs what the copy at decoration cost before, moved here: two forks (the pool probe's, whose answer is read
+    only before the copy is relied on, `distfn.preflight.start_pool_probe`, and the copy's; ~25 ms together on
+    this 2-core VM, so a script's ``from distfn import distributed`` takes that much longer and its decoration that
+    much less). The copy stays idle until a call cannot fork (`distfn.launch.forkserver._await_first_use`), and
+    decorating finds it running.
+    Only in a script (`_script_main`): a notebook has a pause between cells for a fresh server (and its kernel the
+    threads of its own), and a module that a script or a test imports is left alone. Never raises.
+    """
+    main = sys.modules.get("__main__")
+    if (sys.platform != "linux" or caller is None or caller.f_code.co_name != "<module>"
+            or caller.f_globals is not getattr(main, "__dict__", None) or not _script_main()):
+        return
+    try:
+        plan = _plan(make_options({"nprocs": 2}))  # could a self-spawned launch start here (not in place, not Ray)?
+    except DistfnError:
+        return
+    if plan.launches and plan.layout is None and _forkserver_expected(plan.opts.start_method):
+        forkserver.start_early(idle=True, at="at `from distfn import distributed`", copy_only=True)
+
+
 def _start_early(opts: Options) -> None:
     """At decoration: a fork server now, where calling the function here will launch workers with it. Never
     raises: whatever is wrong with the environment is the call's error. The start method is asked once, of the
@@ -102,7 +138,10 @@ def _start_early(opts: Options) -> None:
     except DistfnError:
         return  # the call explains what is wrong
     if plan.launches and _forkserver_expected(plan.opts.start_method):
-        forkserver.start_early()
+        # idle in a plain script: the call follows at once (nothing to prepare in the background for), and with
+        # "auto" it usually still forks, the copy a spare (`forkserver._await_first_use`); the call wakes it where
+        # it will be used. Ready at once (at the lowest priority) in a notebook, whose cells leave idle time.
+        forkserver.start_early(idle=_script_main())
 
 
 def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | None = None) -> Callable[..., R]:
@@ -116,6 +155,7 @@ def _decorate(func: Callable[..., R], opts: Options, origin: Callable[..., R] | 
     def wrapper(*args: Any, **kwargs: Any) -> R:
         # frozen before the launch machinery's import: that import triggers a full collection (~100-300 ms)
         with process.frozen_heap():
+            forkserver.wake_if_needed(opts.start_method)  # an idle copy prepares while this process imports
             from . import execute  # deferred: the launch machinery loads at the first call (see `_call`)
 
             execute.check_arguments(func, args, kwargs)

@@ -13,6 +13,7 @@ once with a `ConfigError` naming the fix, rather than in a worker (or not at all
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import errno
 import io
@@ -23,6 +24,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -89,6 +91,8 @@ def _cuda_blocks_fork() -> str | None:
 POOL_PROBE_S = 2.0
 _pool_verdict: list[str | None] = []  # the probe's answer, once per process (the baseline does not change)
 _probes: list[int] = []  # probe children that answered and are exiting, to reap
+# The probe started ahead of its question (`start_pool_probe`): (pid, read end of its pipe, monotonic start).
+_pending: list[tuple[int, int, float]] = []
 
 
 def reap_probes() -> None:
@@ -113,22 +117,13 @@ def _pool_before_import() -> str | None:
     """
     if _pool_verdict:
         return _pool_verdict[0]
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child runs one parallel region, says so and exits
-        try:
-            os.close(read_end)
-            torch.set_num_threads(2)
-            torch.ones(1 << 20).add_(1)  # TensorIterator splits it with at::parallel_for: an OpenMP region
-            os.write(write_end, b"1")
-            os._exit(0)
-        except BaseException:  # noqa: BLE001 - whatever happens, the child must not return
-            os._exit(2)
-    os.close(write_end)
+    start_pool_probe()
+    pid, read_end, started = _pending.pop()
     try:
         # Woken by the child's byte (or by its end, which closes the pipe) at once: polling its exit every few
         # milliseconds cost more than the probe itself, at every decoration of a plain script.
-        finished = bool(select.select([read_end], [], [], POOL_PROBE_S)[0])
+        left = max(0.0, POOL_PROBE_S - (time.monotonic() - started))
+        finished = bool(select.select([read_end], [], [], left)[0])
     finally:
         os.close(read_end)
     why = None
@@ -142,6 +137,41 @@ def _pool_before_import() -> str | None:
                "the faster fork start")
     _pool_verdict.append(why)
     return why
+
+
+def start_pool_probe() -> None:
+    """Fork the throwaway child of `_pool_before_import` now, and leave its answer to be read when asked: a
+    script's ``from distfn import distributed`` starts it and copies itself meanwhile, rather than waiting
+    (`distfn.decorator.copy_at_import`; the copy is used only once the answer says it may be,
+    `distfn.launch.forkserver`). Its answer is about this process as it is now. A no-op once asked or started."""
+    if _pool_verdict or _pending:
+        return
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child runs one parallel region, says so and exits
+        try:
+            os.close(read_end)
+            # a probe that hangs ends itself (SIGALRM's default action) even where nobody asks for its answer
+            signal.alarm(int(POOL_PROBE_S) + 2)
+            torch.set_num_threads(2)
+            torch.ones(1 << 20).add_(1)  # TensorIterator splits it with at::parallel_for: an OpenMP region
+            os.write(write_end, b"1")
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - whatever happens, the child must not return
+            os._exit(2)
+    os.close(write_end)
+    _pending.append((pid, read_end, time.monotonic()))
+    atexit.register(_end_pending_probe, pid)
+
+
+def _end_pending_probe(pid: int) -> None:
+    """At exit: end a probe whose answer nobody asked for (a script that never launched); it may hang forever."""
+    if _pending and _pending[0][0] == pid:
+        _, read_end, _ = _pending.pop()
+        with contextlib.suppress(OSError):
+            os.close(read_end)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def _fallback(why: str) -> tuple[str, str]:

@@ -257,7 +257,7 @@ def test_the_fork_server_is_started_early_by_the_plans_start_method(monkeypatch:
     if sys.platform != "linux":
         pytest.skip("the fork server is Linux only")
     started: list[bool] = []
-    monkeypatch.setattr(forkserver, "start_early", lambda: started.append(True))
+    monkeypatch.setattr(forkserver, "start_early", lambda idle=False: started.append(True))
     distributed(mode="ddp", nprocs=2, start_method="spawn")(_fn)
     assert started == []
     monkeypatch.setenv("DISTFN_START_METHOD", "forkserver")

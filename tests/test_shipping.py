@@ -45,9 +45,6 @@ def _children(pid: int) -> dict[int, str]:
 PROBE = """
 import os, sys
 import torch
-import distfn
-from distfn import distributed
-from distfn.launch import forkserver
 
 def children():
     import time
@@ -63,22 +60,30 @@ def list_children():
     for e in os.listdir("/proc"):
         if e.isdigit():
             try:
-                if int(open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                state, ppid = open(f"/proc/{e}/stat").read().rsplit(")", 1)[1].split()[:2]
+                if int(ppid) == os.getpid() and state != "Z":  # not the pool probe, answered, reaped later
                     out.append(open(f"/proc/{e}/comm").read().strip())
             except OSError:
                 pass
     return sorted(out)
 
-print("import", children(), forkserver.server_running())
+def running():
+    from distfn.launch import forkserver
+    return forkserver.server_running()
+
+import distfn
+print("import", children(), running())
+from distfn import distributed
+print("from-import", children(), running())
 @distributed(mode="ddp", nprocs=1)
 def one(cfg, ctx): pass
-print("one process", children(), forkserver.server_running())
+print("one process", children(), running())
 @distributed(mode="ddp", nprocs=2)
 def two(cfg, ctx): pass
-print("two processes", children(), forkserver.server_running())
+print("two processes", children(), running())
 @distributed(mode="ddp", nprocs=2, start_method="forkserver")
 def served(cfg, ctx): pass
-print("forkserver", children(), forkserver.server_running())
+print("forkserver", children(), running())
 """
 
 
@@ -89,26 +94,44 @@ def test_the_fork_server_exists_only_where_a_call_will_start_workers(tmp_path: P
     done = run_python([str(script)], timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
+    server = f"['{forkserver.SERVER_NAME}'] True"
     assert lines[0] == "import [] False"  # `import distfn` starts nothing
-    assert lines[1] == "one process [] False"  # runs in place: no server
-    # a call that will launch gets its copy now, while forking is safe: a torch op before the call would make
-    # a late server a fresh interpreter (1.47x the launch)
-    assert lines[2] == f"two processes ['{forkserver.SERVER_NAME}'] True"
-    assert lines[3] == f"forkserver ['{forkserver.SERVER_NAME}'] True"
-    # interactively (a notebook, `python -c`) torch runs between definition and call: the same
+    # a script's own `from distfn import distributed` makes its copy now, before the script's first torch op
+    # (issue 46 item 3): a torch op before the call would make a late server a fresh interpreter (1.92x)
+    assert lines[1] == f"from-import {server}"
+    assert lines[2:] == [f"one process {server}", f"two processes {server}", f"forkserver {server}"]
+    # interactively (a notebook, `python -c`) the copy is made where a call will launch: at decoration
     done = run_python(["-c", PROBE], timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[2] == f"two processes ['{forkserver.SERVER_NAME}'] True"
+    assert done.stdout.splitlines()[1:4] == ["from-import [] False", "one process [] False", f"two processes {server}"]
     # under torchrun the call runs in place: no server either
     under_torchrun = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                                MASTER_PORT="29999", TORCHELASTIC_RUN_ID="x")
-    done = run_python(["-c", PROBE], env=under_torchrun, timeout=120)
+    for env in (under_torchrun, clean_env(DISTFN_LAUNCHER="ray")):  # Ray starts the ranks as actors: none either
+        done = run_python([str(script)], env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[1] == "from-import [] False"
+        assert done.stdout.splitlines()[4] == "forkserver [] False"
+
+
+IMPORTED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import helper  # its own `from distfn import distributed`: a module, not the script
+from distfn.launch import forkserver
+print("RESULT", forkserver.server_running())
+"""
+
+
+def test_only_the_script_itself_gets_a_copy_at_import(tmp_path: Path) -> None:
+    """A module that a script (or a test runner) imports, and that imports distfn, makes no copy at import: only a
+    script's own top level does, where its first torch op may come next (issue 46 item 3)."""
+    (tmp_path / "helper.py").write_text("import torch\nfrom distfn import distributed\n")
+    script = tmp_path / "main.py"
+    script.write_text(IMPORTED)
+    done = run_python([str(script), str(tmp_path)], timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[3] == "forkserver [] False"
-    # DISTFN_LAUNCHER=ray: Ray starts the ranks as actors, so no fork server here either
-    done = run_python(["-c", PROBE], env=clean_env(DISTFN_LAUNCHER="ray"), timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[3] == "forkserver [] False"
+    assert done.stdout.split("RESULT ", 1)[1].strip() == "False"
 
 
 COPY_AT_EXIT = """
@@ -148,6 +171,49 @@ def test_the_copy_made_at_decoration_is_gone_before_the_launcher_exits(tmp_path:
     assert "Traceback" not in done.stderr, done.stderr
     assert not alive(result["copy"])
     assert list(tmp.iterdir()) == []  # the standard library's pymp-* directory, with the server's socket
+
+
+IDLE_COPY = """
+import json, os, sys, time
+import torch
+from distfn import distributed
+from distfn.launch import forkserver
+
+def cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+@distributed(mode="ddp", nprocs=2, backend="gloo")
+def job(cfg, ctx):
+    return ctx.all_reduce(ctx.rank + 1, op="sum")
+
+if __name__ == "__main__":
+    copy = forkserver._forkserver()._forkserver_pid
+    first = job(None)  # safe to fork: the workers fork from this process
+    time.sleep(1)  # time a preparing copy (at the lowest priority) would take to prepare
+    idle = cpu_ticks(copy)
+    torch.randn(600, 600) @ torch.randn(600, 600)  # an OpenMP pool: the next call's ranks fork from the copy
+    second = job(None)
+    print("RESULT", json.dumps({"first": first, "second": second, "idle": idle, "used": cpu_ticks(copy),
+                                "hz": os.sysconf("SC_CLK_TCK")}), flush=True)
+"""
+
+
+def test_the_copy_made_in_a_script_stays_idle_until_a_call_needs_it(tmp_path: Path) -> None:
+    """Issue 46 item 2: in a plain script the copy made at decoration is a spare while the calls still fork, so it
+    waits without preparing (its ~50-90 ms of CPU competed with the launch on 2 cores); the first call that
+    cannot fork wakes it, and its ranks fork from it with the right result."""
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE_COPY)
+    done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["first"] == result["second"] == 3
+    # idle: well under the preparation's CPU (the launch machinery's import alone is ~50 ms)
+    assert result["idle"] * 1000 / result["hz"] < 20, result
+    assert result["used"] > result["idle"], result  # woken: it prepared, then forked the second call's ranks
+    assert "start method forkserver" in done.stderr and "a copy of this process" in done.stderr, done.stderr
 
 
 LATE_ENV = """
@@ -260,11 +326,14 @@ def test_a_script_sends_by_name_what_pickle_can_find(monkeypatch: pytest.MonkeyP
 
 
 OP_FIRST = """
+import sys
 import torch
+if sys.argv[1] == "before-import":
+    torch.randn(600, 600) @ torch.randn(600, 600)  # before `import distfn`: no safe moment to copy this process
 from distfn import distributed
 from distfn.launch import forkserver
 
-torch.randn(600, 600) @ torch.randn(600, 600)  # before the decoration: no safe moment to copy this process
+torch.randn(600, 600) @ torch.randn(600, 600)  # before the decoration: the notebook order, in a script
 
 @distributed(mode="ddp", nprocs=2)
 def job(cfg, ctx):
@@ -275,13 +344,43 @@ if __name__ == "__main__":
 """
 
 
-def test_a_torch_op_before_the_decoration_gets_a_fresh_fork_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["before-decoration", "before-import"])
+def test_a_torch_op_before_the_decoration(tmp_path: Path, where: str) -> None:
+    """Issue 46 item 3: after a torch op that came after the script's `from distfn import distributed`, the ranks
+    fork from the copy made at that import (fork speed); an op before the import leaves no safe moment to copy
+    the process: the fork server is then a fresh interpreter, started at decoration."""
     script = tmp_path / "op_first.py"
     script.write_text(OP_FIRST)
-    done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
+    done = run_python([str(script), where], env=clean_env(OMP_NUM_THREADS="2"), timeout=180)
     assert done.returncode == 0, done.stderr
     assert "RESULT 11 True" in done.stdout  # (0 + 5) + (1 + 5), the lambda by value
-    assert "start method forkserver" in done.stderr and "a fresh interpreter" in done.stderr
+    assert "start method forkserver" in done.stderr
+    if where == "before-import":
+        assert "a fresh interpreter" in done.stderr, done.stderr
+    else:
+        assert "a copy of this process made at `from distfn import distributed`" in done.stderr, done.stderr
+
+
+NEVER_CALLS = """
+import torch
+torch.randn(600, 600) @ torch.randn(600, 600)  # an OpenMP pool before the import: the probe will hang
+from distfn import distributed
+from distfn import preflight
+from distfn.launch import forkserver
+print("RESULT", preflight._pending[0][0], forkserver._forkserver()._forkserver_pid, flush=True)
+"""
+
+
+def test_a_script_that_never_calls_leaves_neither_probe_nor_copy(tmp_path: Path) -> None:
+    """The pool probe and the copy started at a script's import are asked about only by a call: a script that
+    never calls exits at once all the same (the probe, hung on the OpenMP pool, is not waited for) and leaves
+    neither behind."""
+    script = tmp_path / "never.py"
+    script.write_text(NEVER_CALLS)
+    done = run_python([str(script)], env=clean_env(OMP_NUM_THREADS="2"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    probe, copy = map(int, done.stdout.split("RESULT ", 1)[1].split())
+    assert not alive(probe) and not alive(copy)
 
 
 LONG_TMPDIR_JOB = """

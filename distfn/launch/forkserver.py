@@ -7,10 +7,14 @@ single-threaded, with no CUDA context, torch already imported; where forking is 
 that imports distfn (and so torch), started in the background. It runs the standard library's fork-server loop
 (`multiprocessing.forkserver`), so the workers fork from it later, however many threads or CUDA calls the
 launching process has made since. A launch with no server yet starts one and waits for it (`ensure_server`).
+A script gets its copy earlier, at its own ``from distfn import distributed`` (`distfn.decorator.copy_at_import`),
+so that a torch op between that import and the decoration (the notebook order, in a script) still finds one; a
+copy made in a script stays idle until a call needs it (`_await_first_use`, `wake`).
 
 The server is named ``distfn-forksrv``, dies with the launching process (``PR_SET_PDEATHSIG`` and the standard
 library's "alive" pipe; a copy is ended at the launching process's exit, `_stop_copy`) and never runs CUDA or user
-code, nor a thread once it serves (a copy readies itself in one low-priority thread first, `_prepare`). Nothing
+code, nor a thread once it serves (a copy in a notebook readies itself in one low-priority thread first,
+`_prepare`). Nothing
 here may fail at decoration: a server that cannot start then (``TMPDIR`` too long for a Unix socket's path, ...)
 is logged and tried again at the call, where it is a `ConfigError` naming the cause.
 """
@@ -22,6 +26,7 @@ import contextlib
 import gc
 import importlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -56,6 +61,13 @@ SERVER_NAME = "distfn-forksrv"
 # How the current fork server came to be: "forked" (a copy of this process, made while forking was safe),
 # "started" (a fresh interpreter that imported distfn), or None (none of ours).
 _server_kind: str | None = None
+# A copy made at a script's import before the pool probe answered (`start_early`'s ``copy_only``): its pid, until
+# `_check_copy` read the answer.
+_unverified: int | None = None
+# When our copy was made, for the start-up log line (`server_description`).
+_copied_at = "when the function was defined"
+# The write end of the pipe that wakes a copy made idle at decoration (`wake`), until it is written or the copy goes.
+_wake_fd: int | None = None
 _server_lock = threading.Lock()  # two threads launching at once start one server
 
 
@@ -86,6 +98,7 @@ def server_running() -> bool:
 
 def _forget(server: Any) -> None:
     global _server_kind
+    _close_wake()
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
@@ -95,13 +108,14 @@ def _forget(server: Any) -> None:
 def server_description() -> str:
     """Which fork server the workers fork from, for the start-up log line."""
     if _server_kind == "forked":
-        return "the fork server (a copy of this process made when the function was defined, torch imported) forks them"
+        return f"the fork server (a copy of this process made {_copied_at}, torch imported) forks them"
     if _server_kind == "started":
         return "the fork server (a fresh interpreter that imported torch) forks them"
     return "the standard library's fork server forks them"
 
 
-def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: bool = False) -> None:
+def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: bool = False,
+           wake_r: int | None = None) -> None:
     """The fork server's life: the standard library's loop, until the launching process is gone; then its socket
     (``TMPDIR/pymp-*/listener-*``) is removed, and the directory with it when nothing else is in it, or, when
     the launching process died, whole once its other users had time to end (`_remove_socket`).
@@ -109,6 +123,9 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: 
     The launching process may die by SIGKILL, when none of its own clean-up runs: the server then gets SIGTERM
     from the kernel (``PR_SET_PDEATHSIG``), and the standard library's loop ends anyway when the "alive" pipe
     closes. Either way the loop ends with ``SystemExit`` here, and the socket goes.
+
+    ``wake_r``: a copy made idle (`fork_server`) waits on it, the listener and the alive pipe before it prepares
+    (`_await_first_use`).
     """
     server = os.getpid()
 
@@ -129,7 +146,9 @@ def _serve(listener_fd: int, alive_r: int, address: str, parent_pid: int, copy: 
     try:
         if os.getppid() != parent_pid:  # it died before prctl took effect: clean up as for its SIGTERM
             raise SystemExit(0)
-        _prepare(copy)  # before the loop: a launch that comes sooner waits in the listener's queue
+        if wake_r is not None and not _await_first_use(listener_fd, alive_r, wake_r):
+            raise SystemExit(0)  # the launching process is gone without ever needing this copy
+        _prepare(copy, low_priority=copy and wake_r is None)  # before the loop: a launch waits in the queue
         gc.freeze()  # and what the preparation made
         forkserver.main(listener_fd, alive_r, [])  # preload nothing more: done above
     finally:
@@ -216,13 +235,34 @@ def _preload() -> None:
 PREPARE_NICE: Final = 19
 
 
-def _prepare(copy: bool) -> None:
+def _await_first_use(listener_fd: int, alive_r: int, wake_r: int) -> bool:
+    """In a copy made idle at decoration: block until the launching process needs it (it wrote to the wake pipe,
+    or a launch connected: the connection waits in the listener's queue for the loop), True; or until the launching
+    process is gone (the alive pipe's EOF, or the wake pipe's without a byte), False.
+
+    Idle costs nothing: in a plain script that is still safe to fork at the call, the workers fork from the
+    launching process and this copy never runs a line more. Its preparation (`_prepare`: ~50-90 ms of CPU, the
+    launch machinery's import among it) ran at once before, competing with the launching process's own import of
+    the same modules and its workers' start on a 2-core machine (bench/bench_launch.py)."""
+    while True:
+        ready, _, _ = select.select([listener_fd, alive_r, wake_r], [], [])
+        if alive_r in ready:
+            return False
+        if wake_r in ready:
+            woken = os.read(wake_r, 1) != b""
+            os.close(wake_r)  # the ranks forked from here must not hold it
+            return woken
+        return True  # a launch connected without waking it first (`ensure_server` wakes before it connects)
+
+
+def _prepare(copy: bool, low_priority: bool = False) -> None:
     """Get the server ready to fork ranks: in a copy, forget the user's modules; import `PRELOAD`; add the sink.
 
-    In a copy made at decoration (``copy``) this runs in a thread at the lowest CPU priority, joined before the
-    server serves. The copy is a spare: in a plain script that is still safe to fork at the call, the workers fork
-    from the launching process and the copy is never used, and its preparation (~50 ms of CPU: the realpath of
-    every module, ``distfn.execute``'s import, a loguru sink) competed for the cores with the launching process
+    ``low_priority``: in a copy made ready at once at decoration (an interactive session: a notebook's cells
+    leave idle time to prepare in; a script's copy waits idle instead, `_await_first_use`) this runs in a thread
+    at the lowest CPU priority, joined before the server serves. Such a copy may still be a spare (a kernel that
+    is still safe to fork at the call forks), and its preparation (~50-110 ms of CPU: the realpath of every
+    module, ``distfn.execute``'s import, a loguru sink) would compete for the cores with the launching process
     importing the same modules and its workers starting (bench/bench_launch.py). At nice 19 it takes what the job
     leaves idle; where the copy is used (fork became unsafe before the call) the launching process waits for it,
     the cores are idle and the thread runs at full speed. The niceness is the thread's own (Linux keeps it per
@@ -235,12 +275,12 @@ def _prepare(copy: bool) -> None:
         _preload()
         logs.install_sink()  # once here, so the ranks forked from this server do not each add one (~5 ms)
 
-    if not copy:  # a fresh interpreter: the launch is waiting for it, nothing to yield to
+    if not low_priority:  # a fresh interpreter or a woken copy: the launch is waiting for it, nothing to yield to
         work()
         return
     failed: list[BaseException] = []
 
-    def low_priority() -> None:
+    def niced() -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)  # this thread only
         except OSError:
@@ -250,7 +290,7 @@ def _prepare(copy: bool) -> None:
         except BaseException as exc:  # noqa: BLE001 - raised again in the server's main thread, below
             failed.append(exc)
 
-    thread = threading.Thread(target=low_priority, name="distfn-prepare")
+    thread = threading.Thread(target=niced, name="distfn-prepare")
     thread.start()
     thread.join()
     if failed:
@@ -289,25 +329,78 @@ def _forget_user_modules() -> None:
             del sys.modules[name]
 
 
-def fork_server() -> None:
-    """Fork the fork server from this process now (the caller checked that forking is safe)."""
+def fork_server(idle: bool = False) -> None:
+    """Fork the fork server from this process now (the caller checked that forking is safe). ``idle``: the copy
+    prepares only once a launch needs it (`wake`, `_await_first_use`), not at once at the lowest priority."""
+    global _wake_fd
     listener, address, alive_r, alive_w = _listen()
+    wake_r, wake_w = os.pipe() if idle else (None, None)
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the server's side
         try:
             os.close(alive_w)
+            if wake_w is not None:
+                os.close(wake_w)
             # The server's children re-import the user's script, as under spawn (multiprocessing skips that when
             # __main__ already has the script's file, which this copy of a half-run script has).
             sys.modules["__main__"] = types.ModuleType("__main__")
-            _serve(listener.fileno(), alive_r, address, parent, copy=True)
+            _serve(listener.fileno(), alive_r, address, parent, copy=True, wake_r=wake_r)
         except BaseException:  # noqa: BLE001 - whatever happens, the server must not return into user code
             pass
         os._exit(0)
     os.close(alive_r)
+    if wake_r is not None:
+        os.close(wake_r)
     listener.close()
     _register("forked", pid, address, alive_w)
+    _wake_fd = wake_w
     atexit.register(_stop_copy, pid)
+
+
+def wake() -> None:
+    """Have an idle copy (`fork_server`) prepare now, because a launch is about to use it. A no-op otherwise."""
+    fd = _wake_fd
+    if fd is None:
+        return
+    try:
+        os.write(fd, b"w")
+    except OSError:
+        pass  # the copy is gone: the launch finds out (`server_running`) and starts another
+    _close_wake()
+
+
+def wake_if_needed(start_method: str) -> None:
+    """At a call, before the launch machinery's import: wake an idle copy where the call will start its workers
+    from it (``start_method="forkserver"``, or ``"auto"`` in a process that started threads since ``import
+    distfn``: a torch op's OpenMP pool, `distfn.preflight.choose_start_method`), so that the copy prepares while
+    this process imports the same modules. Where forking is still safe the copy stays idle: the workers fork from
+    this process. (`ensure_server` wakes it in any case.)"""
+    if _wake_fd is not None and (start_method == "forkserver" or (
+            start_method == "auto" and preflight.thread_ids() - preflight.BASELINE_THREADS)):
+        _check_copy()
+        wake()
+
+
+def _check_copy() -> None:
+    """Before a copy made at a script's import is relied on (at decoration, at the call): read the pool probe's
+    answer, started with it (`distfn.preflight.start_pool_probe`), and where an OpenMP pool was running already
+    (a torch op before the import) end the copy, whose forked ranks would hang: a fresh server replaces it."""
+    global _unverified
+    if _unverified is None:
+        return
+    pid, _unverified = _unverified, None
+    if preflight._pool_before_import() is not None:
+        _stop_copy(pid)
+    preflight.reap_probes()
+
+
+def _close_wake() -> None:
+    global _wake_fd
+    if _wake_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(_wake_fd)
+        _wake_fd = None
 
 
 def _stop_copy(pid: int) -> None:
@@ -353,13 +446,14 @@ def start_server() -> None:
     _register("started", pid, address, alive_w)
 
 
-def _start(kind: str) -> None:
-    """Start our fork server (``kind``: "fork" a copy of this process, else a fresh interpreter), unless one runs."""
+def _start(kind: str, idle: bool = False) -> None:
+    """Start our fork server (``kind``: "fork" a copy of this process, ``idle`` until a launch needs it (see
+    `fork_server`), else a fresh interpreter), unless one runs."""
     with _server_lock:
         if server_running():
             return
         if kind == "fork":
-            fork_server()
+            fork_server(idle)
         else:
             start_server()
 
@@ -384,25 +478,48 @@ def ensure_server() -> str:
             forkserver.set_forkserver_preload(list(PRELOAD))  # not __main__: the user's script must not run in it
             forkserver.ensure_running()
         else:
+            _check_copy()
             _start("fresh")
+            wake()  # a copy made idle at decoration: prepare now (it would at the connection anyway)
     except OSError as exc:
         raise ConfigError(f"start_method='forkserver': the fork server cannot start: {_why_not(exc)}") from None
     return server_description()
 
 
-def start_early() -> None:
+def start_early(idle: bool = False, at: str = "when the function was defined", copy_only: bool = False) -> None:
     """At decoration, where the call will start workers with forkserver: get a fork server ready now.
 
     While forking is safe (no thread started since ``import distfn``, no CUDA driver call), the server is a copy
-    of this process (a fork: about 50 ms, nothing to import). Otherwise a fresh interpreter is started in the
-    background to import torch. Nothing happens when a server runs already. Never raises (this runs at the import
-    of the user's module): a server that cannot start is logged, and the call says why (`ensure_server`).
+    of this process (a fork: nothing to import); ``idle``: the copy prepares only when a launch needs it (a plain
+    script's call that is still safe to fork never does: `_await_first_use`), else at once at the lowest
+    priority. Otherwise a fresh interpreter is started in the background to import torch. Nothing happens when a
+    server runs already. Never raises (this runs at the import of the user's module): a server that cannot start
+    is logged, and the call says why (`ensure_server`). ``at``: when this is, for the start-up log line;
+    ``copy_only``: where forking is unsafe already, start nothing (a fresh interpreter importing torch is worth
+    its CPU only where a call will surely launch: decoration asks again).
     """
+    global _copied_at, _unverified
     if not _OWN_SERVER:
         return
+    if copy_only:
+        # at import: no thread can have started since (the baseline is now); whether an OpenMP pool ran before
+        # is the probe's to say, which is not waited for here (`_check_copy` reads it before the copy is used)
+        try:
+            if server_running() or preflight._cuda_blocks_fork() is not None:
+                return
+            preflight.start_pool_probe()
+            _copied_at = at
+            _start("fork", idle)
+            _unverified = _forkserver()._forkserver_pid
+        except OSError as exc:
+            logger.debug("no early fork server: {}", _why_not(exc))
+        return
+    _check_copy()
+    if not server_running():
+        _copied_at = at
     try:
         method, _ = preflight.choose_start_method("auto", reap=False)  # reaped below, after the copy's fork
-        _start(method)
+        _start(method, idle)
     except OSError as exc:
         logger.debug("no early fork server: {}", _why_not(exc))
         return
