@@ -1,9 +1,10 @@
 """Asynchronous saves (``ctx.save(..., blocking=False)``): at most one pending write per `Saves`, in a thread.
 
-The caller copies the state to host memory first (`Saves.snapshot` for one file, `Saves.stage` for a sharded
-save's own pieces), then hands the write, ``fsync`` and rename to `Saves.submit`. The host copies go into buffers
-that are kept and reused by the next save of the same state (pinned memory when the tensors are on a GPU, so the
-copy is a DMA): allocating and pinning fresh host memory on every save would cost more than the copy itself.
+The caller copies the state to host memory first (`Saves.snapshot` for one file, `Saves.stage_file` for a
+sharded save's own file, laid out as on disk), then hands the write, ``fsync`` and rename to `Saves.submit`. The
+host copies go into buffers that are kept and reused by the next save of the same state (pinned memory when the
+tensors are on a GPU, so the copy is a DMA): allocating and pinning fresh host memory on every save would cost
+more than the copy itself.
 
 Every ``Context`` holds one `Saves` (the worker bootstrap drains it: the end of the decorated function, return or
 exception, waits for the pending write, and so do the next save and a true ``ctx.should_stop``), so nothing is
@@ -263,12 +264,6 @@ class Saves:
                                            e.tensor)
                 offset += e.nbytes
         return storage.memory_of(image)
-
-    def stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host copies of ``tensors`` (views of one memory stay one copy) in the reused `buffers`, once the
-        previous background save has finished with them."""
-        with self._staging() as copies:
-            return {name: self._copy_once(t, copies) for name, t in tensors.items()}
 
     def snapshot(self, obj: Any) -> Any:
         """``obj`` with every module and stateful object replaced by its state dict and every tensor copied to
