@@ -28,7 +28,10 @@ every ``--every`` steps; the same blocking. A sample is rank 0's loop time per s
 after the final ``ctx.saves.wait()``, over ``--train-rounds`` rounds (after an untimed warm-up: 3 steps and
 one async save). Saves come after steps every, 2*every, ... < steps, so each async write has a full interval
 to overlap. The loop has its own model, ``--train-width``/``--train-layers`` (default 72 MiB of state): one
-step of the save model takes ~5 s on 2 CPU cores (gloo all-gathers of 400 MB per step).
+step of the save model takes ~5 s on 2 CPU cores (gloo all-gathers of 400 MB per step). A second table gives
+rank 0's cost per save in those loops: the ``ctx.save`` call's time (what training waits for) and, for async saves,
+the background writer thread's CPU time (``Saves.write_cpu_s``): on a machine whose cores the training ranks keep
+busy, that CPU is taken from training.
 
 The save-vs-ranks curve is one table of the ``distfn sharded`` and ``DCP FileSystemWriter`` samples of every world
 size, with each rank's bandwidth (its shard, state / world size, over the save's time) and the ratio to DCP at the
@@ -55,6 +58,10 @@ import _common as c
 
 VARIANTS = ("distfn sharded", "distfn one file (gather)", "DCP FileSystemWriter", "distfn async (blocked)")
 TRAIN = ("no saves", "async save every N", "blocking save every N")
+#: What one save of the training loop costs rank 0 (its own table): the training thread's time in the call, and
+#: the CPU time of the background writer thread (user + system: page-cache copies, system calls, Python).
+SAVE_COSTS = ("async: ctx.save call (training blocked)", "async: background writer thread CPU",
+              "blocking: ctx.save call")
 MIB = 2**20
 
 
@@ -121,8 +128,9 @@ def _save_variants(ctx: Any, model: Any, opt: Any, root: Path) -> dict[str, Any]
             "DCP FileSystemWriter": lambda: timed(dcp_save), "distfn async (blocked)": blocked}
 
 
-def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
-    """Seconds per training step, per way of saving (rank 0's samples)."""
+def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds per training step, per way of saving (rank 0's samples), and rank 0's cost of each save (seconds:
+    the call's time in the training thread, and for async saves the background writer thread's CPU time)."""
     import torch
     import torch.distributed as dist
 
@@ -132,8 +140,12 @@ def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
     batch = torch.randn(cfg["batch"], cfg["train_width"])
     steps, every = cfg["steps"], cfg["every"]
 
+    costs: dict[str, list[float]] = {n: [] for n in SAVE_COSTS}
+
     def loop(name: str) -> float:
         where = root / "train" / name.split()[0]
+        blocking = name.startswith("blocking")
+        cpu_before = len(ctx.saves.write_cpu_s)
         dist.barrier()
         start = time.perf_counter()
         for step in range(1, steps + 1):
@@ -142,10 +154,14 @@ def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
             opt.zero_grad()
             state["step"] = step
             if name != "no saves" and step % every == 0 and step < steps:
-                ctx.save(state, where / f"ckpt-{step}", blocking=name.startswith("blocking"), keep=2)
+                called = time.perf_counter()
+                ctx.save(state, where / f"ckpt-{step}", blocking=blocking, keep=2)
+                costs[SAVE_COSTS[2 if blocking else 0]].append(time.perf_counter() - called)
         ctx.saves.wait()
         dist.barrier()
         took = (time.perf_counter() - start) / steps
+        if name.startswith("async"):
+            costs[SAVE_COSTS[1]].extend(list(ctx.saves.write_cpu_s)[cpu_before:])
         if ctx.rank == 0:
             shutil.rmtree(where, ignore_errors=True)
         return took
@@ -161,7 +177,7 @@ def _train(ctx: Any, cfg: dict[str, Any], root: Path) -> dict[str, list[float]]:
     for r in range(cfg["train_rounds"]):
         for name in TRAIN[r % len(TRAIN):] + TRAIN[:r % len(TRAIN)]:
             samples[name].append(loop(name))
-    return samples
+    return samples, costs
 
 
 def _job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
@@ -204,7 +220,7 @@ def _job(cfg: dict[str, Any], ctx: Any) -> dict[str, Any]:
         if ctx.rank == 0:
             shutil.rmtree(root, ignore_errors=True)
     if cfg["train"]:
-        out["train"] = _train(ctx, cfg, root)
+        out["train"], out["save_costs"] = _train(ctx, cfg, root)
     return out
 
 
@@ -221,7 +237,8 @@ def _ranks(text: str) -> list[int]:
 
 
 def _tables(out: dict[str, Any], args: Any, notes: list[str]) -> dict[str, dict[str, Any]]:
-    """This world size's tables by kind: ``save``, ``async``, ``memory``, ``train`` (those it measured)."""
+    """This world size's tables by kind: ``save``, ``async``, ``memory``, ``train``, ``train-costs`` (those it
+    measured)."""
     w, tabs = out["world"], {}
     if "times" in out:
         mib = out["state_bytes"] / MIB
@@ -258,6 +275,10 @@ def _tables(out: dict[str, Any], args: Any, notes: list[str]) -> dict[str, dict[
             targets=[{"variant": "async save every N", "max_ratio": 1.05}],
             notes={"async save every N": "ctx.save(..., blocking=False, keep=2)",
                    "blocking save every N": "ctx.save(..., keep=2)"})
+        tabs["train-costs"] = c.table(
+            f"one save of {args.train_state_mib:.0f} MiB in the training loop, {_world(w)}: rank 0's time in the "
+            "call and its background writer's CPU", "s", out["save_costs"], baseline=SAVE_COSTS[2],
+            notes={SAVE_COSTS[1]: "user + system time of the writer thread (time.thread_time), per save"})
     return tabs
 
 
@@ -284,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     args.train_state_mib = (args.train_width + 1) * args.train_width * args.train_layers * 12 / MIB
     from distfn import distributed
 
-    by_kind: dict[str, list[dict[str, Any]]] = {"save": [], "async": [], "memory": [], "train": []}
+    by_kind: dict[str, list[dict[str, Any]]] = {"save": [], "async": [], "memory": [], "train": [],
+                                                "train-costs": []}
     notes = [f"save model: width {args.width}, {args.layers} layers, {args.rounds} rounds, ranks {args.ranks}; "
              f"training model: width {args.train_width}, {args.train_layers} layers, batch {args.batch}, "
              f"{args.steps} steps, {args.train_rounds} rounds, ranks {args.train_ranks or 'none'}; gloo, CPU",

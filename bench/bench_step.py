@@ -18,6 +18,13 @@ The "distfn, ctx.step" rows step through ``ctx.backward`` / ``ctx.step``, with a
 ``ctx.step`` takes for exact resume (``DISTFN_RNG_CAPTURE=0``; issue 43, target ratio <= 1.01); their runs end with
 five ``ctx.save`` calls on rank 0 alone, whose time (every rank's streams fetched from the store, or none) is in
 the notes, with the snapshot's own cost per step measured in this process.
+
+Separate runs per variant leave the on/off ratio at the mercy of a shared machine's load (a 0.5% effect under
+swings of several percent), so a second table compares them inside each run: ``--capture-steps`` steps of
+``ctx.step`` with the capture switched on and off in alternate blocks of `BLOCK` steps (every rank alike), one
+sample per round for each half (rank 0's median step), and the capture itself (one ``Boundaries.mark`` call)
+timed at every step of the same runs; the notes give the paired ratio (each run's on / off, median over rounds)
+and the capture's time as a share of the step.
 """
 
 from __future__ import annotations
@@ -100,9 +107,15 @@ def distfn_job(cfg: dict[str, Any], ctx: Any) -> None:
         import torch
 
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        record: dict[str, list[Any]] = {}
+        # capture on and off in alternate blocks of steps, the capture itself timed
+        step = _alternating(ctx, record) if cfg.get("alternate") else ctx.step
         times = train_loop(model, ctx.rank, cfg, prepare=lambda m, _: (m, opt), backward=ctx.backward,
-                           step=ctx.step)
-        if ctx.is_main:  # the save on rank 0 alone, which fetches every rank's streams of the last ctx.step
+                           step=step)
+        if record and ctx.is_main:
+            Path(cfg["out"], "capture.json").write_text(json.dumps(record))
+        if ctx.is_main and not record:  # the save on rank 0 alone, which fetches every rank's streams of the last
+            # ctx.step (not in the alternating runs, which only compare steps)
             saves = []
             for i in range(5):
                 start = time.perf_counter()
@@ -113,6 +126,37 @@ def distfn_job(cfg: dict[str, Any], ctx: Any) -> None:
         ctx.barrier()
     if ctx.is_main:
         _write(cfg["out"], times, ctx.unwrap(model))
+
+
+BLOCK = 4  # steps per block of the in-process capture on/off comparison
+
+
+def _alternating(ctx: Any, record: dict[str, list[Any]]) -> Any:
+    """``ctx.step`` with the RNG capture switched on for the steps of even blocks (`BLOCK` steps each) and off for
+    the others, on every rank alike (the boundary count stays the same on every rank); the capture itself
+    (`distfn.boundary.Boundaries.mark`) is timed at every call. ``record`` gets ``"on"`` (per step) and
+    ``"mark"`` (seconds per call).
+
+    The same process, model, memory and neighbours for both halves, interleaved every few steps: a shared
+    machine's load drifts over seconds and hits both halves alike, which separate runs per variant cannot promise.
+    """
+    marks = ctx.run.boundaries
+    real = marks.mark
+    on, spent = record.setdefault("on", []), record.setdefault("mark", [])
+
+    def timed(per_rank: Any = None) -> None:
+        start = time.perf_counter()
+        real(per_rank)
+        spent.append(time.perf_counter() - start)
+
+    marks.mark = timed
+
+    def step(opt: Any) -> None:
+        marks.enabled = (len(on) // BLOCK) % 2 == 0
+        on.append(marks.enabled)
+        ctx.step(opt)
+
+    return step
 
 
 # -- variant 2: hand-written DDP, the usual recipe ----------------------------------------------------------
@@ -187,12 +231,13 @@ def _worker_main(kind: str, cfg: dict[str, Any]) -> None:
         from accelerate import notebook_launcher
 
         notebook_launcher(accelerate_job, args=(cfg,), num_processes=WORLD)
-    elif kind in ("distfn", "distfn-no-hooks", "distfn-ctx-step", "distfn-ctx-step-no-capture"):
+    elif kind in ("distfn", "distfn-no-hooks", "distfn-ctx-step", "distfn-ctx-step-no-capture", ALTERNATING):
         from distfn import distributed
 
         backend = "nccl" if cfg["gpu"] else "gloo"
         distributed(nprocs=cfg["world"], seed=SEED, backend=backend)(distfn_job)(
-            {**cfg, "no_hooks": kind == "distfn-no-hooks", "ctx_step": kind.startswith("distfn-ctx-step")})
+            {**cfg, "no_hooks": kind == "distfn-no-hooks", "ctx_step": kind.startswith("distfn-ctx-step"),
+             "alternate": kind == ALTERNATING})
     else:
         import torch.multiprocessing as mp
 
@@ -216,10 +261,23 @@ def _round(kind: str, cfg: dict[str, Any], runs: list[Path], warmup: int, python
     if (out / "saves.json").exists():
         _SAVES.setdefault(kind, []).extend(json.loads((out / "saves.json").read_text()))
     times = json.loads((out / "times.json").read_text())
+    if kind == ALTERNATING:  # one sample per half of this run: the median step with the capture on, and off
+        record = json.loads((out / "capture.json").read_text())
+        kept = list(zip(record["on"], times, record["mark"], strict=True))[warmup:]
+        for name, on in (("capture on", True), ("capture off", False)):
+            _CAPTURE[name].append(statistics.median(t for o, t, _ in kept if o is on))
+        _CAPTURE["the capture itself (timed in the same runs)"].append(
+            statistics.median(m for o, _, m in kept if o))
     return statistics.median(times[warmup:])
 
 
 _SAVES: dict[str, list[float]] = {}  # ctx.save on rank 0 alone, per variant (seconds)
+ALTERNATING = "distfn-ctx-step-alternating"
+ALTERNATING_ROW = "distfn, ctx.step, capture on/off alternating"  # progress lines only: it has its own table
+#: The in-process comparison's samples (seconds), one per round: rank 0's median step with the capture on and off,
+#: and the median time of the capture itself (one ``Boundaries.mark`` call) on its steps.
+_CAPTURE: dict[str, list[float]] = {"capture on": [], "capture off": [],
+                                    "the capture itself (timed in the same runs)": []}
 
 
 def _capture_cost(n: int = 20_000) -> str:
@@ -231,6 +289,24 @@ def _capture_cost(n: int = 20_000) -> str:
     for _ in range(n):
         marks.mark()
     return f"RNG capture at ctx.step: {(time.perf_counter() - start) / n * 1e6:.1f} us per step boundary"
+
+
+def _capture_table(args: Any) -> tuple[dict[str, Any], str]:
+    """The in-process comparison (issue 43's target: capture on / off <= 1.01x), with the capture's own time."""
+    import statistics
+
+    on, off, own = (_CAPTURE[k] for k in _CAPTURE)
+    mark = f"one Boundaries.mark call, median per run: {statistics.median(own) * 1e6:.1f} us"
+    tab = c.table(f"RNG capture at ctx.step, on vs off within each run (alternate blocks of {BLOCK} steps, "
+                  f"{args.capture_steps} steps per run; rank 0's median step per half, one sample per round)", "s",
+                  _CAPTURE, baseline="capture off", targets=[{"variant": "capture on", "max_ratio": 1.01}],
+                  notes={"the capture itself (timed in the same runs)": mark})
+    paired = statistics.median(a / b for a, b in zip(on, off, strict=True))
+    share = statistics.median(m / b for m, b in zip(own, off, strict=True))
+    tab["paired_ratio"], tab["capture_share"] = paired, share  # in the JSON; the note says it in words
+    return tab, (f"RNG capture, in-process comparison: paired ratio (each run's on / off, median over runs) "
+                 f"{paired:.4f}x; the capture's own time is {share * 100:.2f}% of a step (median over runs of its "
+                 "median / the run's capture-off step)")
 
 
 def _save_cost() -> list[str]:
@@ -284,15 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-python", default=sys.executable,
                    help="interpreter with lightning / accelerate installed (their loops join the table)")
     p.add_argument("--gpu", action="store_true", help="on CUDA over NCCL, one rank per GPU (at most 2); no peers")
+    p.add_argument("--capture-steps", type=int, default=400,
+                   help="steps of each run of the in-process capture on/off comparison (default 400: 50 blocks of "
+                        f"{BLOCK} steps with the capture on, as many with it off)")
     p.add_argument("--worker", choices=("distfn", "distfn-no-hooks", "distfn-ctx-step", "distfn-ctx-step-no-capture",
-                                        "handwritten", *PEERS), help=argparse.SUPPRESS)
+                                        ALTERNATING, "handwritten", *PEERS), help=argparse.SUPPRESS)
     p.add_argument("--cfg", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         _worker_main(args.worker, json.loads(args.cfg))
         return 0
     if args.tiny:
-        args.rounds, args.steps, args.warmup, args.width = 1, 6, 2, 64
+        args.rounds, args.steps, args.warmup, args.width, args.capture_steps = 1, 6, 2, 64, 2 * BLOCK + 4
     with tempfile.TemporaryDirectory(prefix="distfn-bench-step-") as tmp:
         world = WORLD
         if args.gpu:
@@ -317,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
                                                           args.warmup)
             variants["distfn, ctx.step, no RNG capture"] = lambda: _round(
                 "distfn-ctx-step-no-capture", cfg, runs["distfn, ctx.step, no RNG capture"], args.warmup)
+            # the same comparison inside each run, capture on and off every BLOCK steps (its own table); its
+            # weights differ from the others' (other steps snapshot), so they are not compared
+            variants[ALTERNATING_ROW] = lambda: _round(ALTERNATING, {**cfg, "steps": args.capture_steps}, [],
+                                                   args.warmup)
         peer_runs: dict[str, list[Path]] = {}
         for kind, module in ([] if args.tiny or args.gpu else PEERS.items()):
             if _importable(args.peers_python, module):
@@ -327,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                                   _round(kind, cfg, peer_runs[name], args.warmup, args.peers_python))
         c.log(f"step: {', '.join(variants)}; {args.rounds} round(s) of {args.steps} steps")
         samples = c.interleave(variants, args.rounds, c.log)
+        samples.pop(ALTERNATING_ROW, None)
         same, how = _identical(runs)
         peers_same = [f"{name}: {'bit-identical to' if _identical({**runs, name: ps})[0] else 'different from'} "
                       f"distfn's final weights" for name, ps in peer_runs.items() if ps]
@@ -349,7 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         # shared machine's load, which the ratio of the two medians is not
         paired = statistics.median(o / h for o, h in zip(ours, hand, strict=True))
         tab["paired_ratio"] = paired  # in the JSON only: the page shows one ratio per target, the summary's
-    c.emit({"benchmark": "step", "tables": [tab], "identical_weights": same, "notes": notes}, args.json)
+    tables = [tab]
+    if _CAPTURE["capture on"]:
+        capture, said = _capture_table(args)
+        tables.append(capture)
+        notes.append(said)
+    c.emit({"benchmark": "step", "tables": tables, "identical_weights": same, "notes": notes}, args.json)
     return 0 if same else 1
 
 

@@ -14,10 +14,11 @@ has posted its last snapshot (`Boundaries.close`), which answers a final save af
 Per-rank values (``ctx.step(opt, per_rank={"X": X, "Y": Y})``, a prefetched batch) are kept with the snapshot of
 the same boundary and travel the same way; tensors are encoded by dtype, shape and raw bytes, never pickled.
 
-Cost: one conversion-free copy of the generators' states per ``ctx.step`` (``bench/bench_step.py`` measures it,
-and compares against ``DISTFN_RNG_CAPTURE=0``, which turns the capture off); the answering thread of each rank
-other than 0 blocks in the store's own ``wait`` (no polling); per save on rank 0, one request and one answer (a few KiB)
-per rank.
+Cost: one conversion-free copy per ``ctx.step`` of the generators' states that moved since the last one
+(`distfn.rng.raw_rng_state`: NumPy's and Python's are reused while unchanged); ``bench/bench_step.py`` times it
+in the training loop and compares steps with it on and off (``DISTFN_RNG_CAPTURE=0`` turns it off); the answering
+thread of each rank other than 0 blocks in the store's own ``wait`` (no polling); per save on rank 0, one request
+and one answer (a few KiB) per rank.
 
 Imports: `errors`, `rankstore`, `rng`.
 """

@@ -14,8 +14,10 @@ checkpoint package writes.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -66,7 +68,110 @@ def raw_rng_state() -> tuple[Any, ...]:
     `rng_state` (what ``ctx.step`` takes at every step; `rng_state_of` converts it when it is saved)."""
     # Never initialise CUDA just to read its state: a process that has not used CUDA has nothing to restore.
     cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return random.getstate(), _numpy().random.get_state(), torch.get_rng_state(), cuda
+    return _PYTHON_STATE.get(), _NUMPY_STATE.get(), torch.get_rng_state(), cuda
+
+
+class _PythonState:
+    """``random.getstate()``, its 625-int tuple reused while the module's generator has not moved.
+
+    ``getstate`` builds a tuple of 625 Python ints (tens of microseconds, at every step boundary). In CPython the
+    generator (``random._inst``) holds its Mersenne Twister as ``int index; uint32_t state[624]`` right after the
+    object header; those 2,500 bytes are compared with the ones behind the last tuple, and ``gauss_next`` (a plain
+    attribute) is read as it is, so the answer is always ``getstate()``'s. Checked once against ``getstate``
+    itself, and only in CPython (where an object's id is its address): elsewhere ``getstate`` is called.
+    """
+
+    _BYTES: Final = 4 + 624 * 4
+
+    def __init__(self) -> None:
+        self._generator: Any = None  # the random.Random the offset was checked on (held: its id is not reused)
+        self._address = 0
+        self._raw = b""
+        self._internal: tuple[int, ...] | None = None
+
+    def get(self) -> tuple[Any, ...]:
+        generator: Any = random._inst  # what random.getstate() reads
+        if generator is not self._generator:
+            self._generator, self._address, self._internal = generator, self._checked_address(generator), None
+        if not self._address:
+            return generator.getstate()
+        raw = ctypes.string_at(self._address, self._BYTES)
+        if raw != self._raw or self._internal is None:
+            version, self._internal, gauss = generator.getstate()
+            self._raw = raw
+            return version, self._internal, gauss
+        return generator.VERSION, self._internal, generator.gauss_next
+
+    def _checked_address(self, generator: Any) -> int:
+        if sys.implementation.name != "cpython" or type(generator) is not random.Random:
+            return 0
+        address = id(generator) + object.__basicsize__  # the fields after PyObject_HEAD
+        _, internal, _ = generator.getstate()
+        raw = ctypes.string_at(address, self._BYTES)
+        ints = [*internal[:-1], internal[-1]]
+        fits = len(internal) == 625 and raw[:4] == ints[-1].to_bytes(4, sys.byteorder, signed=True) and \
+            raw[4:] == b"".join(i.to_bytes(4, sys.byteorder) for i in ints[:-1])
+        return address if fits else 0
+
+
+_PYTHON_STATE: Final = _PythonState()
+
+
+class _NumpyState:
+    """``np.random.get_state()``, reused while NumPy's global generator has not moved.
+
+    ``get_state`` copies the 624 words of the Mersenne Twister one element at a time in NumPy's own code (100 us
+    and more: most of a step boundary's snapshot, for a generator many training loops never draw from). The
+    generator's C state (``key[624]`` and ``pos``) is read instead as 2,500 raw bytes through NumPy's documented
+    ``BitGenerator.ctypes.state_address`` (under a microsecond) and compared with the bytes behind the last state
+    returned: every draw moves ``pos`` (or refills ``key``), so equal bytes mean no draw since then. The one
+    change those bytes do not show is the legacy cached Gaussian being handed out (``has_gauss`` 1 -> 0 with no
+    draw), so a state holding a cached Gaussian is never reused; `set_rng_state` forgets the last state (a restore
+    may bring any ``has_gauss``). Checked once against ``get_state`` itself: a NumPy whose layout differs always
+    gets ``get_state``.
+    """
+
+    _BYTES: Final = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
+
+    def __init__(self) -> None:
+        self._generator: Any = None  # the BitGenerator the address belongs to (held: its id cannot be reused)
+        self._address = 0  # 0: no fast path for this generator
+        self._raw = b""
+        self._state: Any = None
+
+    def forget(self) -> None:
+        """Take the next state from ``get_state`` (the generators were just restored)."""
+        self._state = None
+
+    def get(self) -> Any:
+        np = _numpy()
+        try:
+            generator = np.random.mtrand._rand._bit_generator
+        except AttributeError:  # another NumPy layout: no fast path
+            return np.random.get_state()
+        if generator is not self._generator:
+            self._generator, self._address, self._state = generator, self._checked_address(np, generator), None
+        if not self._address:
+            return np.random.get_state()
+        raw = ctypes.string_at(self._address, self._BYTES)
+        if raw != self._raw or self._state is None or self._state[3]:  # moved, first call, or a cached Gaussian
+            self._state, self._raw = np.random.get_state(), raw
+        return self._state
+
+    def _checked_address(self, np: Any, generator: Any) -> int:
+        """The address of ``generator``'s C state if its bytes read as ``get_state`` says they should, else 0."""
+        try:
+            address = int(generator.ctypes.state_address)
+            kind, keys, pos = np.random.get_state()[:3]
+            raw = ctypes.string_at(address, self._BYTES)
+        except (AttributeError, TypeError, ValueError):
+            return 0
+        fits = kind == "MT19937" and raw[:-4] == np.asarray(keys, dtype="<u4").tobytes() and \
+            int.from_bytes(raw[-4:], "little", signed=True) == int(pos)
+        return address if fits and sys.byteorder == "little" else 0
+
+
+_NUMPY_STATE: Final = _NumpyState()
 
 
 def rng_state_of(raw: tuple[Any, ...]) -> dict[str, Any]:
@@ -111,6 +216,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu().clone())
     if "numpy" in state:
         _set_numpy(state["numpy"])
+        _NUMPY_STATE.forget()
     if "cuda" in state and torch.cuda.is_available():
         cuda_states = [torch.as_tensor(t, dtype=torch.uint8).cpu().clone() for t in state["cuda"]]
         for index, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):

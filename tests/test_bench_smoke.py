@@ -77,6 +77,11 @@ def test_launch_import_step_benchmarks_run_once(tmp_path: Path) -> None:
     step = results["step"]
     assert step["identical_weights"] is True  # distfn and hand-written DDP end with bit-identical weights
     assert all(len(r["samples"]) == 1 for r in step["tables"][0]["rows"])
+    capture = step["tables"][1]  # issue 43: capture on vs off inside each run, and the capture's own time
+    assert [r["variant"] for r in capture["rows"]] == ["capture on", "capture off",
+                                                       "the capture itself (timed in the same runs)"]
+    assert all(len(r["samples"]) == 1 for r in capture["rows"]) and capture["targets"][0]["met"] in (True, False)
+    assert 0 < capture["capture_share"] < 1 and capture["paired_ratio"] > 0
     page = (tmp_path / "tiny-benchmarks.md").read_text()  # the docs' results page, as a full run writes it
     assert page.startswith("All figures below come from one run of `python bench/run.py` at commit `")
     assert page.count('<table class="bench-bars">') >= 3  # one bar chart per question

@@ -394,6 +394,76 @@ def test_a_sharded_background_save_in_one_process(tmp_path: Path) -> None:
     _equal(distfn.load(tmp_path / "ckpt-2", prefix="model"), before)
 
 
+def _direct_io_works(where: Path) -> bool:
+    import os
+
+    try:
+        fd = os.open(where / "probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    (where / "probe").unlink()
+    return hasattr(os, "O_DIRECT")
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["direct", "file-system-refuses-direct-io"])
+def test_a_background_sharded_save_writes_the_bytes_of_a_blocking_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool
+) -> None:
+    """The staged image (header and tensors laid out like the file, written with O_DIRECT where the file system
+    has it) is byte for byte the file a blocking save streams from the tensors, and so is the fallback."""
+    from distfn.checkpoint import fs
+
+    torch.manual_seed(3)
+    # 2 MiB + 12 bytes of float32 (the direct path's aligned bulk and a tail), mixed element sizes, a 0-d tensor
+    state = {"big": torch.randn(524_291), "half": torch.randn(33, 7).half(), "flags": torch.rand(5) > 0.5,
+             "count": torch.tensor(7), "empty": torch.zeros(0, 3), "step": 4}
+    went: list[int] = []
+    real = fs._LocalStream._write_direct
+
+    def spy(self: fs._LocalStream, data: memoryview) -> memoryview:
+        left = real(self, data)
+        went.append(len(data) - len(left))
+        return left
+
+    monkeypatch.setattr(fs._LocalStream, "_write_direct", spy)
+    if refused:  # what tmpfs and some network file systems say to O_DIRECT
+        monkeypatch.setattr(fs, "_O_DIRECT", 0o40000000)  # not a flag fcntl accepts: F_SETFL raises EINVAL
+        import fcntl
+
+        real_fcntl = fcntl.fcntl
+
+        def no_direct(fd: int, cmd: int, arg: int = 0) -> int:
+            if cmd == fcntl.F_SETFL and arg & 0o40000000:
+                raise OSError(22, "Invalid argument")
+            return real_fcntl(fd, cmd, arg)
+
+        monkeypatch.setattr(fcntl, "fcntl", no_direct)
+    sharded.save(state, tmp_path / "blocking")
+    assert not went  # a blocking save streams from the tensors through the page cache
+    saves = background.Saves()
+    sharded.save(state, tmp_path / "async", saves=saves, blocking=False)
+    state["big"].add_(1)  # after the call: not in the file
+    saves.wait()
+    names = sorted(p.name for p in (tmp_path / "blocking").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "async").iterdir())
+    for name in names:
+        assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "blocking" / name).read_bytes(), name
+    direct = sum(went)
+    if refused or not _direct_io_works(tmp_path):
+        assert direct == 0
+    else:  # the page-aligned bulk of the 2 MiB shard went around the page cache, the tail did not
+        size = next((tmp_path / "async").glob("shard-*.safetensors")).stat().st_size
+        assert direct == size - size % fs.DIRECT_ALIGN and direct >= 2 << 20
+    # a second save reuses the image and still holds the state of its own call
+    at_call = state["big"].clone()
+    sharded.save(state, tmp_path / "again", saves=saves, blocking=False)
+    assert saves.buffers.allocated == 0
+    state["big"].add_(1)
+    saves.wait()
+    assert torch.equal(distfn.load(tmp_path / "again")["big"], at_call)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
 def test_the_background_writer_yields_the_cpu_to_training() -> None:
     import os

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import sys
 import textwrap
 import time
 
@@ -148,3 +149,38 @@ def test_a_resume_on_another_world_size_warns_once_per_job_with_every_ranks_choi
         "3 -> 1); the run continues reproducibly, not bit for bit"]
     checkpoint.rng_state_for_rank(entry, 0, 2)  # the same world size: nothing to say
     assert len(warnings_seen) == 1
+
+
+def test_the_step_snapshot_of_numpy_is_get_state_after_any_use_of_the_global_generator() -> None:
+    """`raw_rng_state` reuses NumPy's last state while the generator has not moved (its C state compared byte for
+    byte); whatever the program does to NumPy's global generator, what it returns is ``get_state()``'s answer."""
+    from distfn import rng
+
+    def same(a: tuple, b: tuple) -> bool:
+        return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+    np.random.seed(0)
+    ops = [lambda: None, np.random.rand, np.random.randn, lambda: np.random.randn(3), np.random.standard_normal,
+           lambda: np.random.seed(0), lambda: np.random.randint(5, size=700),  # refills the 624-word key
+           lambda: np.random.set_state(np.random.get_state()),
+           lambda: rng.set_rng_state({"numpy": rng.rng_state()["numpy"]})]
+    pick = random.Random(1)
+    for i in range(3000):  # a cached Gaussian handed out (has_gauss 1 -> 0, no draw) comes up hundreds of times
+        pick.choice(ops)()
+        assert same(rng.raw_rng_state()[1], np.random.get_state()), i
+    assert rng._NUMPY_STATE._address  # the fast path was taken on this NumPy, not only the fallback
+
+
+def test_the_step_snapshot_of_python_random_is_getstate_after_any_use_of_the_module() -> None:
+    """The same for Python's ``random`` (its 625-int tuple reused while the generator has not moved)."""
+    from distfn import rng
+
+    ops = [lambda: None, random.random, random.gauss, lambda: random.gauss(0, 1),  # gauss caches its second value
+           lambda: random.seed(3), lambda: random.setstate(random.getstate()), lambda: random.getrandbits(30_000),
+           lambda: rng.set_rng_state({"python": rng.rng_state()["python"]})]
+    pick = random.Random(5)
+    for i in range(3000):
+        pick.choice(ops)()
+        assert rng.raw_rng_state()[0] == random.getstate(), i
+    if sys.implementation.name == "cpython":
+        assert rng._PYTHON_STATE._address  # the fast path was taken, not only the fallback

@@ -31,6 +31,11 @@ __all__ = ["LOCAL", "FileSystem", "Kind", "LocalFileSystem", "ReadHandle", "Writ
 Kind = Literal["file", "dir", "missing", "other"]
 
 _WRITE_CHUNK: Final = 64 << 20  # bytes per os.write
+_O_DIRECT: Final = getattr(os, "O_DIRECT", 0)  # Linux (and a few others); 0: never direct
+#: Direct I/O needs the memory address, the file offset and the length aligned to the disk's logical block; the
+#: page size is a multiple of every common one (512, 4096).
+DIRECT_ALIGN: Final = mmap.PAGESIZE
+DIRECT_MIN: Final = 1 << 20  # smaller pieces go through the page cache: too small for the copy to matter
 
 
 class WriteStream(abc.ABC):
@@ -43,6 +48,12 @@ class WriteStream(abc.ABC):
     @abc.abstractmethod
     def write(self, data: memoryview) -> None:
         """Append every byte of ``data``."""
+
+    def prefer_direct(self) -> None:
+        """Write large page-aligned pieces around the page cache where the backend can (a local disk's
+        ``O_DIRECT``): the caller hands buffers laid out like the file (an asynchronous save's staged image), so
+        the kernel need not copy them again. A hint: nothing changes in what is written, or where nothing can."""
+        return  # a backend without direct I/O: every write goes its usual way
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -209,6 +220,10 @@ class _LocalStream(WriteStream):
         self._kick = KICK_BYTES if _SYNC_FILE_RANGE is not None else 0
         self._offset = 0
         self._kicked = 0
+        self._direct = False  # prefer_direct() was called and this file system has not refused O_DIRECT yet
+
+    def prefer_direct(self) -> None:
+        self._direct = bool(_O_DIRECT)
 
     def reserve(self, nbytes: int) -> None:
         if FALLOCATE and nbytes >= (64 << 20) and hasattr(os, "posix_fallocate"):
@@ -220,6 +235,8 @@ class _LocalStream(WriteStream):
                     raise
 
     def write(self, data: memoryview) -> None:
+        if self._direct and len(data) >= DIRECT_MIN and self._offset % DIRECT_ALIGN == 0:
+            data = self._write_direct(data)
         step = self._kick or len(data) or 1
         for start in range(0, len(data), step):
             piece = data[start : start + step]
@@ -229,6 +246,47 @@ class _LocalStream(WriteStream):
                 assert _SYNC_FILE_RANGE is not None
                 _SYNC_FILE_RANGE(self._fd, self._kicked, self._offset - self._kicked, _SYNC_FILE_RANGE_WRITE)
                 self._kicked = self._offset  # a failed kick (an odd file system) is harmless: fsync still follows
+
+    def _write_direct(self, data: memoryview) -> memoryview:
+        """Write the largest aligned prefix of ``data`` with ``O_DIRECT`` (from its memory to the disk: the page
+        cache's copy of every byte, most of a buffered write's CPU, is not made); return what is left (the tail,
+        written through the page cache). Where the file system refuses direct I/O (``EINVAL``: tmpfs, some
+        network file systems) or ``data`` is not aligned, everything is left, and this stream stops trying.
+
+        O_DIRECT is switched on and off around the prefix (``fcntl``) on the one descriptor, so the tail and any
+        later small piece are ordinary writes; ``close`` still ``fsync`` s (the disk's cache, the file's size)."""
+        import fcntl  # POSIX only, and only reached where O_DIRECT exists
+
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        try:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        except (TypeError, ValueError):  # read-only memory (bytes): never staged for this
+            return view
+        if address % DIRECT_ALIGN:
+            return view
+        n = len(view) - len(view) % DIRECT_ALIGN
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | _O_DIRECT)
+        except OSError:  # this file system cannot do direct I/O
+            self._direct = False
+            return view
+        done = 0
+        try:
+            while done < n:
+                wrote = os.write(self._fd, view[done : done + min(_WRITE_CHUNK, n - done)])
+                done += wrote
+                if wrote % DIRECT_ALIGN:  # a short write left the offset unaligned: the rest goes buffered
+                    break
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct = False  # refused after all (an odd block size): this piece and the rest go buffered
+        finally:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags)
+        self._offset += done
+        self._kicked = self._offset  # nothing of the direct part waits in the page cache
+        return view[done:]
 
     def close(self) -> None:
         try:

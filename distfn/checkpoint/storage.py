@@ -38,12 +38,14 @@ __all__ = [
     "Staging",
     "dead_leftovers",
     "make_parents",
+    "memory_of",
     "open_reader",
     "read_header",
     "remove_stale_tmps",
     "tmp_name",
     "write",
     "write_bytes",
+    "write_image",
 ]
 
 TMP_MARK: Final = ".distfn-tmp"
@@ -55,7 +57,7 @@ _SMALL_WRITE: Final = 4 << 20  # pieces smaller than this are gathered into one 
 # Writing
 
 
-def _memory(flat: torch.Tensor) -> memoryview:
+def memory_of(flat: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor's own memory, without NumPy (not a dependency of distfn).
 
     The view holds a reference to the tensor (on the ctypes array behind it), so memory made for it (the
@@ -71,7 +73,7 @@ def _memory(flat: torch.Tensor) -> memoryview:
 
 def _cpu_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in C order, as a memoryview over the tensor's own memory when contiguous."""
-    return _memory(tensor.resolve_conj().resolve_neg().contiguous().reshape(-1))
+    return memory_of(tensor.resolve_conj().resolve_neg().contiguous().reshape(-1))
 
 
 class Staging:
@@ -97,7 +99,7 @@ class Staging:
             n = min(step, size - start)
             part = self._buffer[:n]
             part.copy_(flat[start : start + n])  # synchronous: the buffer is reused right after the write
-            yield _memory(part)
+            yield memory_of(part)
 
 
 class _Sink:
@@ -251,12 +253,15 @@ def remove_dirs(store: fs.FileSystem, created: list[pathlib.PurePath]) -> None:
             return
 
 
-def write(plan: fmt.Plan, target: Location, *, fetch: Callable[[fmt.Entry], torch.Tensor] | None = None) -> None:
+def write(plan: fmt.Plan, target: Location, *, fetch: Callable[[fmt.Entry], torch.Tensor] | None = None,
+          direct: bool = False) -> None:
     """Write ``plan`` to ``target`` atomically and durably (temporary file, durable write, commit).
 
     ``fetch``, when given, produces each entry's tensor just before it is written (the entries then hold
     stand-ins, e.g. meta tensors): `distfn.checkpoint.sharded.read.consolidate` assembles one full tensor at a
-    time this way, so host memory stays near the largest tensor.
+    time this way, so host memory stays near the largest tensor. ``direct``: the plan's buffers are laid out like
+    the file from a page boundary (`write_image`), so large pieces may go to the disk around the page cache
+    (`fs.WriteStream.prefer_direct`).
 
     Missing parent directories are created (and removed again if the save fails). Temporary files that killed
     writers left in the directory are removed first. A symlink at ``target`` is replaced by the new file (like
@@ -274,6 +279,8 @@ def write(plan: fmt.Plan, target: Location, *, fetch: Callable[[fmt.Entry], torc
     except OSError as exc:
         remove_dirs(store, created)
         raise CheckpointError(f"cannot create a temporary file next to '{target}': {exc}") from exc
+    if direct:
+        stream.prefer_direct()
     try:
         try:
             _write_plan(stream, plan, fetch)
@@ -296,8 +303,19 @@ def write_bytes(data: bytes, target: Location) -> None:
     write(fmt.Plan(data, (), len(data)), target)
 
 
+def write_image(image: memoryview, target: Location) -> None:
+    """Write ``image``, a whole file's bytes in one buffer starting at a page boundary (an asynchronous save's
+    staged copy: `distfn.checkpoint.background.Saves.stage_file`), to ``target`` exactly as `write` does, in a
+    few large writes; on a local disk the aligned bulk goes around the page cache (``O_DIRECT``), so the write
+    costs the CPU almost nothing."""
+    write(fmt.Plan(image, (), len(image)), target, direct=True)  # type: ignore[arg-type]  # Plan.header: bytes
+
+
 def _write_plan(stream: fs.WriteStream, plan: fmt.Plan, fetch: Callable[[fmt.Entry], torch.Tensor] | None) -> None:
     stream.reserve(plan.total)
+    if not plan.entries:  # one buffer (an index, a staged image): nothing to gather, one write as it is
+        stream.write(memoryview(plan.header))
+        return
     sink = _Sink(stream)
     sink.write(memoryview(plan.header))
     staging = Staging()

@@ -160,9 +160,9 @@ def async_kill_job(out: Path, ctx):
     if ctx.rank == 0:
         write = storage.write
 
-        def write_then_die(plan, target):
+        def write_then_die(plan, target, **how):
             assert threading.current_thread() is not threading.main_thread()
-            write(plan, target)  # in the background thread, with this rank's shard on disk
+            write(plan, target, **how)  # in the background thread, with this rank's shard on disk
             os.kill(os.getpid(), signal.SIGKILL)
 
         storage.write = write_then_die

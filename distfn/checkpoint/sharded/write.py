@@ -150,8 +150,8 @@ def save(
         job.finish(meta, keep)
         logger.debug("saved sharded checkpoint {} ({} tensors, {} ranks)", target, len(tensors), job.world)
         return target.path
-    mine = saves.stage({name: piece.tensor for name, piece in job.mine.items()})
-    job = attrs.evolve(job, mine={n: attrs.evolve(p, tensor=mine[n]) for n, p in job.mine.items()})
+    if job.mine:  # this rank's file, copied once into one host buffer laid out like the file (the writer's input)
+        job = attrs.evolve(job, image=saves.stage_file(job.plan()))
 
     def write_and_finish() -> None:
         job.write()
@@ -265,16 +265,25 @@ class _ShardJob:
     weight_map: dict[str, str]
     total: int
     error: list[str | None] = attrs.field(factory=lambda: [None])
+    #: This rank's whole file staged in host memory (`Saves.stage_file`) by an asynchronous save, else ``None``.
+    image: memoryview | None = None
 
-    def write(self) -> None:
-        """Write this rank's shard file (streamed from the tensors, durable); a failure is kept for `finish`."""
-        if not self.mine:
-            return
+    def plan(self) -> fmt.Plan:
+        """The layout of this rank's shard file (its header and tensors in file order)."""
         info = {name: {SAVED_OFFSETS: list(p.offsets)} for name, p in self.mine.items()}
         meta = {"format": "pt", SHARDING_INFO: json.dumps(info, separators=(",", ":")), DCP_VERSION: "1.0"}
+        return fmt.layout([fmt.entry(name, p.tensor) for name, p in self.mine.items()], meta)
+
+    def write(self) -> None:
+        """Write this rank's shard file (streamed from the tensors, or the staged image; durable); a failure is
+        kept for `finish`."""
+        if not self.mine:
+            return
         try:
-            plan = fmt.layout([fmt.entry(name, p.tensor) for name, p in self.mine.items()], meta)
-            storage.write(plan, self.tmp.child(shard_file(self.rank)))
+            if self.image is not None:
+                storage.write_image(self.image, self.tmp.child(shard_file(self.rank)))
+            else:
+                storage.write(self.plan(), self.tmp.child(shard_file(self.rank)))
         except (CheckpointError, OSError) as exc:
             self.error[0] = f"rank {self.rank} on {socket.gethostname()}: {exc}"
 
