@@ -235,3 +235,35 @@ def test_the_rank_bootstrap_reads_as_the_bootstrap() -> None:
     tree = ast.parse((PACKAGE / "worker.py").read_text(encoding="utf-8"))
     run = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run")
     assert run.end_lineno is not None and run.end_lineno - run.lineno + 1 <= 40
+
+
+#: What only the 'test' extra installs: a test module imports it at its top only after skipping itself without it.
+EXTRA_ONLY = ("hypothesis",)
+
+
+def _top_level_imports_before_skip(tree: ast.Module) -> list[str]:
+    """The extra-only modules a test module imports at its top before (or without) ``pytest.importorskip`` of it."""
+    skipped: set[str] = set()
+    bad = []
+    for node in tree.body:
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            if (isinstance(call.func, ast.Attribute) and call.func.attr == "importorskip" and call.args
+                    and isinstance(call.args[0], ast.Constant)):
+                skipped.add(str(call.args[0].value).split(".")[0])
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        bad += [n for n in names if n.split(".")[0] in EXTRA_ONLY and n.split(".")[0] not in skipped]
+    return bad
+
+
+def test_no_test_module_needs_the_test_extra_to_be_collected() -> None:
+    """The README's quick selection runs on the bare install (CI's first pass): a test module importing hypothesis
+    at its top stops the whole pass at collection (it happened twice: test_boundary/test_mesh, then test_pool)."""
+    bad = {path.name: found for path in sorted(PACKAGE.parent.joinpath("tests").rglob("*.py"))
+           if (found := _top_level_imports_before_skip(ast.parse(path.read_text())))}
+    assert bad == {}, f"import these after pytest.importorskip(...) or inside the test: {bad}"
+    # the rule reads both ways of writing it
+    assert _top_level_imports_before_skip(ast.parse("import pytest\nfrom hypothesis import given\n")) == \
+        ["hypothesis"]
+    assert _top_level_imports_before_skip(ast.parse(
+        "import pytest\nh = pytest.importorskip('hypothesis')\nfrom hypothesis import strategies as st\n")) == []

@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from distfn import distributed
 from distfn.errors import ConfigError
@@ -56,42 +54,6 @@ def test_per_call_options_keep_the_ranks_and_process_level_ones_do_not() -> None
         assert pool.pool_key(fn, Options(keep_alive=True, **{"mode": "ddp", **fixed}), 2) != key, fixed
     assert pool.pool_key(fn, base, 3) != key
     assert pool.pool_key(other, base, 2) != key
-
-
-_PER_CALL = {"seed": st.one_of(st.none(), st.integers(0, 2**31)), "precision": st.sampled_from(["32", "bf16", "16"]),
-             "max_restarts": st.integers(0, 3), "requeue": st.booleans(), "track": st.sampled_from([None, "csv"])}
-_PROCESS_LEVEL = {"mode": st.sampled_from(["ddp", "fsdp"]), "backend": st.sampled_from([None, "gloo"]),
-                  "timeout": st.integers(1, 3600), "start_method": st.sampled_from(["auto", "fork", "spawn"]),
-                  "init_method": st.sampled_from([None, "tcp://127.0.0.1:29400"])}
-_ENV_NAMES = st.sampled_from(["CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_IB_DISABLE", "GLOO_SOCKET_IFNAME",
-                              "TORCH_NCCL_BLOCKING_WAIT", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF",
-                              "HOME", "LR", "WANDB_MODE", "DISTFN_LOG_LEVEL", "PATH"])
-_ENV = st.dictionaries(_ENV_NAMES, st.sampled_from(["0", "1", "x"]), max_size=5)
-
-
-def _options(per_call: dict[str, Any], fixed: dict[str, Any]) -> Options:
-    seeded = per_call.get("seed") is not None
-    return Options(keep_alive=True, rank_seeds=seeded and per_call["max_restarts"] % 2 == 1, **per_call, **fixed)
-
-
-@settings(max_examples=80, deadline=None)
-@given(one=st.fixed_dictionaries(_PER_CALL), two=st.fixed_dictionaries(_PER_CALL),
-       fixed=st.fixed_dictionaries(_PROCESS_LEVEL), other=st.fixed_dictionaries(_PROCESS_LEVEL),
-       env=_ENV, env2=_ENV, nprocs=st.integers(1, 4))
-def test_pool_key_differs_exactly_where_a_process_level_option_or_variable_does(
-        one: dict[str, Any], two: dict[str, Any], fixed: dict[str, Any], other: dict[str, Any],
-        env: dict[str, str], env2: dict[str, str], nprocs: int) -> None:
-    def fn(cfg: Any, ctx: Any) -> None: ...
-
-    # per-call options (rank_seeds included: it once made every keep_alive call raise) never change the key
-    key = pool.pool_key(fn, _options(one, fixed), nprocs, env)
-    assert pool.pool_key(fn, _options(two, fixed), nprocs, env) == key
-    # a process-level option, the process count, or a variable read once per process does; nothing else does
-    assert (pool.pool_key(fn, _options(one, other), nprocs, env) == key) == (fixed == other)
-    assert pool.pool_key(fn, _options(one, fixed), nprocs + 1, env) != key
-    read_once = {k: v for k, v in env.items() if k.startswith(pool.PROCESS_ENV_PREFIXES)}
-    read_once2 = {k: v for k, v in env2.items() if k.startswith(pool.PROCESS_ENV_PREFIXES)}
-    assert (pool.pool_key(fn, _options(one, fixed), nprocs, env2) == key) == (read_once == read_once2)
 
 
 def test_a_forked_child_forgets_the_parents_pool_and_its_exit_leaves_the_ranks_alone() -> None:
