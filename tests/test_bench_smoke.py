@@ -177,7 +177,7 @@ def test_sharded_bench_smoke(tmp_path: Path) -> None:
     its target row."""
     result = _run_module_tiny(tmp_path, "sharded")
     titles = [t["title"] for t in result["tables"]]
-    assert len(titles) == 11 and sum(" rank" in t for t in titles) == 11
+    assert len(titles) == 12 and sum(" rank" in t for t in titles) == 12
     saves, memory = result["tables"][:3], result["tables"][6:9]
     for table in saves:
         assert [r["variant"] for r in table["rows"]] == ["distfn sharded", "distfn one file (gather)",
@@ -191,7 +191,11 @@ def test_sharded_bench_smoke(tmp_path: Path) -> None:
     train = result["tables"][9]
     assert [r["variant"] for r in train["rows"]] == ["no saves", "async save every N", "blocking save every N"]
     assert train["targets"][0]["variant"] == "async save every N"
-    curve = result["tables"][10]
+    costs = result["tables"][10]  # issue 46 item 4: the call's time and the background writer's CPU per save
+    assert [r["variant"] for r in costs["rows"]] == ["async: ctx.save call (training blocked)",
+                                                     "async: background writer thread CPU", "blocking: ctx.save call"]
+    assert all(r["median"] > 0 for r in costs["rows"])
+    curve = result["tables"][11]
     assert [r["variant"] for r in curve["rows"]] == [f"{v}, {w}" for w in ("1 rank", "2 ranks", "4 ranks")
                                                      for v in ("distfn sharded", "DCP FileSystemWriter")]
     assert [t["variant"] for t in curve["targets"]] == ["distfn sharded, 1 rank", "distfn sharded, 2 ranks",
