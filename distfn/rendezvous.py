@@ -196,6 +196,8 @@ def gloo_threads_idle(timeout: float = GLOO_IDLE_WAIT_S, *, task_dir: str = "/pr
     quiet = 0
     while True:
         states = _gloo_thread_states(task_dir)
+        if not states:
+            return True  # no gloo group left (or another backend): nothing to wait for
         quiet = quiet + 1 if all(state in "SI" for state in states) else 0
         if quiet >= 2:
             return True
