@@ -52,7 +52,7 @@ from typing import Any, Final
 import attrs
 from loguru import logger
 
-from . import failures
+from . import failures, process
 from .ledger import LEDGER, Ledger, RankState, disagreement
 from .rankstore import Channel, poll
 
@@ -166,11 +166,8 @@ def _gone(pid: int) -> bool:
         return True
     except OSError:  # EPERM: it exists
         return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    found = process.stat(f"/proc/{pid}/stat")
+    return found is not None and found[1] == "Z"
 
 
 def _nobody_left() -> list[int]:

@@ -24,7 +24,7 @@ from collections.abc import Iterator, MutableMapping
 from .errors import LauncherError
 from .topology import split_local_rank
 
-__all__ = ["WORKER_NAME", "adopt_legacy_local_rank", "frozen_heap", "in_worker", "mark_active"]
+__all__ = ["WORKER_NAME", "adopt_legacy_local_rank", "frozen_heap", "in_worker", "mark_active", "stat"]
 
 #: distfn's worker processes are named ``distfn-rank<N>``. multiprocessing names the child before a spawn or
 #: forkserver child re-imports the user's script, so a decorated call during that import is a nested launch, seen
@@ -100,3 +100,20 @@ def adopt_legacy_local_rank(argv: list[str] | None = None,
     env["LOCAL_RANK"] = str(local_rank)
     argv[:] = rest
     return local_rank
+
+
+def stat(path: str) -> tuple[str, str] | None:
+    """``(name, state)`` from a ``/proc/PID/stat`` (or ``/proc/PID/task/TID/stat``) file, ``None`` where it cannot
+    be read (the process ended, or no ``/proc``: not Linux). The state is the scheduler's letter (``R``, ``S``,
+    ``T`` stopped, ``Z`` zombie, ...). The name sits between the first ``(`` and the *last* ``)``: a program may set
+    one holding spaces and parentheses."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    end = text.rfind(")")
+    fields = text[end + 2:].split()
+    if end < 0 or not fields:
+        return None
+    return text[text.find("(") + 1:end], fields[0]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from . import process
 from .errors import LauncherError
 from .topology import Topology
 
@@ -212,14 +213,6 @@ def _gloo_thread_states(task_dir: str) -> list[str]:
         tids = os.listdir(task_dir)
     except OSError:
         return []
-    states = []
-    for tid in tids:
-        try:
-            with open(os.path.join(task_dir, tid, "stat")) as f:
-                stat = f.read()
-        except OSError:
-            continue  # the thread ended
-        name = stat[stat.find("(") + 1:stat.rfind(")")]
-        if name.startswith("pt_gloo_runloop"):
-            states.append(stat[stat.rfind(")") + 2:stat.rfind(")") + 3])
+    found = (process.stat(os.path.join(task_dir, tid, "stat")) for tid in tids)  # None: the thread ended
+    states = [state for name, state in filter(None, found) if name.startswith("pt_gloo_runloop")]
     return states

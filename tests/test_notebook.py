@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import clean_env, requires, run_python
+from conftest import alive, clean_env, requires, run_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a kernel and ~20 launches on a shared machine
 
@@ -151,14 +151,6 @@ def test_script_on_stdin_matches_the_script(script_results: dict[str, Any]) -> N
     assert "shipped by value" in done.stderr
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @requires("nbclient", "test")
 @requires("ipykernel", "test")
 def test_jupyter_kernel_matches_the_script(script_results: dict[str, Any], tmp_path: Path) -> None:
@@ -238,7 +230,7 @@ def test_jupyter_kernel_matches_the_script(script_results: dict[str, Any], tmp_p
     assert stopped_after < 20  # SIGINT to the workers, SIGKILL after a 5 s grace; generous on a shared machine
     worker_pids = [int(p.read_text()) for p in pids.iterdir()]
     assert len(worker_pids) == 2
-    assert not any(_alive(pid) for pid in worker_pids)
+    assert not any(alive(pid) for pid in worker_pids)
     assert kernel_alive
     # IPython's %run of the script file: the same results (the workers import the script by its path).
     assert "run" not in errors, errors.get("run")

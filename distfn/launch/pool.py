@@ -60,7 +60,7 @@ from typing import Any
 import attrs
 from loguru import logger
 
-from .. import preflight
+from .. import preflight, process
 from ..options import Options
 from ..tracking import key as tracking_key
 from . import local, protocol, shipping
@@ -210,12 +210,8 @@ def _unfit(pool: Pool, key: tuple[Any, ...]) -> str | None:
     if not pool.group.succeeded():
         return "a rank died since the last call"
     for pid in pool.pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # no /proc (not Linux): the liveness check above is all there is
-        if state in ("T", "t", "Z", "X"):
+        found = process.stat(f"/proc/{pid}/stat")  # None without /proc (not Linux): the check above is all
+        if found is not None and found[1] in ("T", "t", "Z", "X"):
             return f"rank {pool.pids.index(pid)} (pid {pid}) is stopped or gone"
     return None
 
