@@ -319,9 +319,14 @@ def test_compile_true_on_hsdp_and_tp_compiles_each_unit_keeps_keys_clean_and_reu
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["eager_losses"]))
             for k in r["weights"]:  # fp32, torch's default tolerances for inductor's fused kernels vs eager
                 torch.testing.assert_close(torch.tensor(r["weights"][k]), torch.tensor(r["eager_weights"][k]))
-        # a fresh cache: compiled, not found
-        assert ranks[0]["cache"].get("inductor.fxgraph_cache_miss", 0) > 0, ranks[0]["cache"]
-        assert ranks[0]["cache"].get("inductor.fxgraph_cache_hit", 0) == 0, ranks[0]["cache"]
+        # a cold cache: compiled here. Not "no rank found anything": the 4 ranks share the cache directory and compile
+        # the same graphs at once, so a rank slower than its peer finds the graph the peer has just written (CI saw
+        # rank 0 with 3 misses and 1 hit); and TP's launch may find a graph HSDP's wrote. Every rank looked each
+        # graph up, and some rank compiled.
+        assert sum(r["cache"].get("inductor.fxgraph_cache_miss", 0) for r in ranks) > 0, [r["cache"] for r in ranks]
+        for r in ranks:
+            looked_up = sum(r["cache"].get(f"inductor.fxgraph_cache_{k}", 0) for k in ("miss", "hit"))
+            assert looked_up > 0, r["cache"]
         index = json.loads((tmp_path / case / INDEX).read_text())
         assert sorted(index["weight_map"]) == [f"model.{k}" for k in ranks[0]["keys"]]
     # the second start finds every graph the first compiled (the logs show the seconds each took)
