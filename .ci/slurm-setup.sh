@@ -117,6 +117,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# a requeued job waits cred_expire seconds before it starts again (slurm.conf(5); 120 by default, most of
+# tests/cluster/test_requeue.py's time); 20 s still covers a step's launch on a loaded 2-core VM
+AuthInfo=cred_expire=20
 StateSaveLocation=$STATE_DIR
 SlurmdSpoolDir=$SPOOL_BASE/%n
 SlurmctldPidFile=$CTLD_PID

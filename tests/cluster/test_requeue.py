@@ -3,7 +3,8 @@
 rank 0 requeues the job, and the requeued job resumes and ends with the weights of an uninterrupted run. Slurm
 ends the signalled run as soon as it is requeued, so what the ranks print after returning may be cut off.
 
-Slurm starts a requeued job again after a delay of its own (about two minutes here), so this test is slow.
+Slurm starts a requeued job again after a delay of its own: ``AuthInfo=cred_expire`` seconds (120 by default;
+.ci/slurm-setup.sh sets 20, which took this test from 170 to 75 s), so this test is slow.
 Skipped with the reason where Slurm is missing (``.ci/slurm-setup.sh up``).
 """
 
@@ -55,7 +56,7 @@ def test_a_signalled_job_is_requeued_and_resumes_to_the_uninterrupted_weights(tm
     workers (``--signal=B:USR2@T``; ``scancel --batch`` here): the launching process forwards the signal.
 
     The two jobs run side by side (one CPU of each node, and one of one node): most of each case is Slurm's own
-    delay before it starts a requeued job again, which they then wait out together (about 3 minutes of CI)."""
+    delay before it starts a requeued job again, which they then wait out together (about a minute of CI's 75 s)."""
     jobs = {}
     for layout in LAYOUTS:
         (tmp_path / layout).mkdir()
