@@ -1,0 +1,114 @@
+"""A sharded ``ctx.save`` brings every rank's random streams of its last ``ctx.step`` in its planning all-gather
+(issue 45 item 5): one object collective before any shard is written, not a gather of the streams and then the
+planning's. Checked on 2 and 4 gloo ranks in ``mode="fsdp"`` (DTensor state): what each rank's save makes (the
+object collectives and the shard writes, in order), that the saved streams continue each rank's draws after its
+last ``ctx.step`` exactly and the per-rank values are each rank's, and that a save before any ``ctx.step`` writes no
+streams, says so once, and makes the same one collective."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distfn import checkpoint
+
+from conftest import run_python
+
+
+def _draw() -> list[object]:
+    return [random.random(), float(np.random.rand()), torch.rand(3).tolist()]
+
+_JOB = r'''
+import json, random, sys
+import numpy as np
+import torch
+import torch.distributed as dist
+from loguru import logger
+import distfn
+from distfn import distributed
+from distfn.checkpoint import storage
+
+OUT = sys.argv[1]
+
+
+def draw():
+    return [random.random(), float(np.random.rand()), torch.rand(3).tolist()]
+
+
+def job(cfg, ctx):
+    said = []
+    logger.add(lambda m: said.append(str(m)), level="WARNING", format="{message}")
+    events = []
+    gather, broadcast, write = dist.all_gather_object, dist.broadcast_object_list, storage.write
+    def counted_gather(*a, **k):
+        events.append("all_gather_object")
+        return gather(*a, **k)
+    def counted_broadcast(*a, **k):
+        events.append("broadcast_object_list")
+        return broadcast(*a, **k)
+    def counted_write(*a, **k):
+        events.append("write")
+        return write(*a, **k)
+    dist.all_gather_object, dist.broadcast_object_list, storage.write = counted_gather, counted_broadcast, counted_write
+
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ctx.save({"model": model, "optimizer": opt, "step": 0}, f"{OUT}/ckpt-0")  # no ctx.step yet: no streams
+    before = list(events)
+    events.clear()
+    random.seed(ctx.rank)
+    np.random.seed(ctx.rank)
+    torch.manual_seed(100 + ctx.rank)  # each rank its own streams
+    for step in range(3):
+        model(torch.randn(4, 8)).square().mean().backward()
+        ctx.step(opt, per_rank={"X": torch.tensor([ctx.rank, step])})
+    expected = draw()  # what the streams saved at the last ctx.step give next
+    draw()  # the streams move on (a prefetch) before the save
+    ctx.save({"model": model, "optimizer": opt, "step": 3}, f"{OUT}/ckpt-3")
+    after = list(events)
+    dist.all_gather_object, dist.broadcast_object_list, storage.write = gather, broadcast, write
+    return ctx.gather_object({"before": before, "after": after, "expected": expected,
+                              "said": [s for s in said if "random streams" in s]})
+
+
+if __name__ == "__main__":
+    world = int(sys.argv[2])
+    results = distributed(mode="fsdp", nprocs=world, seed=0, backend="gloo")(job)(None)
+    print("RESULT", json.dumps(results))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sharded_save_brings_the_streams_in_its_one_planning_gather(tmp_path: Path, world: int) -> None:
+    script = tmp_path / "streams_job.py"
+    script.write_text(_JOB)
+    done = run_python([str(script), str(tmp_path), str(world)], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    ranks = json.loads(line.removeprefix("RESULT "))
+    assert len(ranks) == world
+    saved = checkpoint.load_into(tmp_path / "ckpt-3", {})
+    assert saved["rng"]["world_size"] == world and saved["per_rank"]["world_size"] == world
+    for rank, r in enumerate(ranks):
+        for events in (r["before"], r["after"]):
+            # one object all-gather plans the save and brings the streams; then this rank's shard (if it writes
+            # any); then the finish: a gather of the outcomes and rank 0's broadcast
+            head = events[:events.index("write")] if "write" in events else events[:1]
+            assert head == ["all_gather_object"], (rank, events)
+            assert events.count("all_gather_object") == 2 and events[-1] == "broadcast_object_list", (rank, events)
+        checkpoint.set_rng_state(saved["rng"]["ranks"][rank])  # the saved streams are this rank's at its last
+        assert _draw() == r["expected"], rank  # ctx.step: they continue its draws bit for bit
+        assert saved["per_rank"]["ranks"][rank]["X"].tolist() == [rank, 2]
+        # the save before any ctx.step: one line, from rank 0 alone
+        assert len(r["said"]) == (0 if rank else 1) and all("not saved" in s for s in r["said"]), r["said"]
+    # every rank writes (each holds a shard of every DTensor): the planning gather came before every write
+    assert all("write" in r["after"] for r in ranks)
+    first = checkpoint.load_into(tmp_path / "ckpt-0", {})
+    assert first["step"] == 0 and "rng" not in first and "per_rank" not in first  # no streams: on every rank alike
