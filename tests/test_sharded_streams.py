@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from distfn import checkpoint
+from distfn.checkpoint import sharded
 
 from conftest import run_python
 
@@ -112,3 +113,61 @@ def test_a_sharded_save_brings_the_streams_in_its_one_planning_gather(tmp_path: 
     assert all("write" in r["after"] for r in ranks)
     first = checkpoint.load_into(tmp_path / "ckpt-0", {})
     assert first["step"] == 0 and "rng" not in first and "per_rank" not in first  # no streams: on every rank alike
+
+
+_RANK0_ONLY = r'''
+import sys
+from distfn import distributed
+
+@distributed(mode="ddp", nprocs=2, seed=0)
+def job(cfg, ctx):
+    if ctx.is_main:  # rank 1 returns at once: it will never call ctx.save
+        ctx.save({"step": 1}, cfg["path"], sharded=True)
+    return "finished"
+
+if __name__ == "__main__":
+    print(job({"path": sys.argv[1]}))
+'''
+
+
+@pytest.mark.slow
+def test_a_sharded_save_on_rank0_alone_is_an_error_before_its_one_collective(tmp_path: Path) -> None:
+    script = tmp_path / "rank0_only.py"
+    script.write_text(_RANK0_ONLY)
+    proc = run_python([str(script), str(tmp_path / "ckpt-1")], timeout=150)
+    assert proc.returncode != 0, proc.stdout
+    assert "CheckpointError" in proc.stderr and "rank 1 went on without calling it" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "ckpt-1").exists()
+
+
+def _state() -> dict[str, object]:
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt, "step": 7}
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("resumed", [None, "kept", "replaced"])
+def test_entries_a_rider_brings_are_written_as_if_they_were_in_the_state(tmp_path: Path, resumed: str | None) -> None:
+    """The rider's entries spliced in after the planning gather give the bytes of one encoding of the whole state
+    (the index's tree, names and shapes; the shard), in one process; a state's own ``per_rank`` (what a resume put
+    there) is replaced when the rider brings entries and kept when it brings none."""
+    entries = {"rng": {"world_size": 1, "ranks": [checkpoint.rng_state()]},
+               "per_rank": {"world_size": 1, "ranks": [{"X": torch.arange(3)}]}}
+    state = _state()
+    if resumed:
+        state["per_rank"] = {"X": torch.tensor([9])}
+    given = None if resumed == "kept" else entries
+    rider = sharded.write.Rider(own="mine", entries=lambda owns: given if owns == ["mine"] else None,
+                                replaces=frozenset({"rng", "per_rank"}))
+    sharded.save(state, tmp_path / "rider", rider=rider)
+    own = {k: v for k, v in state.items() if k != "per_rank"}
+    whole = own | (entries if given else {"per_rank": state["per_rank"]} if resumed else {})
+    sharded.save(whole, tmp_path / "whole")
+    assert _files(tmp_path / "rider") == _files(tmp_path / "whole")

@@ -119,7 +119,8 @@ class _Encoded:
 
         Both trees are mappings with str keys and disjoint names (the caller's split), encoded as compact JSON
         objects, so splicing the text gives what one encoding of the whole writes, byte for byte, without parsing
-        a large state's tree again. A tensor name in both (a key with dots, such as ``"rng.ranks"``) is refused as
+        a large state's tree again (the tensors' shapes, one small entry per tensor, are listed again in file
+        order). A tensor name in both (a key with dots, such as ``"rng.ranks"``) is refused as
         the one encoding refuses it."""
         if more is None:
             return self
@@ -128,10 +129,14 @@ class _Encoded:
             raise CheckpointError(f"two values would be stored under the same tensor name '{clash[0]}'; rename the "
                                   "state's key. Nothing was written.")
         meta = dict(self.meta)
-        for key in (fmt.KEY_TREE, fmt.KEY_ALIASES, KEY_TENSORS):
+        for key in (fmt.KEY_TREE, fmt.KEY_ALIASES):
             if key in more.meta:
                 meta[key] = _splice(meta[key], more.meta[key]) if key in meta else more.meta[key]
-        return _Encoded(meta, {**self.tensors, **more.tensors})
+        # the tensors in the order one encoding lists them (`fmt.layout`'s file order), with their shapes
+        tensors = dict(sorted({**self.tensors, **more.tensors}.items(), key=lambda i: (-i[1].element_size(), i[0])))
+        shapes = {**json.loads(self.meta[KEY_TENSORS]), **json.loads(more.meta[KEY_TENSORS])}
+        meta[KEY_TENSORS] = json.dumps({n: shapes[n] for n in tensors}, separators=(",", ":"))
+        return _Encoded(meta, tensors)
 
 
 def _splice(first: str, second: str) -> str:
@@ -477,7 +482,8 @@ def _with_rider(encoded: _Encoded, kept: _Encoded | None, rider: Rider | None, r
     `_assign` picks, as they were when a gather of their own made them every rank's before planning."""
     entries = None if rider is None else rider.entries(riders)
     if entries is None:
-        return encoded.then(kept), pieces, summaries
+        whole = encoded.then(kept)
+        return whole, {n: pieces[n] for n in whole.tensors if n in pieces}, summaries
     assert rider is not None
     unknown = sorted(set(entries) - rider.replaces)
     if unknown:
@@ -488,8 +494,9 @@ def _with_rider(encoded: _Encoded, kept: _Encoded | None, rider: Rider | None, r
     held = _pieces(extra.tensors)
     shared = [(n, p.offsets, p.tensor.numel() * p.tensor.element_size()) for n, p in held.items()]
     summaries = [[e for e in s if e[0] not in dropped] + shared for s in summaries]
-    pieces = {**{n: p for n, p in pieces.items() if n not in dropped}, **held}
-    return encoded.then(extra), pieces, summaries
+    whole = encoded.then(extra)
+    mine = {**pieces, **held}  # in the whole state's order: the shard's sharding info lists them so
+    return whole, {n: mine[n] for n in whole.tensors if n in mine}, summaries
 
 
 def _different_paths(paths: list[str]) -> str:
