@@ -10,15 +10,25 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from s3server import S3Server, needs_s3, s3, s3_module
 
 from distfn import checkpoint
 from distfn.checkpoint import sharded
 
 from conftest import run_python
+
+_FIXTURES = (s3, s3_module)  # pytest finds a fixture by its name in the test's module
+
+
+def _streams(saved: dict[str, Any]) -> list[Any]:
+    """The saved streams and per-rank values as lists (tensors' values), to compare two checkpoints'."""
+    return [[{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in r.items()} for r in saved[e]["ranks"]]
+            for e in ("rng", "per_rank")]
 
 
 def _draw() -> list[object]:
@@ -35,6 +45,7 @@ from distfn import distributed
 from distfn.checkpoint import storage
 
 OUT = sys.argv[1]
+TO = sys.argv[3] if len(sys.argv) > 3 else f"{OUT}/async-3"  # a directory or an s3:// URL
 
 
 def draw():
@@ -73,8 +84,12 @@ def job(cfg, ctx):
     draw()  # the streams move on (a prefetch) before the save
     ctx.save({"model": model, "optimizer": opt, "step": 3}, f"{OUT}/ckpt-3")
     after = list(events)
+    events.clear()
+    ctx.save({"model": model, "optimizer": opt, "step": 3}, TO, blocking=False)  # the same, in the background
+    ctx.saves.wait()
+    background = list(events)
     dist.all_gather_object, dist.broadcast_object_list, storage.write = gather, broadcast, write
-    return ctx.gather_object({"before": before, "after": after, "expected": expected,
+    return ctx.gather_object({"before": before, "after": after, "background": background, "expected": expected,
                               "said": [s for s in said if "random streams" in s]})
 
 
@@ -98,7 +113,7 @@ def test_a_sharded_save_brings_the_streams_in_its_one_planning_gather(tmp_path: 
     saved = checkpoint.load_into(tmp_path / "ckpt-3", {})
     assert saved["rng"]["world_size"] == world and saved["per_rank"]["world_size"] == world
     for rank, r in enumerate(ranks):
-        for events in (r["before"], r["after"]):
+        for events in (r["before"], r["after"], r["background"]):
             # one object all-gather plans the save and brings the streams; then this rank's shard (if it writes
             # any); then the finish: a gather of the outcomes and rank 0's broadcast
             head = events[:events.index("write")] if "write" in events else events[:1]
@@ -111,6 +126,7 @@ def test_a_sharded_save_brings_the_streams_in_its_one_planning_gather(tmp_path: 
         assert len(r["said"]) == (0 if rank else 1) and all("not saved" in s for s in r["said"]), r["said"]
     # every rank writes (each holds a shard of every DTensor): the planning gather came before every write
     assert all("write" in r["after"] for r in ranks)
+    assert _streams(checkpoint.load_into(tmp_path / "async-3", {})) == _streams(saved)  # a background save's too
     first = checkpoint.load_into(tmp_path / "ckpt-0", {})
     assert first["step"] == 0 and "rng" not in first and "per_rank" not in first  # no streams: on every rank alike
 
@@ -171,3 +187,19 @@ def test_entries_a_rider_brings_are_written_as_if_they_were_in_the_state(tmp_pat
     whole = own | (entries if given else {"per_rank": state["per_rank"]} if resumed else {})
     sharded.save(whole, tmp_path / "whole")
     assert _files(tmp_path / "rider") == _files(tmp_path / "whole")
+
+
+@needs_s3
+@pytest.mark.slow
+def test_a_background_sharded_save_to_s3_brings_the_streams_in_its_one_planning_gather(s3: S3Server,
+                                                                                         tmp_path: Path) -> None:
+    script = tmp_path / "streams_job.py"
+    script.write_text(_JOB)
+    url = s3.url("streams", "ckpt-3")
+    done = run_python([str(script), str(tmp_path), "2", url], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    for events in (r["background"] for r in ranks):
+        head = events[:events.index("write")] if "write" in events else events[:1]
+        assert head == ["all_gather_object"] and events.count("all_gather_object") == 2, events
+    assert _streams(checkpoint.load_into(url, {})) == _streams(checkpoint.load_into(tmp_path / "ckpt-3", {}))
