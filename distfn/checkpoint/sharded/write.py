@@ -159,6 +159,20 @@ def _split(obj: Any, rider: Rider | None) -> tuple[Any, Any]:
     return base, (kept or None)
 
 
+def _encode_plain(obj: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """`_encode` of a value of plain containers, scalars and plain tensors only (a `Rider`'s entries: random
+    states and per-rank values), in one walk: no state objects to ask and no ``DTensor`` to stand in for, so the
+    two tree walks of `_encode` are skipped (they cost 26 ms of a 4-rank state's streams per save, for the
+    lists of 625 ints that a random state is)."""
+    plan = fmt.plan(obj, None)
+    meta: dict[str, str] = dict(json.loads(plan.header[8:])["__metadata__"])
+    tensors = {e.name: e.tensor for e in plan.entries}
+    meta[KEY_TENSORS] = json.dumps({e.name: {"dtype": e.code, "shape": list(e.shape)} for e in plan.entries},
+                                   separators=(",", ":"))
+    meta[KEY_LAYOUT] = "sharded"
+    return meta, tensors
+
+
 def _rank_world() -> tuple[int, int, bool]:
     on = dist.is_available() and dist.is_initialized()
     return (dist.get_rank(), dist.get_world_size(), True) if on else (0, 1, False)
@@ -489,7 +503,7 @@ def _with_rider(encoded: _Encoded, kept: _Encoded | None, rider: Rider | None, r
     if unknown:
         raise CheckpointError(f"a save's rider gave entries {unknown} outside the keys it replaces "
                               f"{sorted(rider.replaces)}")
-    extra = _Encoded(*_encode(dict(entries), None))
+    extra = _Encoded(*_encode_plain(dict(entries)))
     dropped = set() if kept is None else set(kept.tensors)
     held = _pieces(extra.tensors)
     shared = [(n, p.offsets, p.tensor.numel() * p.tensor.element_size()) for n, p in held.items()]
