@@ -203,3 +203,28 @@ def test_a_background_sharded_save_to_s3_brings_the_streams_in_its_one_planning_
         head = events[:events.index("write")] if "write" in events else events[:1]
         assert head == ["all_gather_object"] and events.count("all_gather_object") == 2, events
     assert _streams(checkpoint.load_into(url, {})) == _streams(checkpoint.load_into(tmp_path / "ckpt-3", {}))
+
+
+class _Hook:
+    """A run's collective hook as the save sees it: it records its use, or raises on entry (as the run's does
+    when another rank waits in a checkpoint call this rank skipped)."""
+
+    def __init__(self, refuse: bool) -> None:
+        self.refuse, self.seen = refuse, []
+
+    def __enter__(self) -> None:
+        self.seen.append("enter")
+        if self.refuse:
+            raise RuntimeError("rank 1 is in another checkpoint call")
+
+    def __exit__(self, *exc: object) -> None:
+        self.seen.append("exit")
+
+
+def test_the_planning_gather_runs_inside_the_hook_and_one_that_raises_leaves_no_partial(tmp_path: Path) -> None:
+    ok = _Hook(refuse=False)
+    sharded.save(_state(), tmp_path / "ckpt-1", hook=ok)
+    assert ok.seen == ["enter", "exit"]
+    with pytest.raises(RuntimeError, match="another checkpoint call"):
+        sharded.save(_state(), tmp_path / "ckpt-2", hook=_Hook(refuse=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1"]  # no hidden partial directory left

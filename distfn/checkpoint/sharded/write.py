@@ -452,9 +452,8 @@ def _plan_shards(encoded: _Encoded, target: Location, group: Any, *, kept: _Enco
         except CheckpointError as exc:
             error = str(exc)
     summary = [(n, p.offsets, p.tensor.numel() * p.tensor.element_size()) for n, p in pieces.items()]
-    with nullcontext() if hook is None else hook:
-        gathered = collectives.gather_object((error, tmp_name, summary, str(target),
-                                              None if rider is None else rider.own), group=group)
+    gathered = _gather((error, tmp_name, summary, str(target), None if rider is None else rider.own), target,
+                       tmp_name, group, hook)
     errors = [e for e, _, _, _, _ in gathered if e]
     paths = [p for _, _, _, p, _ in gathered]
     if not errors and len(set(paths)) > 1:
@@ -482,6 +481,19 @@ def _plan_shards(encoded: _Encoded, target: Location, group: Any, *, kept: _Enco
                     mine={n: p for n, p in pieces.items() if owner[(n, p.offsets)][0] == rank},
                     weight_map=dict(sorted(first.items())), total=sum(n for _, n in owner.values()))
     return job, encoded
+
+
+def _gather(item: Any, target: Location, tmp_name: str, group: Any, hook: AbstractContextManager[Any] | None
+            ) -> list[Any]:
+    """The planning all-gather, inside ``hook``; when it fails (or the hook raises first: a rank that skipped a
+    checkpoint call), rank 0's temporary directory is removed now, not left until the process ends."""
+    try:
+        with nullcontext() if hook is None else hook:
+            return collectives.gather_object(item, group=group)
+    except BaseException:
+        if tmp_name:
+            target.fs.remove_tree(target.parent.child(tmp_name).path)
+        raise
 
 
 _Summary = list[tuple[str, tuple[int, ...], int]]  # one rank's pieces: (stored name, offsets, bytes)
