@@ -30,7 +30,7 @@ import collections
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -247,21 +247,32 @@ class Boundaries:
         return _entries_to_save(states, values)
 
     def gathered(self) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-        """Every rank, inside a save that every rank calls (sharded, ``mode="fsdp"``): like `collect`, but each rank's
-        newest snapshot travels in one ``all_gather_object`` (the ranks meet in a collective there anyway, so the
-        store's request and answer are not needed). ``None`` on every rank alike (one line, once, on rank 0) when a
-        rank has no snapshot. Call it inside the run's collective hook."""
+        """Every rank, inside a save that every rank calls (``mode="fsdp"``'s one file): like `collect`, but each
+        rank's newest snapshot (`own`) travels in one ``all_gather_object`` (the ranks meet in a collective there
+        anyway, so the store's request and answer are not needed), combined by `combine`. Call it inside the run's
+        collective hook. A sharded save carries `own` in its planning collective instead (no collective here)."""
         from . import collectives  # deferred: collectives imports torch.distributed's object collectives
 
-        own = self._entry(self.count) if self.enabled and self.count else None
-        entries = collectives.gather_object(None if own is None else (own[0], own[1]))
+        return self.combine(collectives.gather_object(self.own()))
+
+    def own(self) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None:
+        """This rank's newest snapshot as it travels to the other ranks (picklable), ``None`` before its first
+        ``ctx.step`` or with the capture off."""
+        return self._entry(self.count) if self.enabled and self.count else None
+
+    def combine(self, entries: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None]
+                ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+        """Every rank's `own`, in rank order, as a checkpoint holds them (see `collect`): the same answer on every
+        rank from the same gathered list, ``None`` on every rank alike (one line, once, on rank 0) when a rank has
+        no snapshot."""
         if any(e is None for e in entries):
             if self.rank == 0:
                 self._once("none", "ctx.save: a rank has passed no ctx.step or ctx.resume yet (or its capture is "
                                    "off), so the ranks' random streams are not saved; ctx.save(..., rng=True) saves "
                                    "them as they are at the call")
             return None
-        return _entries_to_save([state for state, _ in entries], [v for _, v in entries])
+        found = [e for e in entries if e is not None]
+        return _entries_to_save([state for state, _ in found], [v for _, v in found])
 
     def _ask(self, n: int) -> list[Any] | None:
         channel = self._channel

@@ -37,6 +37,7 @@ from . import checkpoint, collectives, fsdp_state
 from .checkpoint import api, restore
 from .checkpoint import sharded as directories
 from .checkpoint.layout import Location, check_keep, resolve, step_of_path, wants_sharded
+from .checkpoint.sharded.write import Rider
 from .errors import CheckpointError, ConfigError
 from .options import Mode, shards_state
 from .rng import gather_rng_states, rng_state_for_rank, seed_all, set_rng_state
@@ -124,8 +125,10 @@ def save_state(
         raise ConfigError(f"ctx.save(..., rng={rng!r}): rng takes None (the default: every rank's streams at its "
                           "last ctx.step), True (gathered at the call, every rank calls ctx.save), False (none) or "
                           "an RNG state to write (distfn.checkpoint.rng_state())")
+    rider = None
     if rng is not True and rng is not False and isinstance(obj, Mapping) and "rng" not in obj:
-        obj, checked_in = _with_streams(obj, rng, run, rank=rank, every_rank=as_directory or shards_state(mode))
+        obj, checked_in, rider = _with_streams(obj, rng, run, rank=rank, directory=as_directory,
+                                               every_rank=as_directory or shards_state(mode))
     if rng is True:
         if not isinstance(obj, Mapping):
             raise ConfigError("ctx.save(..., rng=True) needs a training-state mapping such as "
@@ -138,7 +141,8 @@ def save_state(
     if as_directory:
         if not checked_in:
             run.check_in("ctx.save")  # every rank writes its shards: a rank-0-only call fails here
-        return directories.save(obj, target, saves=run.saves, metadata=metadata, keep=keep, blocking=blocking)
+        return directories.save(obj, target, saves=run.saves, metadata=metadata, keep=keep, blocking=blocking,
+                                rider=rider, hook=run.collective("gather_object"))
     # the package's public `save`, looked up at the call: what ctx.save writes with is what the docs name (and
     # what a test or a user's wrapper replaces to observe real writes)
     write = checkpoint.save if blocking else functools.partial(run.saves.save_file, save=checkpoint.save)
@@ -150,19 +154,44 @@ def save_state(
     return target.path
 
 
-def _with_streams(obj: Mapping[str, Any], rng: Mapping[str, Any] | None, run: Run, *, rank: int,
-                  every_rank: bool) -> tuple[Mapping[str, Any], bool]:
-    """The state plus the generator states to write, and whether the ranks checked in for it: ``rng`` as given,
-    or (default) every rank's at its last ``ctx.step`` (`distfn.boundary`). A save every rank calls (``every_rank``:
-    sharded, ``mode="fsdp"``) brings them in one collective, after a check-in (a call on rank 0 alone is then an
-    error, not a hang); a one-file save, which rank 0 may make alone, asks the other ranks over the store."""
+def _with_streams(obj: Mapping[str, Any], rng: Mapping[str, Any] | None, run: Run, *, rank: int, directory: bool,
+                  every_rank: bool) -> tuple[Mapping[str, Any], bool, Rider | None]:
+    """The state plus the generator states to write, whether the ranks checked in for it, and the sharded save's
+    `Rider` that brings them instead: ``rng`` as given, or (default) every rank's at its last ``ctx.step``
+    (`distfn.boundary`). A save every rank calls (``every_rank``: sharded, ``mode="fsdp"``) checks in first (a
+    call on rank 0 alone is then an error, not a hang) and brings them in one collective: a sharded save
+    (``directory``) in its own planning all-gather (the rider), ``mode="fsdp"``'s one file in a gather of their
+    own; a one-file save, which rank 0 may make alone, asks the other ranks over the store."""
     if rng is not None:
-        return ({**obj, "rng": rng} if rank == 0 else obj), False
+        return ({**obj, "rng": rng} if rank == 0 else obj), False, None
     if every_rank:
-        checked_in = run.check_in("ctx.save", rng=True)
+        checked_in = run.check_in("ctx.save", rng=True)  # one check-in, before the one collective
+        if directory and _plain_keys(obj):
+            return obj, checked_in, _streams_rider(run)
         with run.collective("gather_object"):
-            return _with_found(obj, run.boundaries.gathered()), checked_in
-    return (_with_found(obj, run.boundaries.collect()) if rank == 0 else obj), False
+            return _with_found(obj, run.boundaries.gathered()), checked_in, None
+    return (_with_found(obj, run.boundaries.collect()) if rank == 0 else obj), False, None
+
+
+def _plain_keys(obj: Mapping[Any, Any]) -> bool:
+    """Whether ``obj``'s keys are all str (not ``__``-tagged): a state the streams' entries can be appended to."""
+    return all(isinstance(k, str) and not k.startswith("__") for k in obj)
+
+
+def _streams_rider(run: Run) -> Rider:
+    """What a sharded ``ctx.save`` carries in its planning all-gather: this rank's snapshot of its last
+    ``ctx.step`` (``None`` before one), turned into the ``rng`` and ``per_rank`` entries (`_with_found`'s) on every
+    rank alike, so the save makes one object collective, not a gather of the streams and then the planning's."""
+    boundaries = run.boundaries
+
+    def entries(snapshots: list[Any]) -> dict[str, Any] | None:
+        found = boundaries.combine(snapshots)
+        if found is None:
+            return None
+        streams, per_rank = found
+        return {"rng": streams} if per_rank is None else {"rng": streams, "per_rank": per_rank}
+
+    return Rider(own=boundaries.own(), entries=entries, replaces=frozenset({"rng", "per_rank"}))
 
 
 def _with_found(obj: Mapping[str, Any], found: tuple[dict[str, Any], dict[str, Any] | None] | None

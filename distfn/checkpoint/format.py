@@ -150,6 +150,10 @@ class Entry:
     nbytes: int
 
 
+#: Values a JSON node holds as they are (`_Encoder.encode` returns them unchanged): a list of only these is copied.
+_FLAT: Final = frozenset({int, str, bool, type(None)})
+
+
 class _Encoder:
     """Walks an object once, producing the JSON tree and the de-duplicated list of tensors."""
 
@@ -180,7 +184,10 @@ class _Encoder:
             inner = depth + (2 if isinstance(obj, tuple) else 1)  # a tuple is {"__tuple__": [...]}: two levels
             if inner > MAX_DEPTH:
                 raise _too_deep(path)
-            items = [self.encode(v, (*path, i), inner) for i, v in tree.children(obj)]
+            if type(obj) in (tuple, list) and all(type(v) in _FLAT for v in obj):
+                items = list(obj)  # what encoding each item gives, without a call per item (a random state's 625)
+            else:
+                items = [self.encode(v, (*path, i), inner) for i, v in tree.children(obj)]
             return {"__tuple__": items} if isinstance(obj, tuple) else items
         if isinstance(obj, torch.dtype):
             return {"__dtype__": str(obj).removeprefix("torch.")}

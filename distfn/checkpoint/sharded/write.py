@@ -6,10 +6,12 @@ one rank, spread so that every rank writes about as many bytes), and the Hugging
 (``{"metadata": {...}, "weight_map": {name: file}}``) whose metadata also holds the saved object's JSON tree
 (`distfn.checkpoint.format`), the tied names, ``metadata=`` and every tensor's full dtype and shape.
 
-One small collective plans who writes which piece; each rank's file is streamed from its tensors by distfn's own
-writer (`distfn.checkpoint.storage`: no in-memory copy of the shard; torch's ``HuggingFaceStorageWriter`` first
-builds every file in memory and was measured 1.55x slower than DCP's default writer); the directory is a hidden
-temporary one until the index is in it and it is committed under its name. No pickle is written.
+One small collective plans who writes which piece and carries what the caller sends along (a `Rider`:
+``ctx.save`` brings every rank's random streams of its last ``ctx.step`` this way, in no collective of their own);
+each rank's file is streamed from its tensors by distfn's own writer (`distfn.checkpoint.storage`: no in-memory
+copy of the shard; torch's ``HuggingFaceStorageWriter`` first builds every file in memory and was measured 1.55x
+slower than DCP's default writer); the directory is a hidden temporary one until the index is in it and it is
+committed under its name. No pickle is written.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import json
 import os
 import pathlib
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Final
 
 import attrs
@@ -35,7 +38,7 @@ from ..layout import INDEX, SUFFIX, Location, check_keep, resolve, rotate
 from ..objects import is_object, state_of
 from .spec import DCP_VERSION, KEY_LAYOUT, KEY_TENSORS, KEY_WORLD, PARTIAL, SAVED_OFFSETS, SHARDING_INFO, shard_file
 
-__all__ = ["remove_partials", "save"]
+__all__ = ["Rider", "remove_partials", "save"]
 
 
 def remove_partials(directory: Location) -> None:
@@ -46,6 +49,28 @@ def remove_partials(directory: Location) -> None:
     a live writer's directory is left alone (`distfn.checkpoint.storage.dead_leftovers`).
     """
     storage.remove_stale_tmps(directory)  # and the temporary files of killed file saves
+
+
+@attrs.frozen
+class Rider:
+    """A value each rank sends along in the save's planning collective, and the state's last entries made of them.
+
+    Why: ``ctx.save`` writes every rank's random streams of its last ``ctx.step``, which live on each rank; a
+    gather of their own cost a sharded save a second object all-gather (14 ms of 96 on rank 0, issue 45 item 5),
+    while the planning's all-gather, which every rank makes anyway, can carry them. Every rank gets the same
+    gathered list, so every rank builds the same entries and plans their tensors alike (held by every rank, each
+    written once, spread like any replicated tensor).
+
+    Attributes:
+        own: this rank's value (picklable; it travels in ``all_gather_object``).
+        entries: every rank's ``own``, in rank order -> the top-level entries to write after the state's (which
+            must be a mapping with str keys), or ``None`` for none; it must give the same answer on every rank.
+        replaces: the state's top-level keys that are dropped when ``entries`` gives some (kept, last, otherwise).
+    """
+
+    own: Any
+    entries: Callable[[list[Any]], Mapping[str, Any] | None]
+    replaces: frozenset[str] = frozenset()
 
 
 def _encode(obj: Any, metadata: Mapping[str, Any] | None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -82,6 +107,72 @@ def _encode(obj: Any, metadata: Mapping[str, Any] | None) -> tuple[dict[str, str
     return meta, tensors
 
 
+@attrs.frozen
+class _Encoded:
+    """A part of the saved state, encoded: the index's distfn metadata and ``{stored name: tensor}`` (`_encode`)."""
+
+    meta: dict[str, str]
+    tensors: dict[str, torch.Tensor]
+
+    def then(self, more: _Encoded | None) -> _Encoded:
+        """This part with ``more``'s top-level entries after its own: the metadata ``_encode`` gives the whole.
+
+        Both trees are mappings with str keys and disjoint names (the caller's split), encoded as compact JSON
+        objects, so splicing the text gives what one encoding of the whole writes, byte for byte, without parsing
+        a large state's tree again (the tensors' shapes, one small entry per tensor, are listed again in file
+        order). A tensor name in both (a key with dots, such as ``"rng.ranks"``) is refused as
+        the one encoding refuses it."""
+        if more is None:
+            return self
+        clash = sorted(self.tensors.keys() & more.tensors.keys())
+        if clash:
+            raise CheckpointError(f"two values would be stored under the same tensor name '{clash[0]}'; rename the "
+                                  "state's key. Nothing was written.")
+        meta = dict(self.meta)
+        for key in (fmt.KEY_TREE, fmt.KEY_ALIASES):
+            if key in more.meta:
+                meta[key] = _splice(meta[key], more.meta[key]) if key in meta else more.meta[key]
+        # the tensors in the order one encoding lists them (`fmt.layout`'s file order), with their shapes
+        tensors = dict(sorted({**self.tensors, **more.tensors}.items(), key=lambda i: (-i[1].element_size(), i[0])))
+        shapes = {**json.loads(self.meta[KEY_TENSORS]), **json.loads(more.meta[KEY_TENSORS])}
+        meta[KEY_TENSORS] = json.dumps({n: shapes[n] for n in tensors}, separators=(",", ":"))
+        return _Encoded(meta, tensors)
+
+
+def _splice(first: str, second: str) -> str:
+    """Two compact JSON objects with disjoint keys as one (``second``'s keys last)."""
+    if first == "{}" or second == "{}":
+        return second if first == "{}" else first
+    return f"{first[:-1]},{second[1:]}"
+
+
+def _split(obj: Any, rider: Rider | None) -> tuple[Any, Any]:
+    """``(the state without the rider's keys, those entries or None)``: what is planned before the planning
+    collective, apart from what its answer may replace."""
+    if rider is None:
+        return obj, None
+    if not isinstance(obj, Mapping) or not all(isinstance(k, str) and not k.startswith("__") for k in obj):
+        raise CheckpointError("a sharded save with a rider (ctx.save's random streams) needs a state mapping with "
+                              "str keys, such as {'model': model, 'optimizer': opt}")
+    base = {k: v for k, v in obj.items() if k not in rider.replaces}
+    kept = {k: v for k, v in obj.items() if k in rider.replaces}
+    return base, (kept or None)
+
+
+def _encode_plain(obj: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """`_encode` of a value of plain containers, scalars and plain tensors only (a `Rider`'s entries: random
+    states and per-rank values), in one walk: no state objects to ask and no ``DTensor`` to stand in for, so the
+    two tree walks of `_encode` are skipped (they cost 26 ms of a 4-rank state's streams per save, for the
+    lists of 625 ints that a random state is)."""
+    plan = fmt.plan(obj, None)
+    meta: dict[str, str] = dict(json.loads(plan.header[8:])["__metadata__"])
+    tensors = {e.name: e.tensor for e in plan.entries}
+    meta[KEY_TENSORS] = json.dumps({e.name: {"dtype": e.code, "shape": list(e.shape)} for e in plan.entries},
+                                   separators=(",", ":"))
+    meta[KEY_LAYOUT] = "sharded"
+    return meta, tensors
+
+
 def _rank_world() -> tuple[int, int, bool]:
     on = dist.is_available() and dist.is_initialized()
     return (dist.get_rank(), dist.get_world_size(), True) if on else (0, 1, False)
@@ -111,6 +202,8 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = None,
     blocking: bool = True,
+    rider: Rider | None = None,
+    hook: AbstractContextManager[Any] | None = None,
 ) -> pathlib.PurePath:
     """Write ``obj`` as a sharded checkpoint directory; **every rank** calls it (a collective) and writes its shards.
 
@@ -127,6 +220,10 @@ def save(
         keep: with a step-numbered name (``ckpt-1200``), keep only the ``keep`` newest such directories.
         blocking: ``False`` returns once this rank's pieces are copied to host memory (buffers reused between
             saves, pinned for GPU tensors); the writing, the index and the commit finish in a background thread.
+        rider: what every rank sends along in the planning collective, and the entries made of it (`Rider`;
+            ``ctx.save``'s random streams).
+        hook: entered around the planning collective (``ctx.save``: the run's ``run.collective(...)``, so that the
+            ledger and a hang report name it).
 
     Returns:
         The directory, absolute (the same on every rank: different paths on different ranks are an error).
@@ -143,12 +240,14 @@ def save(
         raise CheckpointError(f"a sharded checkpoint is a directory: '{target}' ends in .safetensors (drop the "
                               "suffix, or save one file with sharded=False)")
     saves.wait()  # the previous save first: its collectives must not interleave with this one's
-    meta, tensors = _encode(obj, metadata)
-    job = _plan_shards(tensors, target, saves.cpu_group())
+    base, kept = _split(obj, rider)
+    job, encoded = _plan_shards(_Encoded(*_encode(base, metadata)), target, saves.cpu_group(),
+                                kept=None if kept is None else _Encoded(*_encode(kept, None)), rider=rider, hook=hook)
+    meta = encoded.meta
     if blocking:
         job.write()
         job.finish(meta, keep)
-        logger.debug("saved sharded checkpoint {} ({} tensors, {} ranks)", target, len(tensors), job.world)
+        logger.debug("saved sharded checkpoint {} ({} tensors, {} ranks)", target, len(encoded.tensors), job.world)
         return target.path
     if job.mine:  # this rank's file, copied once into one host buffer laid out like the file (the writer's input)
         job = attrs.evolve(job, image=saves.stage_file(job.plan()))
@@ -334,13 +433,17 @@ def _make_tmp(target: Location) -> str:
     return staged.name
 
 
-def _plan_shards(tensors: Mapping[str, torch.Tensor], target: Location, group: Any) -> _ShardJob:
-    """Plan a sharded save with one collective: every rank's pieces, its target (they must agree) and rank 0's
-    temporary directory are gathered, and every rank derives the same assignment, index and file names."""
+def _plan_shards(encoded: _Encoded, target: Location, group: Any, *, kept: _Encoded | None = None,
+                 rider: Rider | None = None, hook: AbstractContextManager[Any] | None = None,
+                 ) -> tuple[_ShardJob, _Encoded]:
+    """Plan a sharded save with one collective: every rank's pieces, its target (they must agree), rank 0's
+    temporary directory and the ``rider``'s value are gathered, and every rank derives the same assignment, index,
+    file names and rider entries. Returns the job and the whole state's encoding (``encoded``, then ``kept`` or
+    the rider's entries)."""
     rank, world, _ = _rank_world()
     error, tmp_name = None, ""
     try:
-        pieces = _pieces(tensors)
+        pieces = _pieces(encoded.tensors if kept is None else {**encoded.tensors, **kept.tensors})
     except CheckpointError as exc:
         error, pieces = str(exc), {}
     if rank == 0 and error is None:
@@ -349,26 +452,77 @@ def _plan_shards(tensors: Mapping[str, torch.Tensor], target: Location, group: A
         except CheckpointError as exc:
             error = str(exc)
     summary = [(n, p.offsets, p.tensor.numel() * p.tensor.element_size()) for n, p in pieces.items()]
-    gathered = collectives.gather_object((error, tmp_name, summary, str(target)), group=group)
-    errors = [e for e, _, _, _ in gathered if e]
-    paths = [p for _, _, _, p in gathered]
+    gathered = _gather((error, tmp_name, summary, str(target), None if rider is None else rider.own), target,
+                       tmp_name, group, hook)
+    errors = [e for e, _, _, _, _ in gathered if e]
+    paths = [p for _, _, _, p, _ in gathered]
     if not errors and len(set(paths)) > 1:
         errors = [_different_paths(paths)]
+    summaries = [s for _, _, s, _, _ in gathered]
+    if not errors:
+        try:  # every rank alike: the same gathered values give the same entries
+            encoded, pieces, summaries = _with_rider(encoded, kept, rider, [r for *_, r in gathered], pieces,
+                                                     summaries)
+        except CheckpointError as exc:
+            errors = [str(exc)]
     if errors:
         if tmp_name:
             target.fs.remove_tree(target.parent.child(tmp_name).path)
         raise CheckpointError(errors[0] if len(set(errors)) == 1 else "; ".join(errors))
-    owner = _assign([s for _, _, s, _ in gathered])
-    missing = sorted(set(tensors) - {name for name, _ in owner})
+    owner = _assign(summaries)
+    missing = sorted(set(encoded.tensors) - {name for name, _ in owner})
     if missing:  # a tensor no rank holds any of: the ranks were not saving the same state
         raise CheckpointError(f"cannot save '{target}': no rank holds {fmt.describe(missing)}; every rank must "
                               "save the same state")
     first: dict[str, str] = {}
     for (name, _), (writer, _) in sorted(owner.items()):
         first.setdefault(name, shard_file(writer))  # the file with the piece at the lowest offsets
-    return _ShardJob(target=target, tmp=target.parent.child(gathered[0][1]), rank=rank, world=world, group=group,
-                     mine={n: p for n, p in pieces.items() if owner[(n, p.offsets)][0] == rank},
-                     weight_map=dict(sorted(first.items())), total=sum(n for _, n in owner.values()))
+    job = _ShardJob(target=target, tmp=target.parent.child(gathered[0][1]), rank=rank, world=world, group=group,
+                    mine={n: p for n, p in pieces.items() if owner[(n, p.offsets)][0] == rank},
+                    weight_map=dict(sorted(first.items())), total=sum(n for _, n in owner.values()))
+    return job, encoded
+
+
+def _gather(item: Any, target: Location, tmp_name: str, group: Any, hook: AbstractContextManager[Any] | None
+            ) -> list[Any]:
+    """The planning all-gather, inside ``hook``; when it fails (or the hook raises first: a rank that skipped a
+    checkpoint call), rank 0's temporary directory is removed now, not left until the process ends."""
+    try:
+        with nullcontext() if hook is None else hook:
+            return collectives.gather_object(item, group=group)
+    except BaseException:
+        if tmp_name:
+            target.fs.remove_tree(target.parent.child(tmp_name).path)
+        raise
+
+
+_Summary = list[tuple[str, tuple[int, ...], int]]  # one rank's pieces: (stored name, offsets, bytes)
+
+
+def _with_rider(encoded: _Encoded, kept: _Encoded | None, rider: Rider | None, riders: list[Any],
+                pieces: dict[str, _Piece], summaries: list[_Summary],
+                ) -> tuple[_Encoded, dict[str, _Piece], list[_Summary]]:
+    """The whole state's encoding, this rank's pieces and every rank's summary once the rider's values are in:
+    the state's own entries (``kept``) when the rider gives none, else its entries in their place, whose tensors
+    every rank holds (the same gathered values), planned as replicated pieces: each written once, by the rank
+    `_assign` picks, as they were when a gather of their own made them every rank's before planning."""
+    entries = None if rider is None else rider.entries(riders)
+    if entries is None:
+        whole = encoded.then(kept)
+        return whole, {n: pieces[n] for n in whole.tensors if n in pieces}, summaries
+    assert rider is not None
+    unknown = sorted(set(entries) - rider.replaces)
+    if unknown:
+        raise CheckpointError(f"a save's rider gave entries {unknown} outside the keys it replaces "
+                              f"{sorted(rider.replaces)}")
+    extra = _Encoded(*_encode_plain(dict(entries)))
+    dropped = set() if kept is None else set(kept.tensors)
+    held = _pieces(extra.tensors)
+    shared = [(n, p.offsets, p.tensor.numel() * p.tensor.element_size()) for n, p in held.items()]
+    summaries = [[e for e in s if e[0] not in dropped] + shared for s in summaries]
+    whole = encoded.then(extra)
+    mine = {**pieces, **held}  # in the whole state's order: the shard's sharding info lists them so
+    return whole, {n: mine[n] for n in whole.tensors if n in mine}, summaries
 
 
 def _different_paths(paths: list[str]) -> str:
