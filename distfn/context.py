@@ -14,16 +14,15 @@ import builtins
 import os
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import torch
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from . import accumulation, collectives, data, progress, wrapping
+from . import collectives, data, progress, wrapping
 from . import precision as amp
-from .accumulation import Accumulator
 from .checkpoint.background import Saves
 from .data import DistributedLoader
 from .devices import collective_device
@@ -33,6 +32,9 @@ from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 from .run import Run
 from .stragglers import TimingTable
+
+if TYPE_CHECKING:  # `distfn.accumulation` is imported at ctx.accumulate / ctx.no_sync, not at every job's start
+    from .accumulation import Accumulator
 
 
 @attrs.define(eq=False)
@@ -299,6 +301,8 @@ class Context:
         Args:
             model: the wrapped model.
         """
+        from . import accumulation  # at first use: a job that never accumulates never loads it (issue 46 item 2)
+
         return accumulation.no_sync(model)
 
     def accumulate(self, model: nn.Module, every: int) -> Accumulator:
@@ -312,6 +316,8 @@ class Context:
             model: the wrapped model.
             every: micro-batches per optimizer step (a positive int).
         """
+        from . import accumulation  # see `no_sync`
+
         return accumulation.Accumulator(model, every, self._loop_state(), loaders=self.run.loaders)
 
     def autocast(self, *, enabled: bool | None = None, dtype: torch.dtype | None = None) -> Any:

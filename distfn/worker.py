@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from . import devices, failures, fsdp, hangs, logs, mesh, preemption, rendezvous
+from . import devices, failures, hangs, logs, mesh, preemption, rendezvous
 from .context import Context
 from .options import restart_attempt
 from .process import WORKER_NAME as WORKER_NAME
@@ -71,8 +71,14 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
                 reuse: bool = False) -> tuple[str, bool]:
     """Start this rank's process group (``reuse``: keep the one an earlier call of a kept-alive job left up, whose
     options were the same: `distfn.launch.pool`); returns its backend and whether it was kept."""
-    # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept
-    backend = fsdp.required_backend(opts.fsdp, opts.backend or devices.default_backend(device))
+    # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept.
+    # `distfn.fsdp` only where there are fsdp options: its import (the sharded state dict's checkpoint code with it,
+    # ~10 ms of CPU after torch) is no DDP job's, in the launching process or in any rank.
+    backend = opts.backend or devices.default_backend(device)
+    if opts.fsdp is not None:
+        from . import fsdp
+
+        backend = fsdp.required_backend(opts.fsdp, backend)
     if reuse and dist.is_initialized():
         return backend, True
     if store is None and topology.launcher == "local" and opts.init_method is None:
