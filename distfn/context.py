@@ -115,8 +115,8 @@ class Context:
         """``(data-parallel ranks, this rank's index among them)``: what the sampler shards over."""
         if runs_one_process(self.mode):
             return 1, 0
-        if self.run.mesh is not None:
-            layout = self.run.mesh.layout
+        if self.run.mesh_if_made is not None:  # not made yet: the default mesh, every rank data-parallel
+            layout = self.run.mesh_if_made.layout
             return layout.dp_size, layout.dp_rank(self.rank)
         return self.world_size, self.rank
 
@@ -220,7 +220,8 @@ class Context:
         """
         loader = loader if loader is not None else self.run.loaders.current()
         with self.run.collective("gather_for_metrics"):
-            group = self.run.mesh.dp_group if self.run.mesh is not None else None
+            mesh = self.run.mesh_if_made  # not made yet: the default mesh, whose group is the world
+            group = mesh.dp_group if mesh is not None else None
             side = {"group": group} if group is not None else {}
             return data.gather_for_metrics(value, loader, device=self._group_device, **side)
 
@@ -465,7 +466,7 @@ class Context:
                 `"world"`: every rank.
         """
         device = self._group_device
-        mesh = self.run.mesh
+        mesh = self.run.mesh_if_made  # not made yet: the default mesh, whose group is the world
         group = mesh.dp_group if over == "dp" and mesh is not None else None
         if over not in ("dp", "world"):
             raise ConfigError(f"ctx.all_reduce(over={over!r}): use 'dp' (the data-parallel ranks) or 'world'")

@@ -299,25 +299,35 @@ def train(cfg, ctx):
     loss = model(torch.ones(1, 2)).sum()
     ctx.backward(loss)
     ctx.all_reduce(torch.ones(1))
-    return ctx.gather_object(sorted(m for m in LAZY if m in sys.modules))
+    rows = ctx.gather_for_metrics(torch.full((1,), float(ctx.rank)))
+    deferred = ctx.run.mesh_if_made is None  # the default mesh: not made by start-up, all_reduce or gather
+    named = (ctx.mesh.mesh_dim_names, ctx.mesh.size()) if ctx.rank == 1 else None  # one rank alone asks
+    ctx.all_reduce(torch.ones(1))  # and the ranks still meet afterwards
+    lazy = sorted(m for m in LAZY if m in sys.modules)
+    return ctx.gather_object((lazy, deferred, named, rows.tolist(), ctx.dp_size))
 
 if __name__ == "__main__":
-    print("RANKS", train(None))
+    ranks = train(None)
+    print("RANKS", [r[0] for r in ranks])
     print("LAUNCHER", sorted(m for m in LAZY if m in sys.modules))
+    print("MESH", [r[1:] for r in ranks])
 """
 
 
 def test_a_plain_ddp_job_never_imports_the_fsdp_accumulation_or_pool_code(tmp_path: Any) -> None:
     """Issue 46 item 2: a DDP job that wraps a model, steps and all-reduces loads none of `_NOT_IN_A_DDP_JOB`,
     in the launching process or in any rank (the rule beside issue 32's "a job that never saves does not load the
-    checkpoint writer")."""
+    checkpoint writer"); its default mesh is made at first use (`distfn.run.Run.defer_mesh`), not by start-up,
+    ``ctx.all_reduce`` or ``ctx.gather_for_metrics``, and one rank alone may ask for ``ctx.mesh``."""
     script = tmp_path / "ddp_job.py"
     script.write_text(_DDP_JOB.format(lazy=_NOT_IN_A_DDP_JOB))
     done = subprocess.run([sys.executable, str(script)], env=_clean(), capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("RANKS", "LAUNCHER")))
-    assert lines == {"RANKS": "[[], []]", "LAUNCHER": "[]"}, done.stdout
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines()
+                 if line.startswith(("RANKS", "LAUNCHER", "MESH")))
+    assert lines == {"RANKS": "[[], []]", "LAUNCHER": "[]",
+                     "MESH": "[(True, None, [0.0, 1.0], 2), (True, (('dp_shard',), 2), [0.0, 1.0], 2)]"}, done.stdout
 
 
 def test_the_lazy_modules_load_where_their_feature_is_used() -> None:
