@@ -14,16 +14,15 @@ import builtins
 import os
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import torch
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from . import accumulation, collectives, data, progress, wrapping
+from . import collectives, data, progress, wrapping
 from . import precision as amp
-from .accumulation import Accumulator
 from .checkpoint.background import Saves
 from .data import DistributedLoader
 from .devices import collective_device
@@ -33,6 +32,9 @@ from .options import Mode, Precision, runs_one_process
 from .progress import Progress
 from .run import Run
 from .stragglers import TimingTable
+
+if TYPE_CHECKING:  # `distfn.accumulation` is imported at ctx.accumulate / ctx.no_sync, not at every job's start
+    from .accumulation import Accumulator
 
 
 @attrs.define(eq=False)
@@ -113,8 +115,8 @@ class Context:
         """``(data-parallel ranks, this rank's index among them)``: what the sampler shards over."""
         if runs_one_process(self.mode):
             return 1, 0
-        if self.run.mesh is not None:
-            layout = self.run.mesh.layout
+        if self.run.mesh_if_made is not None:  # not made yet: the default mesh, every rank data-parallel
+            layout = self.run.mesh_if_made.layout
             return layout.dp_size, layout.dp_rank(self.rank)
         return self.world_size, self.rank
 
@@ -218,7 +220,8 @@ class Context:
         """
         loader = loader if loader is not None else self.run.loaders.current()
         with self.run.collective("gather_for_metrics"):
-            group = self.run.mesh.dp_group if self.run.mesh is not None else None
+            mesh = self.run.mesh_if_made  # not made yet: the default mesh, whose group is the world
+            group = mesh.dp_group if mesh is not None else None
             side = {"group": group} if group is not None else {}
             return data.gather_for_metrics(value, loader, device=self._group_device, **side)
 
@@ -299,6 +302,8 @@ class Context:
         Args:
             model: the wrapped model.
         """
+        from . import accumulation  # at first use: a job that never accumulates never loads it (issue 46 item 2)
+
         return accumulation.no_sync(model)
 
     def accumulate(self, model: nn.Module, every: int) -> Accumulator:
@@ -312,6 +317,8 @@ class Context:
             model: the wrapped model.
             every: micro-batches per optimizer step (a positive int).
         """
+        from . import accumulation  # see `no_sync`
+
         return accumulation.Accumulator(model, every, self._loop_state(), loaders=self.run.loaders)
 
     def autocast(self, *, enabled: bool | None = None, dtype: torch.dtype | None = None) -> Any:
@@ -459,7 +466,7 @@ class Context:
                 `"world"`: every rank.
         """
         device = self._group_device
-        mesh = self.run.mesh
+        mesh = self.run.mesh_if_made  # not made yet: the default mesh, whose group is the world
         group = mesh.dp_group if over == "dp" and mesh is not None else None
         if over not in ("dp", "world"):
             raise ConfigError(f"ctx.all_reduce(over={over!r}): use 'dp' (the data-parallel ranks) or 'world'")

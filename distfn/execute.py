@@ -25,7 +25,7 @@ from loguru import logger
 from . import devices, failures, preflight, rendezvous, topology, worker
 from .context import Context
 from .errors import ConfigError
-from .launch import forkserver, local, pernode, pool
+from .launch import forkserver, local, pernode
 from .options import Options
 from .plan import CallPlan
 
@@ -73,6 +73,8 @@ def _launch(sendable: Callable[..., R], cfg: Any, plan: CallPlan) -> R:
     preflight.check_main_guard(getattr(sendable, "__qualname__", "the function"))
     assert plan.nprocs is not None
     if plan.opts.keep_alive and plan.layout is None:
+        from .launch import pool  # deferred: the kept-alive ranks' launcher side, for keep_alive calls only
+
         return pool.run(sendable, cfg, plan.opts, plan.nprocs, start=lambda: _start_method(plan.opts))
     method, reason, server = _start_method(plan.opts)
     if plan.layout is not None:

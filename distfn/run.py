@@ -143,7 +143,9 @@ class Run:
             ``ctx.dataloader`` feed it, ``ctx.timings()`` reads it, `close` logs its summary on rank 0.
         ledger: the ledger of this process's main-thread collectives (`distfn.ledger`), which the hang report reads.
         mesh: the run's named device mesh (`distfn.mesh.Mesh`: ``mesh=``, else one ``dp_shard`` dimension over
-            every rank), made at start-up on every rank of a multi-rank run; ``None`` in one process.
+            every rank), made at start-up on every rank of a multi-rank run that shards or names its mesh, and at
+            first use where it is the default mesh of a run that does neither (a DDP job: `defer_mesh`);
+            ``None`` in one process.
         boundaries: this rank's generator snapshots at each ``ctx.step`` (`distfn.boundary`), which a save on rank 0
             alone writes for every rank; the answering thread runs from `connect` to `close`.
         rank_seed: this rank's own seed under ``@distributed(seed=..., rank_seeds=True)`` (``seed + rank``), else
@@ -166,12 +168,42 @@ class Run:
     tracking: Session | None = None
     timings: Timings = attrs.field(factory=Timings)
     ledger: Ledger = LEDGER
-    mesh: Mesh | None = None
+    _mesh: Mesh | None = attrs.field(default=None, alias="mesh")
     boundaries: Boundaries = attrs.field(factory=Boundaries)
     rank_seed: int | None = None
     _services: list[_Service] = attrs.field(factory=list, init=False)
     _blocks: dict[str, _Collective] = attrs.field(factory=dict, init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    _mesh_factory: Callable[[], Mesh] | None = attrs.field(default=None, init=False, repr=False)
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """See the class's attributes; a mesh deferred by `defer_mesh` is made here, at its first use."""
+        if self._mesh is None and self._mesh_factory is not None:
+            factory, self._mesh_factory = self._mesh_factory, None
+            self._mesh = factory()
+        return self._mesh
+
+    @mesh.setter
+    def mesh(self, value: Mesh | None) -> None:
+        self._mesh, self._mesh_factory = value, None
+
+    @property
+    def mesh_if_made(self) -> Mesh | None:
+        """The mesh without making a deferred one (`defer_mesh`), for what only its layout and data-parallel group
+        decide (``ctx.all_reduce``, ``ctx.gather_for_metrics``, the sampler's shard): a deferred mesh is the default
+        one, whose answers are those of no mesh (every rank data-parallel, the world's group)."""
+        return self._mesh
+
+    def defer_mesh(self, factory: Callable[[], Mesh]) -> None:
+        """Make the mesh at its first use (``ctx.mesh``, ``ctx.gather_for_metrics``), not at start-up.
+
+        Why: ``init_device_mesh`` costs ~5 ms of CPU in every rank (torch's layout algebra), on every launch's
+        critical path, and a DDP job rarely asks for its mesh (issue 46 item 2). Only for the default mesh, one
+        dimension over every rank, which torch builds on the default process group without a collective, so one
+        rank may make it while another never does; a named or sharded mesh (new process groups: every rank at the
+        same point) is still made at start-up."""
+        self._mesh, self._mesh_factory = None, factory
 
     # -- the lifecycle ------------------------------------------------------------------------------------------
     @classmethod

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from . import devices, failures, fsdp, hangs, logs, mesh, preemption, rendezvous
+from . import devices, failures, hangs, logs, mesh, preemption, rendezvous
 from .context import Context
 from .options import restart_attempt
 from .process import WORKER_NAME as WORKER_NAME
@@ -71,8 +71,14 @@ def _join_group(opts: Options, topology: Topology, device: torch.device, store: 
                 reuse: bool = False) -> tuple[str, bool]:
     """Start this rank's process group (``reuse``: keep the one an earlier call of a kept-alive job left up, whose
     options were the same: `distfn.launch.pool`); returns its backend and whether it was kept."""
-    # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept
-    backend = fsdp.required_backend(opts.fsdp, opts.backend or devices.default_backend(device))
+    # fsdp={"cpu_offload": True} on GPUs needs gloo beside NCCL; without fsdp options (every other mode) it is kept.
+    # `distfn.fsdp` only where there are fsdp options: its import (the sharded state dict's checkpoint code with it,
+    # ~10 ms of CPU after torch) is no DDP job's, in the launching process or in any rank.
+    backend = opts.backend or devices.default_backend(device)
+    if opts.fsdp is not None:
+        from . import fsdp
+
+        backend = fsdp.required_backend(opts.fsdp, backend)
     if reuse and dist.is_initialized():
         return backend, True
     if store is None and topology.launcher == "local" and opts.init_method is None:
@@ -101,25 +107,39 @@ def leave_group(*, failed: bool) -> None:
     rendezvous.leave_process_group(failed=failed)
 
 
-def _mesh(opts: Options, topology: Topology, device: torch.device, life: Run, kept: bool) -> mesh.Mesh:
-    """The run's named mesh (``mesh=``, else one ``dp_shard`` dimension over every rank), built by every rank at
-    the same point of start-up: a multi-dimensional mesh makes process groups. Sizes that do not fit the world are
-    the same `ConfigError` on every rank, before any group is made (the plan checked them already where it knew the
-    world size). ``kept``: the process group is an earlier call's, whose mesh of the same layout is reused."""
+def _mesh(opts: Options, topology: Topology, device: torch.device, backend: str, life: Run, kept: bool) -> None:
+    """The run's named mesh (``mesh=``, else one ``dp_shard`` dimension over every rank) as ``life.mesh``, built
+    by every rank at the same point of start-up: a multi-dimensional mesh makes process groups. Sizes that do not
+    fit the world are the same `ConfigError` on every rank, before any group is made (the plan checked them
+    already where it knew the world size). ``kept``: the process group is an earlier call's, whose mesh of the same
+    layout is reused.
+
+    The default mesh of a run that does not shard (DDP, no ``mesh=``) is made at its first use instead
+    (`distfn.run.Run.defer_mesh`: ~5 ms of CPU per rank saved on every launch, issue 46 item 2): torch builds it on
+    the default group, no collective, so one rank may ask for ``ctx.mesh`` alone. Not with a gloo group where CUDA
+    is available: torch then makes a new group for it ("mesh_default"), which every rank must join together."""
     spec = opts.mesh if opts.mesh is not None else mesh.MeshSpec(sizes=(("dp_shard", -1),))
     layout = spec.resolve(topology.world_size, num_nodes=topology.num_nodes,
                           local_world_size=topology.local_world_size)
     if not kept:
         _built_meshes.clear()  # a new process group: the meshes of the old one are gone with it
-    built = _built_meshes.get((layout, device.type))
-    if built is None:
-        built = _built_meshes[(layout, device.type)] = mesh.build(layout, device.type)
+
+    def built() -> mesh.Mesh:
+        made = _built_meshes.get((layout, device.type))
+        if made is None:
+            made = _built_meshes[(layout, device.type)] = mesh.build(layout, device.type)
+        return made
+
+    if (opts.mesh is None and not opts.shards_state and layout.names == ("dp_shard",)
+            and not ("gloo" in backend and torch.cuda.is_available())):
+        life.defer_mesh(built)
+    else:
+        life.mesh = built()
     if layout.tp_size > 1:  # a tp group waits for its slowest member inside forward: not a straggler of itself
         life.timings.groups = tuple(tuple(g) for g in layout.groups(("tp",)))
     if opts.mesh is not None and topology.rank == 0:
         logger.info("mesh: {} ({} data-parallel rank(s), tensor parallel {})", layout.describe(), layout.dp_size,
                     layout.tp_size)
-    return built
 
 
 def _requeue_if_stopped(opts: Options, topology: Topology, ctx: Context) -> None:
@@ -181,7 +201,7 @@ def run(fn: Callable[[Any, Context], Any], cfg: Any, opts: Options, topology: To
         if opts.multi_rank:
             backend, kept = _join_group(opts, topology, device, store, reuse=keep_group)
             life.connect(cfg, backend=backend, report=report, bootstrap=(run,))
-            life.mesh = _mesh(opts, topology, device, life, kept)
+            _mesh(opts, topology, device, backend, life, kept)
         _log_start(log, topology, device, backend, threads, kept)
         ctx = _context(topology, device=device, backend=backend, opts=opts, log=log, run=life)
         result = fn(cfg, ctx)

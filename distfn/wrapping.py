@@ -14,14 +14,13 @@ import torch
 from loguru import logger
 from torch import nn
 
-from . import fsdp
 from .errors import ConfigError
 from .ledger import LEDGER
 from .options import MULTI_RANK_MODES, Mode, shards_state
-from .tensor_parallel import Parallelize
 
 if TYPE_CHECKING:
     from .run import Run
+    from .tensor_parallel import Parallelize
 
 
 def wrap(
@@ -74,6 +73,8 @@ def wrap(
         raise ConfigError(f"ctx.wrap(model, init=...) is for meta-device models in mode='fsdp', not mode={mode!r}")
     model = model.to(device)
     if compile:
+        from . import fsdp  # see `_sharded`
+
         fsdp.compile_forward(model)
     if mode == "ddp":
         if sync_batchnorm:
@@ -101,7 +102,11 @@ def _sharded(model: nn.Module, device: torch.device, *, init: Callable[[nn.Modul
              parallelize: Parallelize | None, compile: bool, **overrides: Any) -> nn.Module:
     """fsdp mode: ``model`` split by ``parallelize`` over the run's ``tp`` dimension, then sharded over its
     data-parallel ones. No ``model.to(device)`` first: fully_shard moves each unit to the device and shards it,
-    one unit at a time, so a rank never holds the whole model on its GPU (and cpu_offload keeps the GPU free)."""
+    one unit at a time, so a rank never holds the whole model on its GPU (and cpu_offload keeps the GPU free).
+    `distfn.fsdp` is imported here, not with this module: a DDP job never loads it (nor the sharded checkpoint code
+    it brings, ~10 ms of CPU per process after torch, on the launch's critical path: issue 46 item 2)."""
+    from . import fsdp
+
     defaults = run.fsdp if run is not None else fsdp.FsdpOptions()
     options = fsdp.parse_options(defaults, **overrides) or defaults
     mesh = run.mesh if run is not None and run.mesh is not None and run.mesh.layout.names != ("dp_shard",) \

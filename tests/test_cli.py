@@ -278,6 +278,75 @@ def test_a_job_that_never_saves_does_not_import_the_checkpoint_code() -> None:
     assert done.stdout.split("\n")[:2] == ["[]", "True True True"], done.stdout
 
 
+
+#: What a plain DDP job never loads (issue 46 item 2: each was imported at every call, on the launch's critical
+#: path): the FSDP code (and through `distfn.fsdp_state` the sharded checkpoint code), tensor parallelism,
+#: gradient accumulation (loaded at ``ctx.accumulate`` / ``ctx.no_sync``) and the kept-alive ranks' launcher side
+#: (``keep_alive=True`` only).
+_NOT_IN_A_DDP_JOB = ("distfn.fsdp", "distfn.fsdp_state", "distfn.tensor_parallel", "distfn.accumulation",
+                     "distfn.launch.pool")
+
+_DDP_JOB = """
+import sys
+import torch
+from distfn import distributed
+
+LAZY = {lazy!r}
+
+@distributed(mode="ddp", nprocs=2, backend="gloo")
+def train(cfg, ctx):
+    model = ctx.wrap(torch.nn.Linear(2, 2))
+    loss = model(torch.ones(1, 2)).sum()
+    ctx.backward(loss)
+    ctx.all_reduce(torch.ones(1))
+    rows = ctx.gather_for_metrics(torch.full((1,), float(ctx.rank)))
+    deferred = ctx.run.mesh_if_made is None  # the default mesh: not made by start-up, all_reduce or gather
+    named = (ctx.mesh.mesh_dim_names, ctx.mesh.size()) if ctx.rank == 1 else None  # one rank alone asks
+    ctx.all_reduce(torch.ones(1))  # and the ranks still meet afterwards
+    lazy = sorted(m for m in LAZY if m in sys.modules)
+    return ctx.gather_object((lazy, deferred, named, rows.tolist(), ctx.dp_size))
+
+if __name__ == "__main__":
+    ranks = train(None)
+    print("RANKS", [r[0] for r in ranks])
+    print("LAUNCHER", sorted(m for m in LAZY if m in sys.modules))
+    print("MESH", [r[1:] for r in ranks])
+"""
+
+
+def test_a_plain_ddp_job_never_imports_the_fsdp_accumulation_or_pool_code(tmp_path: Any) -> None:
+    """Issue 46 item 2: a DDP job that wraps a model, steps and all-reduces loads none of `_NOT_IN_A_DDP_JOB`,
+    in the launching process or in any rank (the rule beside issue 32's "a job that never saves does not load the
+    checkpoint writer"); its default mesh is made at first use (`distfn.run.Run.defer_mesh`), not by start-up,
+    ``ctx.all_reduce`` or ``ctx.gather_for_metrics``, and one rank alone may ask for ``ctx.mesh``."""
+    script = tmp_path / "ddp_job.py"
+    script.write_text(_DDP_JOB.format(lazy=_NOT_IN_A_DDP_JOB))
+    done = subprocess.run([sys.executable, str(script)], env=_clean(), capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines()
+                 if line.startswith(("RANKS", "LAUNCHER", "MESH")))
+    assert lines == {"RANKS": "[[], []]", "LAUNCHER": "[]",
+                     "MESH": "[(True, None, [0.0, 1.0], 2), (True, (('dp_shard',), 2), [0.0, 1.0], 2)]"}, done.stdout
+
+
+def test_the_lazy_modules_load_where_their_feature_is_used() -> None:
+    """The other side of `_NOT_IN_A_DDP_JOB`: ``ctx.accumulate`` / ``ctx.no_sync`` import `distfn.accumulation`
+    and work; an FSDP run's backend rule and ``ctx.wrap`` in ``mode="fsdp"`` import `distfn.fsdp`; a
+    ``keep_alive`` call imports the pool (tests/test_pool.py runs those calls)."""
+    code = ("import sys, torch, distfn.execute, distfn.wrapping as w\n"
+            "from distfn import context, worker\n"
+            "from distfn.fsdp_options import FsdpOptions\n"
+            "print(sorted(m for m in " + repr(_NOT_IN_A_DDP_JOB) + " if m in sys.modules))\n"
+            "m = torch.nn.Linear(2, 2)\n"
+            "with context.Context.no_sync(None, m): pass\n"
+            "print('distfn.accumulation' in sys.modules)\n"
+            "w.wrap(m, mode='single', device=torch.device('cpu'), is_main=True, compile=False)\n"
+            "print('distfn.fsdp' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=_clean(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["[]", "True", "False"], done.stdout
+
 # -- distfn --version, inspect, ls; bad arguments (issue 44 item 5, issue 41 item 19) ----------------------------
 def test_version_flag_in_process_and_through_the_real_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
     from distfn import __version__
