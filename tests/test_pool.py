@@ -104,6 +104,26 @@ def test_a_kept_rank_puts_back_the_torch_settings_a_call_changed() -> None:
         before.restore()
 
 
+def test_putting_back_one_setting_touches_no_other() -> None:
+    """A kept rank's every later call finds the thread count changed (the bootstrap sets it per rank): putting it
+    back must not call torch.use_deterministic_algorithms, whose first call imports torch._dynamo and inductor (2 s
+    on a later call, then a heavier heap: the cost of a fresh launch, found by bench_launch)."""
+    code = (
+        "import sys, torch\n"
+        "from distfn.launch import protocol\n"
+        "before = protocol.TorchState.now()\n"
+        "torch.set_num_threads(before.threads + 1)\n"
+        "torch.set_default_dtype(torch.float64)\n"
+        "before.restore()\n"
+        "assert protocol.TorchState.now() == before, protocol.TorchState.now()\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'clean')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=clean_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "clean"
+
+
 def _run_job(tmp: Path, timeout: float, script: str = "pool_job.py") -> tuple[dict[str, Any],
                                                                              subprocess.CompletedProcess[str], int]:
     env = clean_env(TMPDIR=str(tmp), OMP_NUM_THREADS="1",

@@ -229,17 +229,30 @@ class TorchState:
                    (cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32), torch.backends.cuda.matmul.allow_tf32)
 
     def restore(self) -> None:
-        if TorchState.now() == self:
+        """Put back each setting that differs, and only those: every later call finds the thread count changed (the
+        bootstrap sets it per rank), and ``torch.use_deterministic_algorithms`` imports torch._dynamo and inductor
+        at its first call (2 s, and a heap that makes every later ``gc.collect`` 2x slower), so setting every field
+        at each call made a kept-alive rank's second call cost a fresh launch's import."""
+        now = TorchState.now()
+        if now == self:
             return
-        torch.set_grad_enabled(self.grad)
-        torch.set_default_dtype(self.dtype)
-        torch.set_num_threads(self.threads)
-        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
-        torch.set_float32_matmul_precision(self.matmul_precision)
-        torch.set_anomaly_enabled(self.anomaly)
-        cudnn = torch.backends.cudnn
-        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = self.cudnn
-        torch.backends.cuda.matmul.allow_tf32 = self.cuda_tf32
+        if now.grad != self.grad:
+            torch.set_grad_enabled(self.grad)
+        if now.dtype != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        if now.threads != self.threads:
+            torch.set_num_threads(self.threads)
+        if (now.deterministic, now.deterministic_warn_only) != (self.deterministic, self.deterministic_warn_only):
+            torch.use_deterministic_algorithms(self.deterministic, warn_only=self.deterministic_warn_only)
+        if now.matmul_precision != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        if now.anomaly != self.anomaly:
+            torch.set_anomaly_enabled(self.anomaly)
+        if now.cudnn != self.cudnn:
+            cudnn = torch.backends.cudnn
+            cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = self.cudnn
+        if now.cuda_tf32 != self.cuda_tf32:
+            torch.backends.cuda.matmul.allow_tf32 = self.cuda_tf32
 
 
 _baseline: list[TorchState] = []  # a kept-alive rank's torch state before its first call
