@@ -167,7 +167,7 @@ def test_a_script_reuses_the_ranks_and_every_call_that_does_not_succeed_ends_the
     assert got["fail"]["seen"].startswith("WorkerError: rank 1") and "boom from rank 1" in got["fail"]["seen"]
     assert "timed out after 6 s" in got["hang"]["seen"] and "Rank 1 had not reached a collective" in \
         got["hang"]["seen"]  # the hang report as without a pool
-    assert got["interrupt"]["seen"] == "KeyboardInterrupt"
+    assert got["interrupt"]["seen"] == "KeyboardInterrupt", got["interrupt"]
     assert got["exit"]["seen"] == "returned"  # sys.exit(0) on every rank: no error, but the ranks are ended
     unloadable = got["unloadable"]["seen"]  # reported as the call's failure by the ranks, not a rank dying
     assert unloadable.startswith("WorkerError: rank ") and unloadable.count("failed with ModuleNotFoundError: No "

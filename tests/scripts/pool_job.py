@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -39,6 +41,8 @@ def job(cfg: dict[str, Any], ctx: Any) -> Any:
             time.sleep(60)  # never reaches the barrier: rank 0's times out, the hang report names rank 1
         ctx.barrier()
     if do == "sleep":
+        with open(os.path.join(cfg["ready"], f"asleep{ctx.rank}"), "w"):
+            pass
         time.sleep(60)
     if do == "exit":
         sys.exit(0)
@@ -94,6 +98,14 @@ def ended_by(do: str, **extra: Any) -> dict[str, Any]:
             "next_ok": after["same"], "next_fresh": after["pid"] not in before and after["calls"] == 1}
 
 
+def interrupt_when_asleep(ready: str) -> None:
+    """SIGINT to this process (Ctrl-C) once both ranks wrote that they sleep in the call (at most 60 s from now)."""
+    deadline = time.monotonic() + 60
+    while len(os.listdir(ready)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def main() -> None:
     out: dict[str, Any] = {}
     first = job({"do": "train"})
@@ -112,9 +124,15 @@ def main() -> None:
     out["env_unset"] = job({"do": "env"})
     out["fail"] = ended_by("fail")
     out["hang"] = ended_by("hang")
-    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    out["interrupt"] = ended_by("sleep")
+    # Ctrl-C once both ranks are inside the call (a timer from before the call raced a launch slowed by load: CI
+    # once saw the call run its whole 60 s sleep and return); the seconds it took and the kept ranks' reuse say more
+    ready = tempfile.mkdtemp()
+    threading.Thread(target=interrupt_when_asleep, args=(ready,), daemon=True).start()
+    started, reused = time.monotonic(), pids()
+    out["interrupt"] = ended_by("sleep", ready=ready)
+    out["interrupt"]["took_s"] = round(time.monotonic() - started, 1)
+    out["interrupt"]["on_kept_ranks"] = bool(reused)
+    shutil.rmtree(ready)
     out["exit"] = ended_by("exit")
     # a cfg the ranks cannot load (its class's module exists only in this process, made after they started)
     made_here = types.ModuleType("made_here")
