@@ -107,6 +107,9 @@ def interrupt_when_asleep(ready: str) -> None:
 
 
 def main() -> None:
+    # Ctrl-C as in a terminal: a process started from a background job of a non-interactive shell inherits SIGINT
+    # ignored, and Python then leaves it ignored (how two clean-clone CI trials saw the interrupted call return)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     out: dict[str, Any] = {}
     first = job({"do": "train"})
     ranks = pids()
